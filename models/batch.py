@@ -1,0 +1,90 @@
+"""The per-step input every model forward takes: one flattened, ragged batch.
+
+`ForwardBatch` is built by the runtime's model runner and read by attention backends and
+models. It carries no request objects: only tensors and a few host-side integers, so the
+model layer knows nothing about scheduling (ARCHITECTURE.md, "The model forward contract").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Paged KV storage: per layer a K and a V tensor `[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    `slot = block_id * block_size + offset`. Allocated once by the runner; addresses never move
+    (CUDA graphs capture them).
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    block_size: int
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(k=k, v=v, block_size=block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+@dataclass
+class ForwardBatch:
+    """Metadata of one flattened batch of `num_tokens` tokens from `num_seqs` sequences.
+
+    Sequence i owns tokens `query_start_loc[i]:query_start_loc[i+1]` of `input_ids`; they sit
+    at positions `seq_lens[i] - query_lens[i] .. seq_lens[i] - 1` of that sequence, and each
+    attends causally to the sequence's whole paged KV up to and including itself.
+    Device tensors are on the model's device; `*_cpu` lists are host copies of the same values
+    (the torch backend and the runner use them to avoid device syncs).
+    """
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: KV length after this step's tokens are written
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64: KV slot each new token writes
+    logits_indices: torch.Tensor  # [num_logits] int64: rows of the hidden states to return
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    kv_cache: KVCache
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    # Backend-specific, prepared once per step by `AttentionBackend.prepare` (e.g. split-K plan).
+    attn_metadata: object | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_cpu))
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len <= 1

@@ -1,0 +1,61 @@
+"""Frozen, composed configuration: EngineConfig holds model, cache and scheduler configs.
+
+Values discovered at start-up (the number of KV blocks) live in `CacheLayout`, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # GPU: fraction of device memory the engine may use (weights + activations + KV).
+    gpu_memory_utilization: float = 0.9
+    # CPU: KV budget in bytes (ignored on CUDA). 0 means: derive from max_num_seqs x max_model_len.
+    cpu_kv_bytes: int = 0
+    # Explicit number of blocks (tests, benchmarks); overrides both budgets when set.
+    num_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget per step: decodes + prefill chunks
+    max_model_len: int = 4096
+    policy: str = "fcfs"  # "fcfs" or "priority"
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load: an HF directory, a .gguf file, or a known name; and how."""
+
+    model: str | None = None  # None: the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0  # for dummy weights
+    attention_backend: str = "auto"  # auto | torch | cupy
+    expert_backend: str = "auto"  # auto | torch | gpu | cpu_pool
+    cpu_experts: str | None = None  # "all" or a number per layer
+    gpu_experts: int | None = None
+    cpu_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Discovered at start-up from memory: how many KV blocks the pool has."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int

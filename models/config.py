@@ -1,0 +1,154 @@
+"""Model hyper-parameters, read from an HF `config.json` or from GGUF metadata.
+
+`ModelConfig` is architecture-neutral: one frozen dataclass holds what every supported
+family needs (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Loaders fill it; models read it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+
+
+class UnsupportedModelError(ValueError):
+    """An architecture, tensor or quantization type Tandem cannot load; the message names it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF's dict, e.g. {"rope_type": "llama3", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    hidden_act: str = "silu"
+    # Mixture of experts (num_experts == 0: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None  # as the checkpoint declares it
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        if not self.is_moe or layer_idx in self.mlp_only_layers:
+            return False
+        step = max(self.decoder_sparse_step, 1)
+        return (layer_idx + 1) % step == 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden = d["hidden_size"]
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
+        if arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            num_experts = 0
+        rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        rope_params = d.get("rope_parameters")  # transformers >= 5 moves rope settings here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d.get("intermediate_size", 0) or 0,
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch.startswith("Qwen2"))),
+            qk_norm=arch.startswith("Qwen3"),
+            hidden_act=d.get("hidden_act", "silu"),
+            num_experts=num_experts,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0) if num_experts else 0,
+            moe_intermediate_size=(
+                d.get("moe_intermediate_size") or d.get("intermediate_size", 0)
+                if num_experts
+                else 0
+            ),
+            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(
+                d.get("norm_topk_prob", arch != "Qwen2MoeForCausalLM")
+            ),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(d.get("mlp_only_layers", ()) or ()),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    table = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+    }
+    if model_type not in table:
+        raise UnsupportedModelError(f"unsupported model_type {model_type!r}")
+    return table[model_type]

@@ -117,3 +117,18 @@ class SamplingParams:
     def num_logprobs(self) -> int:
         """Top-logprob entries to return per token (0 with logprobs off)."""
         return self.top_logprobs if self.logprobs else 0
+
+
+def expand_n(params: SamplingParams) -> list[SamplingParams]:
+    """Split a request with n > 1 into n single-choice parameter sets.
+
+    With a seed, choice i uses seed + i so the choices differ but the whole set reproduces.
+    """
+    from dataclasses import replace
+
+    if params.n == 1:
+        return [params]
+    return [
+        replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]

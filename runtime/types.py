@@ -98,3 +98,20 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of engine counters, read by the loop for /metrics and admission."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks held by live requests, 0..1
+    prefix_cache_hits: int = 0  # tokens served from the prefix cache
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps: int = 0

@@ -1,0 +1,266 @@
+"""Continuous-batching scheduler: one token budget per step, chunked prefill, preemption.
+
+Owns the waiting and running queues and each request's progress and KV blocks (through its
+`BlockPool`). It decides what runs each step and applies sampled tokens and stop conditions
+by token id; it knows nothing of tensors, text, stop strings or the runner (the engine ends a
+request on a stop string through `finish_request`).
+
+Step contract (vLLM v1 style): `schedule()` gives running requests their next tokens first
+(1 for a decode, the next chunk for an unfinished prefill), preempting the newest running
+request when KV blocks run out, then admits waiting requests by policy while the budget,
+`max_num_seqs` and blocks last. `update()` applies that step's results. A request finished or
+aborted between the two has its results ignored.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+
+from runtime.config import CacheConfig, SchedulerConfig
+from runtime.kv_cache import BlockPool
+from runtime.request import Request, RequestStatus
+from runtime.types import ScheduledSeq, SchedulerOutput
+
+
+class RequestTooLongError(ValueError):
+    """The request can never be served within max_model_len or the KV pool."""
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        if scheduler_config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {scheduler_config.policy!r}")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_pool = BlockPool(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self._requests: dict[str, Request] = {}  # unfinished: waiting or running
+        self._waiting: list[tuple[tuple, str]] = []  # heap of (order key, request_id)
+        self._keys: dict[str, tuple] = {}  # request_id -> its order key
+        self.running: list[Request] = []  # in scheduling order; the last is preempted first
+        self._arrivals = itertools.count()  # add order, FCFS tiebreak
+        self._fronts = itertools.count(1)  # FCFS: each re-queued preemptee goes before all
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------- queries
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.block_pool.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.block_pool.prefix_cache_hits
+
+    # ------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raise RequestTooLongError if it could never be served."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        num_prompt = request.num_prompt_tokens
+        max_len = self.config.max_model_len
+        max_tokens = request.params.max_tokens
+        if num_prompt == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if num_prompt >= max_len:
+            raise RequestTooLongError(
+                f"prompt has {num_prompt} tokens, but max_model_len is {max_len} "
+                f"(the prompt must leave room for at least one output token)"
+            )
+        if num_prompt + (max_tokens or 0) > max_len:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt + max_tokens} exceeds max_model_len ({max_len})"
+            )
+        # The last sampled token is never fed back, so its KV slot is never needed.
+        max_total = num_prompt + max_tokens if max_tokens is not None else max_len
+        blocks = self.block_pool.blocks_needed(max_total - 1)
+        if blocks > self.block_pool.num_usable_blocks:
+            raise RequestTooLongError(
+                f"request needs up to {max_total} tokens ({blocks} KV blocks of "
+                f"{self.block_pool.block_size}), but the KV cache has only "
+                f"{self.block_pool.num_usable_blocks} blocks"
+            )
+        request.status = RequestStatus.WAITING
+        if self.config.policy == "priority":
+            key: tuple = (request.priority, request.arrival_time, next(self._arrivals))
+        else:
+            key = (0, next(self._arrivals))
+        self._keys[request.request_id] = key
+        self._requests[request.request_id] = request
+        heapq.heappush(self._waiting, (key, request.request_id))
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a waiting or running request with a finished `status`; free its blocks once."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._waiting = [e for e in self._waiting if e[1] != request_id]
+            heapq.heapify(self._waiting)
+        del self._keys[request_id]
+        request.status = status
+        self.block_pool.free(request)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ------------------------------------------------------------- schedule
+    def _chunk(self, request: Request, budget: int) -> int:
+        num = min(request.num_tokens - request.num_computed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0 and num > 1:
+            num = min(num, threshold)
+        return num
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_pool.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        key = self._keys[request.request_id]
+        if self.config.policy == "fcfs":  # back to the front of the queue
+            key = (-next(self._fronts), key[1])
+            self._keys[request.request_id] = key
+        heapq.heappush(self._waiting, (key, request.request_id))
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        if self.config.policy == "priority":  # keep the lowest-priority request last
+            keys = [self._keys[r.request_id] for r in self.running]
+            self.running.insert(bisect.bisect(keys, self._keys[request.request_id]), request)
+        else:
+            self.running.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        pool = self.block_pool
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request, budget)
+            if num_new <= 0:  # nothing left to compute until its last token is sampled
+                i += 1
+                continue
+            while not pool.allocate_for(request, num_new):
+                victim = self.running[-1]  # never one scheduled this step: those precede i
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                seqs.append(self._scheduled(request, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admitting while preempting would only thrash: wait until blocks come back.
+        while self._waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self._requests[self._waiting[0][1]]
+            computed = pool.get_computed_blocks(request.token_ids, request.num_tokens - 1)
+            request.num_computed_tokens = len(computed) * pool.block_size
+            num_new = self._chunk(request, budget)
+            if not pool.allocate_for(request, num_new, computed):
+                request.num_computed_tokens = 0
+                break  # no skipping ahead: the head of the queue would starve
+            heapq.heappop(self._waiting)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            self._start_running(request)
+            seqs.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            seqs=tuple(seqs),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=tuple(preempted),
+        )
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        return ScheduledSeq(
+            request=request,
+            start_pos=start,
+            num_tokens=num_new,
+            sample=start + num_new == request.num_tokens,
+        )
+
+    # ------------------------------------------------------------- update
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """Apply one step's results; return the requests that finished in it.
+
+        `sampled_token_ids` align with the seqs of `output` that have sample=True, in order.
+        Seqs whose request finished, was aborted or was preempted since are skipped.
+        """
+        num_samples = sum(1 for s in output.seqs if s.sample)
+        if num_samples != len(sampled_token_ids):
+            raise ValueError(f"{len(sampled_token_ids)} sampled ids for {num_samples} sampling seqs")
+        finished: list[Request] = []
+        samples = iter(sampled_token_ids)
+        for seq in output.seqs:
+            token_id = next(samples) if seq.sample else None
+            request = seq.request
+            if (
+                self._requests.get(request.request_id) is not request
+                or request.status != RequestStatus.RUNNING
+                or request.num_computed_tokens != seq.start_pos
+            ):
+                continue
+            request.num_computed_tokens = seq.start_pos + seq.num_tokens
+            if token_id is not None:
+                request.append_token(token_id)
+            self.block_pool.cache_full_blocks(request)
+            if token_id is None:
+                continue
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

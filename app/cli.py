@@ -1,0 +1,165 @@
+"""The `tandem` command: `generate`, `chat` and `serve`.
+
+argv is parsed here and only here. Completions go to stdout; logs and progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="an HF model directory, a .gguf file, or 'smollm2-135m-instruct' (default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--cpu-experts", default=None, help="'all' or N: experts per layer on the CPU pool")
+    p.add_argument("--gpu-experts", type=int, default=None, help="experts per layer kept on the GPU")
+    p.add_argument("--cpu-threads", type=int, default=None, help="threads of the CPU expert pool")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts and print one completion per prompt")
+    _add_model_arguments(gen)
+    _add_sampling_arguments(gen, temperature=0.0, max_tokens=128)
+    gen.add_argument("--chat", action="store_true", help="treat each prompt as a user message")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
+    _add_model_arguments(chat)
+    _add_sampling_arguments(chat, temperature=0.7, max_tokens=512)
+    chat.add_argument("--system", default=None, help="system message")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-style HTTP/SSE/WebSocket API")
+    from app.serve import add_serve_arguments
+
+    add_serve_arguments(serve)
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _make_llm(args: argparse.Namespace):
+    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from runtime.llm import LLM
+
+    cfg = EngineConfig(
+        model=ModelSpec(
+            model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+            cpu_experts=args.cpu_experts, gpu_experts=args.gpu_experts, cpu_threads=args.cpu_threads,
+            expert_backend="cpu_pool" if args.cpu_experts else "auto",
+        ),
+        cache=CacheConfig(),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
+    )
+    return LLM(engine_config=cfg)
+
+
+def _sampling(args: argparse.Namespace):
+    from runtime.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _make_llm(args)
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        convs = [system + [{"role": "user", "content": p}] for p in args.prompts]
+        outs = llm.chat(convs, params)
+    else:
+        outs = llm.generate(args.prompts, params)
+    for o in outs:
+        sys.stdout.write(o.text + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _make_llm(args)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Tandem chat. /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+
+    def stream(delta) -> None:
+        sys.stdout.write(delta.new_text)
+        sys.stdout.flush()
+
+    while True:
+        try:
+            if interactive:
+                sys.stderr.write("\n> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            return 0
+        if not line:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": text})
+        try:
+            out = llm.chat(history, params, on_delta=stream)[0]
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            history.pop()
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": out.text})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "verbose", False))
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "chat":
+            return cmd_chat(args)
+        from app.serve import run_server
+
+        return run_server(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

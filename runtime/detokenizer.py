@@ -1,0 +1,103 @@
+"""Incremental detokenization with stop strings.
+
+Turns one request's growing list of output token ids into text deltas. Correct for characters
+split across tokens (a trailing U+FFFD from an incomplete UTF-8 sequence is held back until the
+next token completes it) and for stop strings that span tokens (text that could still be the
+start of a stop string is held back; a matched stop string is not emitted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+# Context tokens decoded before the new ones, so that tokenizers which merge or strip
+# spaces by context (byte-level BPE, SentencePiece) give the same text as a full decode.
+_CONTEXT_TOKENS = 5
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""  # all output text decoded so far (stop string excluded once matched)
+        self._emitted = 0  # characters of self.text already returned
+        self.stop_matched: str | None = None
+
+    def add_tokens(self, new_ids: Sequence[int]) -> str:
+        """Feed new output tokens; return newly decodable text (may be empty)."""
+        if self.stop_matched is not None:
+            return ""
+        for tid in new_ids:
+            self._ids.append(tid)
+            self._decode_step()
+            if self._check_stop():
+                break
+        return self._take(final=self.stop_matched is not None)
+
+    def flush(self) -> str:
+        """The request finished: return whatever is still held back."""
+        if self.stop_matched is None and self._read_offset < len(self._ids):
+            # An incomplete character at the very end: emit what the tokenizer makes of it.
+            prefix = self._tok.decode(
+                self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
+            )
+            full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset = len(self._ids)
+        return self._take(final=True)
+
+    def _decode_step(self) -> None:
+        prefix = self._tok.decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
+        )
+        full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+
+    def _check_stop(self) -> bool:
+        if not self._stop:
+            return False
+        # Only the tail can contain a newly completed stop string.
+        window_start = max(0, self._emitted - self._hold)
+        best: tuple[int, str] | None = None
+        for s in self._stop:
+            pos = self.text.find(s, window_start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return False
+        self.text = self.text[: best[0]]
+        self.stop_matched = best[1]
+        return True
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string."""
+        for n in range(min(self._hold, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text) if final else max(self._emitted, len(self.text) - self._held_back())
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out

@@ -1,0 +1,296 @@
+"""The engine: one `step()` = schedule → execute → update, plus request bookkeeping.
+
+Synchronous and single-threaded by contract: the async `EngineLoop` calls `step()` from one
+worker thread and applies `add_request` / `abort_request` only between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from models.batch import KVCache
+from runtime.config import CacheLayout, EngineConfig
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.model_runner import ModelRunner
+from runtime.request import Request, RequestStatus
+from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.scheduler import Scheduler
+from runtime.types import EngineStats, RequestDelta, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detok: IncrementalDetokenizer | None
+    sent_tokens: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, model=None, model_config=None, tokenizer=None) -> None:
+        from models.loader import load_model
+
+        self.config = config
+        spec = config.model
+        self.device = resolve_device(spec.device)
+        self.dtype = resolve_dtype(spec.dtype, self.device)
+        t0 = time.perf_counter()
+        model_path: Path | None = None
+        if model is None:
+            from models.hub import resolve_model
+
+            if spec.load_format == "dummy" and model_config is not None:
+                model_path = None
+            else:
+                model_path = resolve_model(spec.model)
+            attn = spec.attention_backend if spec.attention_backend != "auto" else "torch"
+            experts = spec.expert_backend if spec.expert_backend != "auto" else "torch"
+            model, model_config = load_model(
+                model_path,
+                dtype=self.dtype,
+                device=self.device,
+                load_format=spec.load_format,
+                attn_backend=attn,
+                expert_backend=experts,
+                seed=spec.seed,
+                config=model_config,
+            )
+        assert model_config is not None
+        self.model = model
+        self.model_config = model_config
+        if tokenizer is None and model_path is not None:
+            tokenizer = _load_tokenizer(model_path)
+        self.tokenizer = tokenizer
+        self.model_name = spec.model or "smollm2-135m-instruct"
+        if model_path is not None and spec.model:
+            self.model_name = Path(spec.model).name if Path(spec.model).exists() else spec.model
+        log.info("model loaded in %.2fs on %s (%s)", time.perf_counter() - t0, self.device, self.dtype)
+
+        sched_cfg = config.scheduler
+        self.max_model_len = min(sched_cfg.max_model_len, model_config.max_position_embeddings)
+        self.layout = self._size_kv_cache()
+        self.kv_cache = KVCache.allocate(
+            model_config.num_hidden_layers,
+            self.layout.num_blocks,
+            self.layout.block_size,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        from dataclasses import replace
+
+        self.scheduler = Scheduler(
+            replace(sched_cfg, max_model_len=self.max_model_len), config.cache, self.layout.num_blocks
+        )
+        attn_backend = getattr(model, "attn_backend", None)
+        self.runner = ModelRunner(model, model_config, self.kv_cache, self.device, attn_backend)
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys(
+                (tokenizer.eos_token_ids if tokenizer is not None else ())
+                + tuple(model_config.eos_token_ids)
+            )
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._aborted: list[RequestDelta] = []
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._num_steps = 0
+
+    # -- sizing -------------------------------------------------------------------------------
+
+    def _size_kv_cache(self) -> CacheLayout:
+        cfg, mc = self.config.cache, self.model_config
+        per_block = KVCache.bytes_per_block(
+            mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, self.dtype
+        )
+        min_blocks = -(-self.max_model_len // cfg.block_size) + 1
+        if cfg.num_blocks is not None:
+            num_blocks = cfg.num_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * cfg.gpu_memory_utilization) - used - _activation_reserve(mc)
+            num_blocks = max(budget // per_block, 0)
+        else:
+            budget = cfg.cpu_kv_bytes or _DEFAULT_CPU_KV_BYTES
+            num_blocks = max(budget // per_block, 2 * min_blocks)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"KV cache too small: {num_blocks} blocks of {cfg.block_size} tokens cannot hold "
+                f"one sequence of max_model_len={self.max_model_len}; lower --max-model-len or "
+                f"raise the KV budget"
+            )
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, cfg.block_size,
+                 num_blocks * per_block / 2**20)
+        return CacheLayout(num_blocks=int(num_blocks), block_size=cfg.block_size, bytes_per_block=per_block)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        if params.n != 1:
+            raise SamplingParamsError("n", "Engine.add_request takes n=1; expand n with expand_n")
+        if request_id in self._tracked:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt_token_ids:
+            raise SamplingParamsError("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise SamplingParamsError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(req)  # raises RequestTooLongError
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
+            )
+        self._tracked[request_id] = _Tracked(req, detok)
+        self._prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self.scheduler.abort_request(request_id)
+        self.runner.release(request_id)
+        req = tracked.request
+        self._aborted.append(
+            RequestDelta(
+                request_id=request_id,
+                new_token_ids=(),
+                new_text="",
+                finish_reason="abort",
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked) or bool(self._aborted)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        deltas, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return deltas
+        out = self.runner.execute(sched)
+        self.scheduler.update(sched, out.token_ids)
+        self._num_steps += 1
+        self._generation_tokens_total += len(out.token_ids)
+        sampled = [s.request for s in sched.seqs if s.sample]
+        if out.logprobs is not None:
+            for req, lp in zip(sampled, out.logprobs, strict=True):
+                tracked = self._tracked.get(req.request_id)
+                if tracked is not None and req.params.logprobs:
+                    tracked.pending_logprobs.append(lp)
+        for req in sampled:
+            delta = self._make_delta(req)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _make_delta(self, req: Request) -> RequestDelta | None:
+        tracked = self._tracked.get(req.request_id)
+        if tracked is None:
+            return None
+        new_ids = req.output_token_ids[tracked.sent_tokens :]
+        text = ""
+        if tracked.detok is not None:
+            text = tracked.detok.add_tokens(new_ids)
+            if tracked.detok.stop_matched is not None and not req.is_finished:
+                req.stop_reason = tracked.detok.stop_matched
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                text += tracked.detok.flush()
+        tracked.sent_tokens = req.num_output_tokens
+        logprobs, tracked.pending_logprobs = tuple(tracked.pending_logprobs), []
+        finish = req.status.finish_reason
+        if finish is not None:
+            del self._tracked[req.request_id]
+            self.runner.release(req.request_id)
+        return RequestDelta(
+            request_id=req.request_id,
+            new_token_ids=tuple(new_ids),
+            new_text=text,
+            finish_reason=finish,
+            stop_reason=req.stop_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        pool = self.scheduler.block_pool
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_blocks=self.layout.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            kv_cache_usage=pool.usage,
+            prefix_cache_hits=pool.prefix_cache_hits,
+            prefix_cache_queries=pool.prefix_cache_queries,
+            num_preemptions=self.scheduler.num_preemptions_total,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_steps=self._num_steps,
+        )
+
+
+def _activation_reserve(mc) -> int:
+    # A coarse bound until the runner profiles a real peak: logits of a full token budget plus
+    # a few hidden-sized buffers per token.
+    return 2 * 1024**3
+
+
+def _load_tokenizer(model_path: Path):
+    from models.tokenizer import Tokenizer
+
+    if model_path.suffix == ".gguf":
+        return Tokenizer.from_gguf(model_path)
+    if (model_path / "tokenizer.json").exists() or (model_path / "tokenizer_config.json").exists():
+        return Tokenizer.from_pretrained(model_path)
+    log.warning("no tokenizer found in %s: token ids only", model_path)
+    return None

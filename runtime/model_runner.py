@@ -1,0 +1,126 @@
+"""Turns a `SchedulerOutput` into device tensors, runs the model and samples.
+
+Owns the device side of the engine: the model, the paged KV cache, the sampler and each
+seeded request's random generator. Knows nothing of HTTP or of how requests were chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from models.batch import ForwardBatch, KVCache
+from runtime.sampler import Sampler, SampleRow
+from runtime.types import SamplerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device,
+        attn_backend: object | None = None,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        self.attn_backend = attn_backend
+        self.sampler = Sampler(device)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- per-request state -----------------------------------------------------------------
+
+    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            self._generators[request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        tables: list[list[int]] = []
+        bs = self.block_size
+        for s in sched.seqs:
+            req = s.request
+            start, end = s.start_pos, s.start_pos + s.num_tokens
+            input_ids.extend(req.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = req.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(s.num_tokens)
+            seq_lens.append(end)
+            tables.append(blocks[: (end + bs - 1) // bs])
+            if s.sample:
+                logits_indices.append(len(input_ids) - 1)
+        max_blocks = max(len(t) for t in tables)
+        table_rows = [t + [0] * (max_blocks - len(t)) for t in tables]
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+
+        dev = self.device
+
+        def as_tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.tensor(x, dtype=dtype)
+            return t.to(dev, non_blocking=True) if dev.type != "cpu" else t
+
+        batch = ForwardBatch(
+            query_start_loc=as_tensor(qsl, torch.int32),
+            seq_lens=as_tensor(seq_lens, torch.int32),
+            block_tables=as_tensor(table_rows, torch.int32),
+            slot_mapping=as_tensor(slots, torch.int64),
+            logits_indices=as_tensor(logits_indices, torch.int64),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            kv_cache=self.kv_cache,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        if self.attn_backend is not None and hasattr(self.attn_backend, "prepare"):
+            self.attn_backend.prepare(batch)
+        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), batch
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        input_ids, positions, batch = self.build_batch(sched)
+        hidden = self.model(input_ids, positions, batch)  # [num_sampling_seqs, hidden]
+        sampling = [s for s in sched.seqs if s.sample]
+        if not sampling:
+            return SamplerOutput(token_ids=[])
+        logits = self.model.compute_logits(hidden)  # [num_sampling_seqs, vocab] float32
+        rows = [
+            SampleRow(
+                params=s.request.params,
+                prompt_token_ids=s.request.prompt_token_ids,
+                output_token_ids=s.request.output_token_ids,
+                generator=self.generator_for(s.request.request_id, s.request.params.seed),
+                eos_token_ids=s.request.eos_token_ids,
+            )
+            for s in sampling
+        ]
+        return self.sampler(logits, rows)

@@ -1,0 +1,147 @@
+"""Batched token sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds.
+
+Vectorized over the batch; the only per-row work is drawing noise for rows that carry their
+own seed (each seeded request owns a `torch.Generator`, so its samples do not depend on what
+else is in the batch). Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws
+a token with probability p, which lets seeded and unseeded rows share one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+from runtime.types import SamplerOutput, TokenLogprob
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs of one sequence."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        # logits: [N, V] float32 on self.device, one row per entry of `rows`
+        n, vocab = logits.shape
+        assert n == len(rows), (n, len(rows))
+        raw_logits = logits
+        logits = logits.clone()
+        self._apply_penalties(logits, rows)
+        self._apply_min_tokens(logits, rows)
+
+        greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows],
+            dtype=torch.float32,
+            device=self.device,
+        )
+        if bool(greedy.all()):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            scaled = logits / temps.unsqueeze(1)
+            self._apply_top_k_top_p_min_p(scaled, rows)
+            probs = torch.softmax(scaled, dim=-1)
+            noise = self._exponential_noise(rows, vocab)
+            sampled = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+        ids = token_ids.tolist()
+        logprobs = None
+        if any(r.params.logprobs for r in rows):
+            logprobs = self._logprobs(raw_logits, ids, rows)
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+    # -- logits processors (in place) ------------------------------------------------------
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if not idx:
+            return
+        vocab = logits.shape[1]
+        for i in idx:  # rows with penalties are few; each is vectorized over the vocabulary
+            p = rows[i].params
+            row = logits[i]
+            out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=self.device)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(
+                    rows[i].prompt_token_ids + rows[i].output_token_ids,
+                    dtype=torch.long,
+                    device=self.device,
+                ).unique()
+                vals = row[seen]
+                row[seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+            if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
+                counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        for i, r in enumerate(rows):
+            p = r.params
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def _apply_top_k_top_p_min_p(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        vocab = logits.shape[1]
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=self.device).unsqueeze(0)
+            k_t = torch.tensor(top_k, device=self.device).unsqueeze(1)
+            mask = ranks >= k_t
+            p_t = torch.tensor(top_p, dtype=torch.float32, device=self.device).unsqueeze(1)
+            probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            mass_before = probs.cumsum(dim=-1) - probs
+            mask |= mass_before >= p_t
+            sorted_logits.masked_fill_(mask, float("-inf"))
+            logits.scatter_(1, sorted_idx, sorted_logits)
+        if any(m > 0.0 for m in min_p):
+            probs = torch.softmax(logits, dim=-1)
+            m_t = torch.tensor(min_p, dtype=torch.float32, device=self.device).unsqueeze(1)
+            threshold = probs.max(dim=-1, keepdim=True).values * m_t
+            logits.masked_fill_(probs < threshold, float("-inf"))
+
+    def _exponential_noise(self, rows: list[SampleRow], vocab: int) -> torch.Tensor:
+        noise = torch.empty(len(rows), vocab, dtype=torch.float32, device=self.device)
+        noise.exponential_()
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return noise.clamp_(min=1e-10)
+
+    def _logprobs(
+        self, raw_logits: torch.Tensor, ids: list[int], rows: list[SampleRow]
+    ) -> list[TokenLogprob]:
+        logp = torch.log_softmax(raw_logits.float(), dim=-1)
+        chosen = logp.gather(1, torch.tensor(ids, device=self.device).unsqueeze(1)).squeeze(1)
+        k_max = max(r.params.num_logprobs for r in rows)
+        top_vals = top_ids = None
+        if k_max > 0:
+            top_vals, top_ids = logp.topk(k_max, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        chosen_l = chosen.tolist()
+        out = []
+        for i, r in enumerate(rows):
+            k = r.params.num_logprobs
+            top = tuple(zip(top_ids[i][:k], top_vals[i][:k], strict=True)) if k else ()
+            out.append(TokenLogprob(token_id=ids[i], logprob=chosen_l[i], top=top))
+        return out

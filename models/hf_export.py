@@ -1,0 +1,57 @@
+"""ModelConfig → an HF `config.json` dict, so weights Tandem loaded (from GGUF, say) can be
+handed to HF transformers (parity tests, benchmarks) or written as an HF directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.config import ModelConfig
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+
+
+def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "architectures": [cfg.architecture],
+        "model_type": _MODEL_TYPES[cfg.architecture],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": cfg.hidden_act,
+        "attention_bias": cfg.attention_bias,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1
+        else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None),
+    }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.is_moe:
+        d["num_experts_per_tok"] = cfg.num_experts_per_tok
+        if cfg.architecture == "MixtralForCausalLM":
+            d["num_local_experts"] = cfg.num_experts
+            d["intermediate_size"] = cfg.moe_intermediate_size
+        else:
+            d["num_experts"] = cfg.num_experts
+            d["moe_intermediate_size"] = cfg.moe_intermediate_size
+            d["norm_topk_prob"] = cfg.norm_topk_prob
+            d["decoder_sparse_step"] = cfg.decoder_sparse_step
+            d["mlp_only_layers"] = list(cfg.mlp_only_layers)
+        if cfg.shared_expert_intermediate_size:
+            d["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return d

@@ -1,0 +1,151 @@
+"""Small Prometheus-text metric helpers (counter, gauge, histogram) and the serving metrics set.
+
+No prometheus_client dependency: the exposition format is a few lines of text. This module
+knows nothing about HTTP; `app/metrics.py` serves what `render_metrics` returns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+
+from runtime.types import EngineStats
+
+PREFIX = "tandem:"
+
+# Latency buckets in seconds, from sub-millisecond decode steps to multi-minute requests.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+def _fmt(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _labels(labels: dict[str, str] | None) -> str:
+    if not labels:
+        return ""
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+def render_gauge(name: str, help_text: str, value: float) -> str:
+    return f"# HELP {name} {help_text}\n# TYPE {name} gauge\n{name} {_fmt(value)}\n"
+
+
+def render_counter(name: str, help_text: str, value: float) -> str:
+    return f"# HELP {name} {help_text}\n# TYPE {name} counter\n{name} {_fmt(value)}\n"
+
+
+class LabeledCounter:
+    """A monotonically increasing counter with one label dimension."""
+
+    def __init__(self, name: str, help_text: str, label: str) -> None:
+        self.name = name
+        self.help_text = help_text
+        self.label = label
+        self.values: dict[str, float] = {}
+
+    def inc(self, label_value: str, amount: float = 1.0) -> None:
+        self.values[label_value] = self.values.get(label_value, 0.0) + amount
+
+    def render(self) -> str:
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} counter"]
+        for value, count in sorted(self.values.items()):
+            lines.append(f"{self.name}{_labels({self.label: value})} {_fmt(count)}")
+        return "\n".join(lines) + "\n"
+
+
+class Histogram:
+    """A cumulative histogram with fixed upper bounds, rendered in Prometheus text format."""
+
+    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
+        if list(buckets) != sorted(buckets):
+            raise ValueError("histogram buckets must be sorted")
+        self.name = name
+        self.help_text = help_text
+        self.bounds: tuple[float, ...] = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # last slot: above every bound (+Inf)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        for v in values:
+            self.observe(v)
+
+    def render(self) -> str:
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            cumulative += n
+            lines.append(f'{self.name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
+        lines.append(f"{self.name}_count {self.count}")
+        return "\n".join(lines) + "\n"
+
+
+class ServingMetrics:
+    """Latency histograms and request counters the engine loop records as deltas arrive."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from request arrival to its first output token.", TTFT_BUCKETS)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between consecutive output tokens of one sequence.", ITL_BUCKETS)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from request arrival to its last output.", E2E_BUCKETS)
+        self.finished = LabeledCounter(PREFIX + "request_success_total",
+                                       "Finished sequences by finish reason.", "finished_reason")
+        self.num_rejected = 0  # admission refusals (queue full)
+
+
+def render_metrics(
+    stats: EngineStats,
+    metrics: ServingMetrics,
+    *,
+    num_admitted: int,
+    healthy: bool,
+) -> str:
+    """Prometheus text for one snapshot of engine counters plus the loop's histograms."""
+    p = PREFIX
+    parts = [
+        render_gauge(p + "num_requests_running", "Sequences running in the engine.", stats.num_running),
+        render_gauge(p + "num_requests_waiting", "Sequences waiting in the engine.", stats.num_waiting),
+        render_gauge(p + "num_requests_admitted", "Sequences admitted and not finished.", num_admitted),
+        render_gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0-1).",
+                     stats.kv_cache_usage),
+        render_gauge(p + "engine_healthy", "1 while the engine is alive and admitting.", int(healthy)),
+        render_counter(p + "prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+                       stats.prefix_cache_hits),
+        render_counter(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                       stats.prefix_cache_queries),
+        render_counter(p + "num_preemptions_total", "Preemptions of running requests.",
+                       stats.num_preemptions),
+        render_counter(p + "prompt_tokens_total", "Prompt tokens processed.", stats.prompt_tokens_total),
+        render_counter(p + "generation_tokens_total", "Output tokens generated.",
+                       stats.generation_tokens_total),
+        render_counter(p + "request_rejected_total", "Requests refused because the queue was full.",
+                       metrics.num_rejected),
+        metrics.finished.render(),
+        metrics.ttft.render(),
+        metrics.itl.render(),
+        metrics.e2e.render(),
+    ]
+    return "".join(parts)

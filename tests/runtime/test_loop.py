@@ -1,0 +1,165 @@
+"""EngineLoop: admission, coalescing, aborts, n>1 expansion, engine death, drain, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+
+from runtime.loop import (
+    EngineDeadError,
+    EngineLoop,
+    LoopClosedError,
+    QueueFullError,
+    RequestStream,
+)
+from runtime.sampling_params import SamplingParams
+from tests.app.fake_engine import REPLY, FakeEngine
+
+
+@pytest.fixture
+async def engine_and_loop() -> AsyncIterator[tuple[FakeEngine, EngineLoop]]:
+    engine = FakeEngine(max_model_len=512)
+    loop = EngineLoop(engine, max_queue=16)
+    await loop.start()
+    yield engine, loop
+    await loop.stop()
+
+
+async def collect(stream: RequestStream) -> dict[int, tuple[str, list[int], str | None]]:
+    out: dict[int, tuple[str, list[int], str | None]] = {}
+    async for batch in stream:
+        for cd in batch:
+            text, ids, _ = out.get(cd.index, ("", [], None))
+            out[cd.index] = (text + cd.delta.new_text, ids + list(cd.delta.new_token_ids),
+                             cd.delta.finish_reason)
+    return out
+
+
+async def test_single_request_streams_to_length(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    stream = await loop.submit("r1", [[72, 105]], SamplingParams(max_tokens=5))
+    out = await collect(stream)
+    assert out == {0: (REPLY[:5], [ord(c) for c in REPLY[:5]], "length")}
+    assert engine.added == ["r1-0"]
+    assert loop.num_admitted == 0
+    assert loop.stats.num_running == 0
+
+
+async def test_n_and_prompt_list_expand_into_children(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    stream = await loop.submit("r2", [[65], [66, 67]], SamplingParams(max_tokens=3, n=2, seed=4))
+    out = await collect(stream)
+    assert sorted(engine.added) == ["r2-0", "r2-1", "r2-2", "r2-3"]
+    assert set(out) == {0, 1, 2, 3}
+    assert out[0][0] == REPLY[4:7] and out[1][0] == REPLY[5:8]  # seed + i per choice
+    assert all(f == "length" for _, _, f in out.values())
+
+
+async def test_add_error_propagates_and_releases_slot(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    with pytest.raises(ValueError, match="max_model_len"):
+        await loop.submit("big", [[65] * 10, [65] * 500], SamplingParams(max_tokens=100))
+    assert loop.num_admitted == 0
+    assert engine.aborted == ["big-0"]  # the first child was added, then rolled back
+    stream = await loop.submit("big", [[65]], SamplingParams(max_tokens=1))  # id free again
+    assert (await collect(stream))[0][2] == "length"
+
+
+async def test_burst_cannot_overshoot_queue() -> None:
+    engine = FakeEngine()
+    engine.gate = threading.Event()  # hold the first step so nothing finishes
+    loop = EngineLoop(engine, max_queue=3)
+    await loop.start()
+    try:
+        results = await asyncio.gather(
+            *(loop.submit(f"b{i}", [[65]], SamplingParams(max_tokens=2)) for i in range(10)),
+            return_exceptions=True)
+        ok = [r for r in results if isinstance(r, RequestStream)]
+        full = [r for r in results if isinstance(r, QueueFullError)]
+        assert len(ok) == 3 and len(full) == 7
+        assert loop.metrics.num_rejected == 7
+        with pytest.raises(QueueFullError):  # n counts: 2 more sequences do not fit either
+            await loop.submit("x", [[65]], SamplingParams(max_tokens=2, n=2))
+        engine.gate.set()
+        for s in ok:
+            await collect(s)
+        assert loop.num_admitted == 0
+    finally:
+        engine.gate.set()
+        await loop.stop()
+
+
+async def test_slow_reader_coalesces_and_does_not_stall_others(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    slow = await loop.submit("slow", [[65]], SamplingParams(max_tokens=200))
+    fast = await loop.submit("fast", [[65]], SamplingParams(max_tokens=100))
+    fast_batches = 0
+    async for _ in fast:
+        fast_batches += 1
+        assert slow.num_pending <= 1  # one coalesced delta per choice, however far behind
+    assert fast_batches >= 50  # the fast reader saw (nearly) every step separately
+    out = await collect(slow)
+    assert out[0][0] == (REPLY * 10)[:200] and out[0][2] == "length"
+
+
+async def test_reader_close_aborts_and_frees(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    stream = await loop.submit("gone", [[65]], SamplingParams(max_tokens=400))
+    await stream.__anext__()
+    stream.close()
+    await asyncio.wait_for(loop._idle.wait(), 5)
+    assert engine.aborted == ["gone-0"]
+    assert loop.num_admitted == 0 and not engine.has_unfinished_requests()
+    assert loop.stats.num_running == 0
+    rest = await collect(stream)
+    assert rest[0][2] == "abort"
+
+
+async def test_abort_by_id_finishes_with_abort(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    stream = await loop.submit("ab", [[65]], SamplingParams(max_tokens=400, n=2))
+    assert loop.abort("ab") and not loop.abort("nope")
+    out = await collect(stream)
+    assert {f for _, _, f in out.values()} == {"abort"}
+    assert sorted(engine.aborted) == ["ab-0", "ab-1"]
+
+
+async def test_engine_death_fails_streams_and_admission(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    engine.step_delay = 0.001
+    stream = await loop.submit("d", [[65]], SamplingParams(max_tokens=400))
+    engine.fail_next_step = RuntimeError("CUDA exploded")
+    with pytest.raises(EngineDeadError, match="CUDA exploded"):
+        await collect(stream)
+    assert loop.dead and not loop.healthy
+    with pytest.raises(EngineDeadError):
+        await loop.submit("d2", [[65]], SamplingParams())
+
+
+async def test_drain_waits_then_aborts_the_rest(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    short = await loop.submit("short", [[65]], SamplingParams(max_tokens=2))
+    long = await loop.submit("long", [[65]], SamplingParams(max_tokens=400))
+    engine.step_delay = 0.01
+    aborted = await loop.drain(timeout=0.2)
+    assert aborted == 1
+    assert (await collect(short))[0][2] == "length"
+    assert (await collect(long))[0][2] == "abort"
+    with pytest.raises(LoopClosedError):
+        await loop.submit("late", [[65]], SamplingParams())
+    assert not loop.healthy
+
+
+async def test_metrics_record_latencies(engine_and_loop) -> None:
+    engine, loop = engine_and_loop
+    await collect(await loop.submit("m", [[65]], SamplingParams(max_tokens=4)))
+    assert loop.metrics.ttft.count == 1
+    assert loop.metrics.itl.count == 3
+    assert loop.metrics.e2e.count == 1
+    text = loop.render_metrics()
+    assert "tandem:e2e_request_latency_seconds_count 1" in text
+    assert 'tandem:request_success_total{finished_reason="length"} 1' in text
+    assert "tandem:generation_tokens_total 4" in text

@@ -1,0 +1,216 @@
+"""Load a GGUF checkpoint as a `ModelConfig` plus HF-named torch tensors.
+
+Owns the mapping from llama.cpp's metadata keys and tensor names to HF's config fields and
+checkpoint names, and undoes llama.cpp's row permutation of q/k for "llama"-architecture files.
+Parsing lives in `models.gguf_reader`, decoding in `models.gguf_dequant`; this module knows no
+model classes: it yields `(hf_name, tensor)` pairs for whoever builds the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.config import ModelConfig, UnsupportedModelError
+from models.gguf_dequant import dequantize_tensor
+from models.gguf_reader import GGUFReader
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # "MixtralForCausalLM" when the file has experts
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# blk.N.<gguf> -> model.layers.N.<hf>; "{mlp}" is "mlp" or Mixtral's "block_sparse_moe".
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "{mlp}.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# Experts: stacked `ffn_<w>_exps` [num_experts, out, in], or per-expert `ffn_<w>.E` (old Mixtral).
+_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_MIXTRAL_EXPERT_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
+_IGNORED = {"rope_freqs.weight"}  # llama3 rope factors; HF recomputes them from the config
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)$")
+
+
+def _open(path_or_reader: str | Path | GGUFReader) -> GGUFReader:
+    return path_or_reader if isinstance(path_or_reader, GGUFReader) else GGUFReader(path_or_reader)
+
+
+def _hf_architecture(reader: GGUFReader) -> str:
+    arch = reader.architecture
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+        )
+    if arch == "llama" and int(reader.get("llama.expert_count", 0) or 0) > 0:
+        return "MixtralForCausalLM"
+    return _ARCHITECTURES[arch]
+
+
+def _single(value: Any, key: str) -> int:
+    """A per-model count; llama.cpp may store it per layer as an array (all equal for us)."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise UnsupportedModelError(f"{key} differs between layers ({value}); not supported")
+        return int(value[0])
+    return int(value)
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    kind = reader.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(reader.get(f"{arch}.rope.scaling.factor", 1.0))}
+    original = reader.get(f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
+    """`ModelConfig` from a GGUF file's metadata (and, for bias/tying, its tensor list)."""
+    reader = _open(path)
+    arch = reader.architecture
+    hf_arch = _hf_architecture(reader)
+
+    def key(name: str, default: Any = None) -> Any:
+        return reader.get(f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = _single(key("attention.head_count"), f"{arch}.attention.head_count")
+    kv_heads = _single(key("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv")
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
+    tokens = reader.get("tokenizer.ggml.tokens") or []
+    num_experts = int(key("expert_count", 0) or 0)
+    eos_ids = tuple(
+        dict.fromkeys(
+            int(reader.get(k))
+            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+            if reader.get(k) is not None
+        )
+    )
+    bos = reader.get("tokenizer.ggml.bos_token_id")
+    norm_topk = key("expert_weights_norm")
+    return ModelConfig(
+        architecture=hf_arch,
+        vocab_size=int(key("vocab_size") or len(tokens)),
+        hidden_size=hidden,
+        intermediate_size=_single(key("feed_forward_length", 0), f"{arch}.feed_forward_length"),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(head_dim),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in reader.tensors,
+        attention_bias="blk.0.attn_q.bias" in reader.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in reader.tensors,
+        num_experts=num_experts,
+        num_experts_per_tok=int(key("expert_used_count", 0) or 0) if num_experts else 0,
+        moe_intermediate_size=(
+            int(key("expert_feed_forward_length", 0) or key("feed_forward_length", 0))
+            if num_experts
+            else 0
+        ),
+        shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
+        norm_topk_prob=bool(norm_topk) if norm_topk is not None else hf_arch != "Qwen2MoeForCausalLM",
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=eos_ids,
+        extra={"gguf_architecture": arch, "gguf_file_type": reader.get("general.file_type")},
+    )
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved-pair rope -> HF's rotate_half halves).
+
+    llama.cpp's converter reorders each head's rows `[2, head_dim/2]` -> `[head_dim/2, 2]`; we
+    reverse it. `weight`: `[num_heads * head_dim, ...]` (weight or bias) -> same shape.
+    """
+    rows = weight.shape[0]
+    w = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def _hf_name(gguf_name: str, mlp: str) -> tuple[str, str | None]:
+    """(hf name, expert projection or None). Expert names carry an `{e}` placeholder."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name], None
+    m = _LAYER_RE.match(gguf_name)
+    if m is None:
+        raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
+    layer, part, expert, kind = m.groups()
+    prefix = f"model.layers.{layer}"
+    w = part[len("ffn_") : -len("_exps")] if part.endswith("_exps") else part[len("ffn_") :]
+    if (part.endswith("_exps") or expert is not None) and w in _EXPERT_PROJ:
+        proj = _MIXTRAL_EXPERT_PROJ[w] if mlp == "block_sparse_moe" else _EXPERT_PROJ[w]
+        e = expert if expert is not None else "{e}"
+        return f"{prefix}.{mlp}.experts.{e}.{proj}.{kind}", (None if expert is not None else proj)
+    if part not in _LAYER_NAMES:
+        raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"{prefix}.{_LAYER_NAMES[part].format(mlp=mlp)}.{kind}", None
+
+
+def load_gguf_weights(
+    path: str | Path | GGUFReader, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_checkpoint_name, tensor)` for every tensor in the file, dequantized to `dtype`.
+
+    q/k of "llama"-architecture files are un-permuted to HF's layout. Stacked expert tensors
+    `[num_experts, out, in]` are yielded one expert at a time under HF's per-expert names.
+    An unknown tensor name raises `UnsupportedModelError` naming it.
+    """
+    reader = _open(path)
+    config = gguf_model_config(reader)
+    mlp = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    permute = reader.architecture == "llama"
+    names = {info.name: _hf_name(info.name, mlp) for info in reader.tensors.values() if info.name not in _IGNORED}
+    for info in reader.tensors.values():
+        if info.name in _IGNORED:
+            logger.warning("ignoring GGUF tensor %s (derived from the config instead)", info.name)
+            continue
+        hf_name, stacked = names[info.name]
+        tensor = dequantize_tensor(reader, info, dtype)
+        if permute and ".self_attn.q_proj." in hf_name:
+            tensor = unpermute_qk(tensor, config.num_attention_heads)
+        elif permute and ".self_attn.k_proj." in hf_name:
+            tensor = unpermute_qk(tensor, config.num_key_value_heads)
+        elif hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+            tensor = tensor.unsqueeze(0)  # [hidden] -> [1, hidden], HF's Linear(hidden, 1)
+        if stacked is not None:
+            for e in range(tensor.shape[0]):  # [num_experts, out, in] -> per expert [out, in]
+                yield hf_name.format(e=e), tensor[e]
+        else:
+            yield hf_name, tensor

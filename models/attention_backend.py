@@ -1,0 +1,89 @@
+"""The attention backend interface every model layer calls, and its pure-torch implementation.
+
+A backend owns how K/V are stored into the paged cache and how attention over that cache is
+computed; it knows nothing about models or requests. `torch` (ext/attention_ref.py) runs on
+any device; the `cupy` GPU kernels register later under their own name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ext.attention_ref import PagedAttentionPlan, paged_attention, plan_paged_attention, write_kv
+from models.batch import ForwardBatch
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Contract: `prepare` once per step, then `forward` once per layer of that step."""
+
+    name: str
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Per-step hook: may compute metadata shared by all layers into `batch.attn_metadata`."""
+        ...
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v `[T, KVH, D]` into `batch.kv_cache` layer `layer_idx` at
+        `batch.slot_mapping`, then attend q `[T, H, D]` causally; returns `[T, H, D]`."""
+        ...
+
+
+class TorchAttentionBackend:
+    """Reference backend: `ext.attention_ref` on whatever device the tensors live on."""
+
+    name = "torch"
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = plan_paged_attention(
+            batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables, batch.kv_cache.block_size
+        )
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache = batch.kv_cache.k[layer_idx]
+        v_cache = batch.kv_cache.v[layer_idx]
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        plan = batch.attn_metadata
+        if not isinstance(plan, PagedAttentionPlan):
+            plan = None  # prepared by another backend or not at all: plan per call
+        return paged_attention(
+            q, k_cache, v_cache, batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables,
+            scale, plan,
+        )
+
+
+_ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+}
+
+
+def register_attention_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    """Make `get_attention_backend(name)` return `factory()` (used by the GPU kernels)."""
+    _ATTENTION_BACKENDS[name] = factory
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _ATTENTION_BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(sorted(_ATTENTION_BACKENDS))}"
+        )
+    return _ATTENTION_BACKENDS[name]()

@@ -1,0 +1,106 @@
+"""The one decoder-only transformer every supported family shares (Llama, Qwen2, Qwen3,
+Qwen3-MoE, Qwen2-MoE, Mixtral). Differences come from `ModelConfig` flags: q/k/v bias, q/k
+norm, rope scaling, tied embeddings, and `config.is_moe_layer(i)` choosing MLP or MoE per layer.
+
+The model sees one flattened batch (ARCHITECTURE.md, "The model forward contract"); it knows
+nothing about requests. Checkpoint-name mapping lives in models/weights.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from models.attention_backend import AttentionBackend
+from models.batch import ForwardBatch
+from models.config import ModelConfig
+from models.layers.attention import Attention
+from models.layers.experts import ExpertBackend, TorchExpertBackend
+from models.layers.mlp import GatedMLP
+from models.layers.moe import SparseMoeBlock
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding
+from models.weights import load_hf_weights
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        attn_backend: AttentionBackend,
+        expert_backend: ExpertBackend | None,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, attn_backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_idx):
+            assert expert_backend is not None
+            self.mlp = SparseMoeBlock(config, layer_idx, expert_backend)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of every model class in models/registry.py."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        expert_backend: ExpertBackend | None = None,
+    ) -> None:
+        super().__init__()
+        if config.is_moe and expert_backend is None:
+            expert_backend = TorchExpertBackend()
+        self.config = config
+        self.attn_backend = attn_backend
+        self.expert_backend = expert_backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, attn_backend, expert_backend)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """input_ids, positions `[T]` int64 -> final-normed hidden `[len(logits_indices), hidden]`.
+
+        Calls `attn_backend.prepare(batch)` unless the runner already filled `attn_metadata`.
+        """
+        if batch.attn_metadata is None:
+            self.attn_backend.prepare(batch)
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, 1, head_dim] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        # RMSNorm is row-wise, so selecting rows first only saves work.
+        return self.norm(x.index_select(0, batch.logits_indices))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden `[N, hidden]` -> logits `[N, vocab]` float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill parameters from HF-named tensors; raises UnsupportedModelError naming any
+        unexpected, mis-shaped or missing tensor."""
+        load_hf_weights(self, weights)

@@ -1,0 +1,58 @@
+"""Self-attention layer: fused qkv projection, optional q/k bias (Qwen2) and per-head q/k
+RMSNorm (Qwen3), rotary, the attention backend, o_proj. Paging and KV storage belong to the
+backend; this layer only shapes tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention_backend import AttentionBackend
+from models.batch import ForwardBatch
+from models.config import ModelConfig
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        if config.num_attention_heads % config.num_key_value_heads != 0:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        # x: [T, hidden]; cos/sin: [T, 1, head_dim]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        out = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -1,0 +1,52 @@
+"""Sparse MoE block: router -> softmax -> top-k -> (renormalize) -> expert backend, plus
+Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+The block owns the routing and the stacked expert weights (w13 `[E, 2 * I, H]` gate rows then
+up rows, w2 `[E, H, I]`); the expert computation itself belongs to the `ExpertBackend`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers.experts import ExpertBackend
+from models.layers.mlp import GatedMLP, check_activation
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: ExpertBackend) -> None:
+        super().__init__()
+        check_activation(config.hidden_act)
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        # Mixtral renormalizes the top-k probabilities unconditionally.
+        self.renormalize = config.norm_topk_prob or config.architecture == "MixtralForCausalLM"
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.gate = nn.Linear(hidden, self.num_experts, bias=False)  # router
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, H]` -> topk_ids `[T, k]` int64, topk_weights `[T, k]` float32."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] float32
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return topk_ids, topk_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        topk_ids, topk_weights = self.route(x)
+        out = self.backend.forward(self.layer_idx, x, topk_ids, topk_weights, self.w13, self.w2)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

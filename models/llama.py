@@ -1,0 +1,20 @@
+"""Dense model families: Llama (incl. SmolLM2, Llama 3.x rope scaling), Qwen2, Qwen3.
+
+All share `DecoderForCausalLM`; their differences (q/k/v bias, q/k norm) come from ModelConfig.
+"""
+
+from __future__ import annotations
+
+from models.decoder import DecoderForCausalLM
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    pass

@@ -1,0 +1,21 @@
+"""Mixture-of-experts families: Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral.
+
+All share `DecoderForCausalLM`; `config.is_moe_layer(i)` picks MoE or dense MLP per layer and
+the expert computation goes through the `ExpertBackend` given at construction.
+"""
+
+from __future__ import annotations
+
+from models.decoder import DecoderForCausalLM
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class Qwen2MoeForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class MixtralForCausalLM(DecoderForCausalLM):
+    pass

@@ -1,0 +1,26 @@
+"""Architecture name (HF `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from models.config import UnsupportedModelError
+from models.decoder import DecoderForCausalLM
+from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[DecoderForCausalLM]:
+    cls = MODEL_REGISTRY.get(architecture)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
+        )
+    return cls

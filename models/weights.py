@@ -1,0 +1,144 @@
+"""Maps HF checkpoint tensor names onto `DecoderForCausalLM`'s fused parameters.
+
+Owns the name scheme: q/k/v -> qkv_proj rows, gate/up -> gate_up_proj rows, per-expert
+tensors (`mlp.experts.{e}.gate_proj` or Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`)
+and transformers' fused 3D expert tensors (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
+`mlp.experts.down_proj` `[E, H, I]`) -> stacked w13/w2. Every expected tensor must arrive
+exactly as the checkpoint shapes it; anything else is an `UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from models.config import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from models.decoder import DecoderForCausalLM
+
+# Checkpoint names that carry no parameters (buffers some exporters include).
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _canonical(name: str) -> str:
+    """Mixtral's names -> the `mlp.experts.{e}.gate_proj` scheme used for targets."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(
+        r"\.experts\.(\d+)\.(w[123])\.", lambda m: f".experts.{m[1]}.{_MIXTRAL_EXPERT[m[2]]}.", name
+    )
+
+
+def _display(name: str, architecture: str) -> str:
+    """A target name as this architecture's checkpoints spell it (for error messages)."""
+    if architecture != "MixtralForCausalLM":
+        return name
+    inverse = {v: k for k, v in _MIXTRAL_EXPERT.items()}
+    name = re.sub(
+        r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.",
+        lambda m: f".experts.{m[1]}.{inverse[m[2]]}.",
+        name,
+    )
+    return name.replace(".mlp.", ".block_sparse_moe.")
+
+
+def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
+    """Canonical HF name -> the parameter view it fills."""
+    cfg = model.config
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": model.embed_tokens.weight,
+        "model.norm.weight": model.norm.weight,
+    }
+    if model.lm_head is not None:
+        t["lm_head.weight"] = model.lm_head.weight
+    q, kv = cfg.q_size, cfg.kv_size
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+        t[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        attn = layer.self_attn
+        params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
+        for kind in params:
+            fused = getattr(attn.qkv_proj, kind)
+            t[p + f"self_attn.q_proj.{kind}"] = fused[:q]
+            t[p + f"self_attn.k_proj.{kind}"] = fused[q : q + kv]
+            t[p + f"self_attn.v_proj.{kind}"] = fused[q + kv :]
+        t[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
+        if attn.q_norm is not None and attn.k_norm is not None:
+            t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
+            t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
+        mlp = layer.mlp
+        if hasattr(mlp, "w13"):
+            inter = mlp.w2.shape[2]
+            t[p + "mlp.gate.weight"] = mlp.gate.weight
+            for e in range(mlp.num_experts):
+                t[p + f"mlp.experts.{e}.gate_proj.weight"] = mlp.w13[e, :inter]
+                t[p + f"mlp.experts.{e}.up_proj.weight"] = mlp.w13[e, inter:]
+                t[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.w2[e]
+            if mlp.shared_expert is not None:
+                _gated_mlp_targets(t, p + "mlp.shared_expert.", mlp.shared_expert)
+                t[p + "mlp.shared_expert_gate.weight"] = mlp.shared_expert_gate.weight
+        else:
+            _gated_mlp_targets(t, p + "mlp.", mlp)
+    return t
+
+
+def _gated_mlp_targets(t: dict[str, torch.Tensor], prefix: str, mlp: torch.nn.Module) -> None:
+    inter = mlp.intermediate_size
+    t[prefix + "gate_proj.weight"] = mlp.gate_up_proj.weight[:inter]
+    t[prefix + "up_proj.weight"] = mlp.gate_up_proj.weight[inter:]
+    t[prefix + "down_proj.weight"] = mlp.down_proj.weight
+
+
+def _split(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One checkpoint tensor -> (canonical name, tensor) pieces."""
+    name = _canonical(name)
+    m = _FUSED_EXPERTS.match(name)
+    if m is None:
+        yield name, tensor
+        return
+    prefix, kind = m[1], m[2]
+    if tensor.dim() != 3:
+        raise UnsupportedModelError(f"fused expert tensor {name} must be 3-D, got {tuple(tensor.shape)}")
+    for e in range(tensor.shape[0]):
+        if kind == "down_proj":  # [E, H, I]
+            yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+        else:  # [E, 2I, H]: gate rows, then up rows
+            gate, up = tensor[e].chunk(2, dim=0)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
+
+
+def load_hf_weights(
+    model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    arch = model.config.architecture
+    targets = _targets(model)
+    filled: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            if _IGNORED.match(name):
+                continue
+            for canon, piece in _split(name, tensor):
+                dst = targets.get(canon)
+                if dst is None:
+                    if canon == "lm_head.weight" and model.lm_head is None:
+                        continue  # tied embeddings: the embedding matrix is the head
+                    raise UnsupportedModelError(f"unexpected tensor {name!r} for {arch}")
+                if tuple(dst.shape) != tuple(piece.shape):
+                    raise UnsupportedModelError(
+                        f"tensor {name!r} has shape {tuple(piece.shape)}, {arch} expects "
+                        f"{tuple(dst.shape)} for {_display(canon, arch)}"
+                    )
+                dst.copy_(piece)
+                filled.add(canon)
+    missing = [n for n in targets if n not in filled]
+    if missing:
+        shown = ", ".join(_display(n, arch) for n in missing[:8])
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise UnsupportedModelError(f"missing tensors for {arch}: {shown}{more}")

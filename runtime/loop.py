@@ -215,6 +215,10 @@ class EngineLoop:
     def healthy(self) -> bool:
         return self._dead is None and not self.draining and self._task is not None
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests admitted and not finished."""
+        return list(self._streams)
+
     def render_metrics(self) -> str:
         return render_metrics(self._stats, self.metrics, num_admitted=self._num_admitted,
                               healthy=self.healthy)

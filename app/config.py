@@ -1,0 +1,23 @@
+"""The server's frozen configuration: network, auth and admission settings around an EngineConfig.
+
+Built once from argv in `app/serve.py` (the only place that also reads the environment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # empty: no auth
+    served_model_name: str | None = None  # None: the engine's model name
+    max_queue: int = 256  # sequences that may wait beyond those running
+    shutdown_timeout: float = 30.0  # seconds to drain in-flight requests on SIGTERM
+    max_body_bytes: int = 8 * 1024 * 1024
+    ws_heartbeat_s: float = 30.0

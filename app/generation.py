@@ -1,0 +1,129 @@
+"""One chat or completions request from body to OpenAI chunks, shared by REST, SSE and WebSocket.
+
+`start_generation` validates, tokenizes and submits (mapping loop refusals to HTTP errors);
+`Generation.chunks()` turns the request's stream into OpenAI chunk dicts; `collect()` builds
+the non-streamed response. `close()` must run when the reader stops: it aborts an unfinished
+request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from app.errors import APIError
+from app.protocol import GenerationRequest, Kind, parse_generation
+from app.responses import (
+    ChoiceState,
+    ResponseMeta,
+    chat_logprobs,
+    chunk,
+    completion_logprobs,
+    full_response,
+    usage_chunk,
+    usage_dict,
+)
+from app.state import ServerState
+from runtime.loop import EngineDeadError, LoopClosedError, QueueFullError, RequestStream
+from runtime.sampling_params import SamplingParamsError
+from runtime.types import RequestDelta
+
+
+def check_admitting(state: ServerState) -> None:
+    loop = state.engine_loop
+    if loop.dead:
+        raise APIError(503, "The engine has failed; the server cannot generate",
+                       code="engine_dead")
+    if loop.draining:
+        raise APIError(503, "The server is shutting down", code="server_draining")
+
+
+async def start_generation(state: ServerState, kind: Kind, body: dict[str, Any]) -> Generation:
+    check_admitting(state)
+    loop = state.engine_loop
+    req = parse_generation(kind, body, loop.tokenizer, loop.max_model_len, state.model_names)
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        stream = await loop.submit(request_id, req.prompts, req.params, req.priority)
+    except QueueFullError as exc:
+        raise APIError(429, str(exc), code="queue_full") from None
+    except (LoopClosedError, EngineDeadError):
+        check_admitting(state)
+        raise
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    except ValueError as exc:  # e.g. the engine's RequestTooLongError
+        raise APIError(400, str(exc), code="invalid_request") from None
+    meta = ResponseMeta(request_id, int(time.time()), state.model_name, kind)
+    return Generation(state, req, stream, meta)
+
+
+class Generation:
+    """A submitted request: iterate `chunks()` (streaming) or await `collect()`."""
+
+    def __init__(self, state: ServerState, request: GenerationRequest, stream: RequestStream,
+                 meta: ResponseMeta) -> None:
+        self.request = request
+        self.stream = stream
+        self.meta = meta
+        self._token_text = state.token_text
+        self.choices = [ChoiceState(i) for i in range(stream.num_choices)]
+
+    @property
+    def id(self) -> str:
+        return self.meta.id
+
+    def usage(self) -> dict[str, int]:
+        return usage_dict(sum(self.stream.prompt_lens),
+                          sum(len(c.token_ids) for c in self.choices))
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return usage_chunk(self.meta, self.usage())
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def _absorb(self, c: ChoiceState, d: RequestDelta) -> None:
+        c.text += d.new_text
+        c.token_ids.extend(d.new_token_ids)
+        c.logprobs.extend(d.logprobs)
+        if d.finish_reason:
+            c.finish_reason = d.finish_reason
+
+    async def collect(self) -> dict[str, Any]:
+        async for batch in self.stream:
+            for cd in batch:
+                self._absorb(self.choices[cd.index], cd.delta)
+        return full_response(self.meta, self.choices, self.usage(), self._token_text,
+                             self.request.params.logprobs)
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI stream chunks, one choice per chunk, in engine order. Not the usage chunk."""
+        usage = self.request.include_usage
+        want_lp = self.request.params.logprobs
+        async for batch in self.stream:
+            for cd in batch:
+                c, d = self.choices[cd.index], cd.delta
+                self._absorb(c, d)
+                if self.meta.kind == "chat":
+                    if not c.role_sent:
+                        c.role_sent = True
+                        yield chunk(self.meta, {"index": c.index,
+                                                "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}, usage)
+                    if d.new_text or (want_lp and d.logprobs):
+                        lp = chat_logprobs(d.logprobs, self._token_text) if want_lp else None
+                        yield chunk(self.meta, {"index": c.index, "delta": {"content": d.new_text},
+                                                "logprobs": lp, "finish_reason": None}, usage)
+                    if d.finished:
+                        yield chunk(self.meta, {"index": c.index, "delta": {}, "logprobs": None,
+                                                "finish_reason": d.finish_reason}, usage)
+                elif d.new_text or d.finished or (want_lp and d.logprobs):
+                    lp = None
+                    if want_lp:
+                        lp, c.text_offset = completion_logprobs(d.logprobs, self._token_text,
+                                                                c.text_offset)
+                    yield chunk(self.meta, {"index": c.index, "text": d.new_text, "logprobs": lp,
+                                            "finish_reason": d.finish_reason}, usage)

@@ -1,0 +1,158 @@
+"""The OpenAPI 3 document served at /openapi.json: the REST endpoints and their request schemas.
+
+Request schemas mirror what `app/protocol.py` accepts (and forbid other fields, as it does),
+so a generator such as schemathesis can produce valid and invalid requests from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+
+
+def _num(lo: float, hi: float, **extra: Any) -> dict[str, Any]:
+    return {"type": "number", "minimum": lo, "maximum": hi, "nullable": True, **extra}
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "integer", "nullable": True}
+    if lo is not None:
+        s["minimum"] = lo
+    if hi is not None:
+        s["maximum"] = hi
+    return s
+
+
+_STOP = {"nullable": True, "oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+]}
+
+_COMMON: dict[str, Any] = {
+    "model": {"type": "string"},
+    "max_tokens": _int(1),
+    "n": _int(1, MAX_N),
+    "stop": _STOP,
+    "stream": {"type": "boolean", "nullable": True},
+    "stream_options": {"type": "object", "nullable": True, "additionalProperties": False,
+                       "properties": {"include_usage": {"type": "boolean"}}},
+    "temperature": _num(0, 2),
+    "top_p": _num(0, 1, exclusiveMinimum=True),
+    "top_k": _int(-1),
+    "min_p": _num(0, 1),
+    "seed": _int(0, 2**63 - 1),
+    "presence_penalty": _num(-2, 2),
+    "frequency_penalty": _num(-2, 2),
+    "repetition_penalty": _num(0, 10, exclusiveMinimum=True),
+    "ignore_eos": {"type": "boolean", "nullable": True},
+    "min_tokens": _int(0),
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                       "nullable": True},
+    "user": {"type": "string", "nullable": True},
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+        "content": {"oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {
+                "type": "object", "required": ["type", "text"],
+                "properties": {"type": {"type": "string", "enum": ["text"]},
+                               "text": {"type": "string"}}}},
+        ]},
+        "name": {"type": "string"},
+    },
+}
+
+CHAT_REQUEST = {
+    "type": "object",
+    "required": ["messages"],
+    "additionalProperties": False,
+    "properties": {
+        **_COMMON,
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "max_completion_tokens": _int(1),
+        "logprobs": {"type": "boolean", "nullable": True},
+        "top_logprobs": _int(0, MAX_TOP_LOGPROBS),
+    },
+}
+
+COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["prompt"],
+    "additionalProperties": False,
+    "properties": {
+        **_COMMON,
+        "prompt": {"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+            {"type": "array", "minItems": 1, "items": {
+                "type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+        ]},
+        "logprobs": _int(0, MAX_TOP_LOGPROBS),
+    },
+}
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": "string", "nullable": True},
+                   "code": {"type": "string", "nullable": True}}}}}
+
+
+def _responses(ok: str, *errors: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"200": {"description": ok, "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "text/event-stream": {"schema": {"type": "string"}}}}}
+    for status in errors:
+        out[str(status)] = {"description": "error", "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return out
+
+
+def _post(summary: str, schema_ref: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}}},
+        "responses": _responses("a response, or an SSE stream when stream is true",
+                                400, 401, 404, 413, 429, 503),
+    }}
+
+
+def build_openapi(model_name: str, secured: bool) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "openapi": "3.0.3",
+        "info": {"title": "Tandem", "version": "0.1.0",
+                 "description": f"OpenAI-compatible inference server serving {model_name}."},
+        "paths": {
+            "/v1/chat/completions": _post("Create a chat completion", "ChatCompletionRequest"),
+            "/v1/completions": _post("Create a completion", "CompletionRequest"),
+            "/v1/models": {"get": {"summary": "List models", "responses": _responses("models", 401)}},
+            "/v1/requests/{request_id}/cancel": {"post": {
+                "summary": "Cancel a running request by its completion id",
+                "parameters": [{"name": "request_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": _responses("cancelled", 401, 404)}},
+            "/health": {"get": {"summary": "Liveness", "security": [],
+                                "responses": {**_responses("healthy"),
+                                              "503": {"description": "draining or dead"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
+                                 "responses": {"200": {"description": "Prometheus text",
+                                                       "content": {"text/plain": {
+                                                           "schema": {"type": "string"}}}}}}},
+        },
+        "components": {
+            "schemas": {"ChatCompletionRequest": CHAT_REQUEST,
+                        "CompletionRequest": COMPLETION_REQUEST, "Error": _ERROR},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+    if secured:
+        doc["security"] = [{"bearer": []}]
+    return doc

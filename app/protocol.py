@@ -1,0 +1,223 @@
+"""OpenAI request bodies → `GenerationRequest` (token ids + `SamplingParams`), or a 400.
+
+Validation names the offending field in `param`. Fields the server does not implement
+(tools, logit_bias, non-text response_format …) are refused, not silently ignored; fields
+that change nothing here (user, metadata …) are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from app.errors import APIError
+from runtime.sampling_params import SamplingParams, SamplingParamsError
+
+Kind = Literal["chat", "completion"]
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_SEQUENCES = 128  # prompts x n
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+                    "stop_token_ids", "skip_special_tokens")
+_COMMON = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "priority",
+           *_SAMPLING_FIELDS}
+_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+_CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs",
+                                     "top_logprobs"}
+_COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "logprobs"}
+
+# field -> predicate saying the value is harmless (a default) and may be accepted
+_UNSUPPORTED: dict[str, Any] = {
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "logit_bias": lambda v: not v,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: v is None,
+    "best_of": lambda v: v in (None, 1),
+}
+_CHAT_ROLES = {"system", "developer", "user", "assistant"}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    kind: Kind
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int = 0
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    for name, value in body.items():
+        if name in _UNSUPPORTED:
+            if not _UNSUPPORTED[name](value):
+                raise APIError(400, f"'{name}' is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        elif name not in allowed:
+            raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                           code="unknown_parameter")
+
+
+def _opt(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise _bad(name, f"'{name}' must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _messages_to_prompt(messages: Any, tokenizer: Any) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "'messages' must be a non-empty list")
+    norm: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"'{where}' must be an object")
+        role = m.get("role")
+        if role not in _CHAT_ROLES:
+            raise _bad(f"{where}.role", f"'{where}.role' must be one of "
+                       f"{sorted(_CHAT_ROLES)}, got {role!r}")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise APIError(400, "tool calls are not supported", param=f"{where}.tool_calls",
+                           code="unsupported_parameter")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise _bad(f"{where}.content[{j}]", "only {'type': 'text', 'text': str} "
+                               "content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise _bad(f"{where}.content", f"'{where}.content' must be a string or a list "
+                       "of text parts")
+        norm.append({"role": "system" if role == "developer" else role, "content": content})
+    try:
+        text = tokenizer.apply_chat_template(norm, add_generation_prompt=True)
+    except Exception as exc:  # a template may reject a role order it does not support
+        raise _bad("messages", f"the chat template rejected the messages: {exc}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _prompt_to_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
+    def token_list(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in x)
+
+    if isinstance(prompt, str):
+        prompts = [tokenizer.encode(prompt, add_special_tokens=False)]
+    elif token_list(prompt) and prompt:
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(token_list(p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise _bad("prompt", "'prompt' must be a string, a list of strings, a list of token "
+                   "ids or a list of token id lists (non-empty)")
+    if len(prompts) > MAX_PROMPTS:
+        raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    vocab = getattr(tokenizer, "vocab_size", None)
+    for ids in prompts:
+        if not ids:
+            raise _bad("prompt", "a prompt must contain at least one token")
+        if vocab is not None and any(t < 0 or t >= vocab for t in ids):
+            raise _bad("prompt", f"token ids must be in [0, {vocab})")
+    return prompts
+
+
+def parse_generation(kind: Kind, body: dict[str, Any], tokenizer: Any,
+                     max_model_len: int, model_names: tuple[str, ...]) -> GenerationRequest:
+    """Validate one chat or completions body and tokenize its prompt(s)."""
+    _check_fields(body, _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS)
+    model = _opt(body, "model", (str,), "a string") or model_names[0]
+    if model not in model_names:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                       f"'{model_names[0]}'", param="model", code="model_not_found")
+    stream = bool(_opt(body, "stream", (bool,), "a boolean"))
+    options = _opt(body, "stream_options", (dict,), "an object") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise _bad("stream_options.include_usage", "'include_usage' must be a boolean")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise _bad("stop", "'stop' must be a string or a list of strings")
+    priority = _opt(body, "priority", (int,), "an integer") or 0
+
+    kwargs: dict[str, Any] = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    kwargs["stop"] = stop
+    if body.get("n") is not None:
+        kwargs["n"] = body["n"]
+    if kind == "chat":
+        prompts = [_messages_to_prompt(body.get("messages"), tokenizer)]
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        logprobs = _opt(body, "logprobs", (bool,), "a boolean") or False
+        top = _opt(body, "top_logprobs", (int,), "an integer")
+        if top is not None and not logprobs:
+            raise _bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
+        kwargs.update(logprobs=logprobs, top_logprobs=top or 0)
+    else:
+        prompts = _prompt_to_ids(body.get("prompt"), tokenizer)
+        max_tokens = body.get("max_tokens", 16)
+        max_param = "max_tokens"
+        top = _opt(body, "logprobs", (int,), "an integer")
+        if top is not None:
+            kwargs.update(logprobs=True, top_logprobs=top)
+    longest = max(len(p) for p in prompts)
+    if max_tokens is None:
+        max_tokens = max(1, max_model_len - longest)
+    kwargs["max_tokens"] = max_tokens
+    try:
+        params = SamplingParams(**kwargs)
+    except SamplingParamsError as exc:
+        param = {"max_tokens": max_param}.get(exc.param, exc.param)
+        if kind == "completion" and param == "top_logprobs":
+            param = "logprobs"
+        raise _bad(param, str(exc)) from None
+    except (TypeError, ValueError) as exc:
+        raise _bad("body", f"invalid sampling parameters: {exc}") from None
+    if len(prompts) * params.n > MAX_SEQUENCES:
+        raise _bad("n", f"prompts x n must be at most {MAX_SEQUENCES}, got "
+                   f"{len(prompts) * params.n}")
+    if longest + params.max_tokens > max_model_len:
+        raise APIError(
+            400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {longest + params.max_tokens} tokens ({longest} in the "
+            f"{'messages' if kind == 'chat' else 'prompt'}, {params.max_tokens} for the "
+            "completion). Please reduce the length of the prompt or of max_tokens.",
+            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+    return GenerationRequest(kind, model, prompts, params, stream, include_usage, priority)

@@ -1,0 +1,116 @@
+"""The aiohttp app factory and its thin REST handlers.
+
+`create_app(config, engine_loop)` wires routes, middlewares (errors, then auth), the engine
+loop's lifetime (cleanup_ctx) and shutdown (close websockets, abort what still runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import orjson
+from aiohttp import WSCloseCode, web
+
+from app.auth import make_auth_middleware
+from app.config import ServerConfig
+from app.errors import APIError, error_middleware, json_response
+from app.generation import start_generation
+from app.openapi import build_openapi
+from app.protocol import Kind, parse_json_body
+from app.sse import stream_sse
+from app.state import STATE_KEY, ServerState, TokenText
+from app.ws import ws_handler
+from runtime.loop import EngineLoop
+
+
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    body = parse_json_body(await request.read())
+    generation = await start_generation(state, kind, body)
+    if generation.request.stream:
+        return await stream_sse(request, generation)
+    try:
+        return json_response(await generation.collect())
+    finally:
+        generation.close()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created,
+        "owned_by": "tandem", "root": state.engine_loop.model_name,
+        "max_model_len": state.engine_loop.max_model_len}]})
+
+
+async def cancel_request(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    request_id = request.match_info["request_id"]
+    if not state.engine_loop.abort(request_id):
+        raise APIError(404, f"No running request with id {request_id!r}", param="request_id",
+                       code="not_found")
+    return json_response({"id": request_id, "object": "request.cancelled", "cancelled": True})
+
+
+async def health(request: web.Request) -> web.Response:
+    loop = request.app[STATE_KEY].engine_loop
+    if loop.dead:
+        return json_response({"status": "dead"}, status=503)
+    if loop.draining:
+        return json_response({"status": "draining"}, status=503)
+    return json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = request.app[STATE_KEY].engine_loop.render_metrics()
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return web.Response(body=orjson.dumps(build_openapi(state.model_name,
+                                                        bool(state.config.api_keys))),
+                        content_type="application/json")
+
+
+async def _engine_loop_ctx(app: web.Application) -> AsyncIterator[None]:
+    loop = app[STATE_KEY].engine_loop
+    await loop.start()
+    yield
+    await loop.stop()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    for request_id in state.engine_loop.request_ids():
+        state.engine_loop.abort(request_id)  # open SSE streams end with finish_reason abort
+    for ws in list(state.websockets):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+
+
+def create_app(config: ServerConfig, engine_loop: EngineLoop) -> web.Application:
+    middlewares = [error_middleware]
+    if config.api_keys:
+        middlewares.append(make_auth_middleware(config.api_keys))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app[STATE_KEY] = ServerState(config, engine_loop, TokenText(engine_loop.tokenizer))
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/requests/{request_id}/cancel", cancel_request)
+    app.router.add_get("/v1/ws", ws_handler)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    app.cleanup_ctx.append(_engine_loop_ctx)
+    app.on_shutdown.append(_on_shutdown)
+    return app

@@ -1,0 +1,58 @@
+"""Server-sent events exactly as OpenAI streams them: `data: {json}\n\n` frames, then `[DONE]`.
+
+An error after the headers went out is sent as one `data:` frame holding an OpenAI error,
+then `[DONE]`. A client that goes away (write fails, or the handler is cancelled) aborts
+the request through `Generation.close()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from app.errors import APIError, error_dict
+from app.generation import Generation
+from runtime.loop import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+DONE_FRAME = b"data: [DONE]\n\n"
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+def sse_frame(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def stream_sse(request: web.Request, generation: Generation) -> web.StreamResponse:
+    """Write a generation as SSE. Always closes the generation (aborting it if unfinished)."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    try:
+        await response.prepare(request)
+        try:
+            async for chunk in generation.chunks():
+                await response.write(sse_frame(chunk))
+            if generation.request.include_usage:
+                await response.write(sse_frame(generation.usage_chunk()))
+        except EngineDeadError as exc:
+            await response.write(sse_frame(APIError(503, str(exc), code="engine_dead").to_dict()))
+        except (ConnectionResetError, OSError):
+            raise
+        except Exception as exc:  # headers are gone: report in-band
+            logger.exception("error while streaming %s", generation.id)
+            await response.write(sse_frame(error_dict(f"internal error: {exc}",
+                                                      "internal_server_error")))
+        await response.write(DONE_FRAME)
+        await response.write_eof()
+    except (ConnectionResetError, OSError):
+        logger.info("client went away during %s; aborting", generation.id)
+    finally:
+        generation.close()
+    return response

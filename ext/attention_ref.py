@@ -75,11 +75,15 @@ def plan_paged_attention(
         decode_len = max(seq_lens[i] for i in decode_seqs)
         nb = -(-decode_len // block_size)
         seq_idx = torch.tensor(decode_seqs, dtype=torch.int64, device=device)
-        decode_rows = torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device)
+        decode_rows = torch.tensor(
+            [starts[i] for i in decode_seqs], dtype=torch.int64, device=device
+        )
         decode_blocks = block_tables.index_select(0, seq_idx)[:, :nb].to(torch.int64)
         lens = torch.tensor([seq_lens[i] for i in decode_seqs], device=device)
         # [num_decode, 1, 1, decode_len]: key j is visible iff j < seq_len
-        decode_mask = (torch.arange(decode_len, device=device)[None, :] < lens[:, None])[:, None, None]
+        decode_mask = (torch.arange(decode_len, device=device)[None, :] < lens[:, None])[
+            :, None, None
+        ]
 
     prefills = []
     for i in prefill_seqs:

@@ -66,8 +66,14 @@ class TorchAttentionBackend:
         if not isinstance(plan, PagedAttentionPlan):
             plan = None  # prepared by another backend or not at all: plan per call
         return paged_attention(
-            q, k_cache, v_cache, batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables,
-            scale, plan,
+            q,
+            k_cache,
+            v_cache,
+            batch.query_lens_cpu,
+            batch.seq_lens_cpu,
+            batch.block_tables,
+            scale,
+            plan,
         )
 
 

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 # Checkpoint names that carry no parameters (buffers some exporters include).
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
-_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
+_FUSED_EXPERTS = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$"
+)
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -104,7 +106,9 @@ def _split(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]
         return
     prefix, kind = m[1], m[2]
     if tensor.dim() != 3:
-        raise UnsupportedModelError(f"fused expert tensor {name} must be 3-D, got {tuple(tensor.shape)}")
+        raise UnsupportedModelError(
+            f"fused expert tensor {name} must be 3-D, got {tuple(tensor.shape)}"
+        )
     for e in range(tensor.shape[0]):
         if kind == "down_proj":  # [E, H, I]
             yield f"{prefix}.{e}.down_proj.weight", tensor[e]
@@ -114,9 +118,7 @@ def _split(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]
             yield f"{prefix}.{e}.up_proj.weight", up
 
 
-def load_hf_weights(
-    model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]
-) -> None:
+def load_hf_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     arch = model.config.architecture
     targets = _targets(model)
     filled: set[str] = set()

@@ -14,9 +14,7 @@ from models.layers.norm import RMSNorm
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    norm_params = {
-        id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)
-    }
+    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     generators: dict[torch.device, torch.Generator] = {}
     for _, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if id(param) in norm_params:

@@ -33,8 +33,16 @@ def _naive(q, k_cache, v_cache, query_lens, seq_lens, block_tables, scale):
     return out
 
 
-def _random_batch(rng: random.Random, query_lens, seq_lens, num_heads, num_kv_heads, head_dim,
-                  block_size, dtype=torch.float32):
+def _random_batch(
+    rng: random.Random,
+    query_lens,
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype=torch.float32,
+):
     max_blocks = max(-(-s // block_size) for s in seq_lens)
     num_blocks = max_blocks * len(seq_lens) + 3
     ids = list(range(num_blocks))
@@ -66,8 +74,9 @@ def test_paged_attention_matches_naive(group: int, block_size: int, case: int) -
     rng = random.Random(case)
     query_lens, seq_lens = CASES[case]
     num_kv_heads, head_dim = 2, 8
-    q, kc, vc, bt = _random_batch(rng, query_lens, seq_lens, num_kv_heads * group, num_kv_heads,
-                                  head_dim, block_size)
+    q, kc, vc, bt = _random_batch(
+        rng, query_lens, seq_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size
+    )
     scale = 1.0 / math.sqrt(head_dim)
     out = paged_attention(q, kc, vc, query_lens, seq_lens, bt, scale)
     ref = _naive(q, kc, vc, query_lens, seq_lens, bt, scale)
@@ -75,7 +84,9 @@ def test_paged_attention_matches_naive(group: int, block_size: int, case: int) -
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     # A precomputed plan gives the same answer.
     plan = plan_paged_attention(query_lens, seq_lens, bt, block_size)
-    torch.testing.assert_close(paged_attention(q, kc, vc, query_lens, seq_lens, bt, scale, plan), out)
+    torch.testing.assert_close(
+        paged_attention(q, kc, vc, query_lens, seq_lens, bt, scale, plan), out
+    )
 
 
 def test_paged_attention_random_ragged_bf16() -> None:
@@ -85,8 +96,9 @@ def test_paged_attention_random_ragged_bf16() -> None:
         n = rng.randint(1, 6)
         seq_lens = [rng.randint(1, 40) for _ in range(n)]
         query_lens = [rng.choice([1, s, rng.randint(1, s)]) for s in seq_lens]
-        q, kc, vc, bt = _random_batch(rng, query_lens, seq_lens, 6, 2, 16, rng.choice([4, 16]),
-                                      dtype=torch.bfloat16)
+        q, kc, vc, bt = _random_batch(
+            rng, query_lens, seq_lens, 6, 2, 16, rng.choice([4, 16]), dtype=torch.bfloat16
+        )
         out = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.25)
         assert out.dtype == torch.bfloat16
         ref = _naive(q, kc, vc, query_lens, seq_lens, bt, 0.25)

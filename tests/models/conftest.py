@@ -29,15 +29,22 @@ class PagedRunner:
         self.model = model
         self.block_size = block_size
         self.kv_cache = KVCache.allocate(
-            config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-            config.head_dim, dtype, "cpu",
+            config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype,
+            "cpu",
         )
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # non-contiguous, unordered block ids
         self.block_tables: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
 
-    def build_batch(self, work: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def build_batch(
+        self, work: list[tuple[int, list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """work: (seq_id, new tokens) per sequence -> input_ids, positions, ForwardBatch.
 
         Every token gets a logits row (logits_indices covers the whole batch).
@@ -55,7 +62,9 @@ class PagedRunner:
             while len(table) * self.block_size < end:
                 table.append(self.free_blocks.pop())
             for pos in range(start, end):
-                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+                slots.append(
+                    table[pos // self.block_size] * self.block_size + pos % self.block_size
+                )
             input_ids += tokens
             positions += range(start, end)
             query_lens.append(len(tokens))

@@ -37,8 +37,11 @@ CASES = {
         lambda: hf.LlamaConfig(
             **_with(hidden_size=96, num_attention_heads=6, tie_word_embeddings=True),
             rope_parameters={
-                "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
         ),
@@ -54,11 +57,15 @@ CASES = {
     "qwen3": (lambda: hf.Qwen3Config(**_with(num_key_value_heads=1, head_dim=32)), 16),
     # Layer 0 dense (mlp_only_layers), layer 1 MoE; renormalized top-k.
     "qwen3_moe": (
-        lambda: hf.Qwen3MoeConfig(**COMMON, **MOE, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0]),
+        lambda: hf.Qwen3MoeConfig(
+            **COMMON, **MOE, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0]
+        ),
         4,
     ),
     "qwen2_moe": (
-        lambda: hf.Qwen2MoeConfig(**COMMON, **MOE, num_experts=8, shared_expert_intermediate_size=48),
+        lambda: hf.Qwen2MoeConfig(
+            **COMMON, **MOE, num_experts=8, shared_expert_intermediate_size=48
+        ),
         16,
     ),
     "mixtral": (lambda: hf.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2), 4),
@@ -73,8 +80,9 @@ def _save_hf_model(config: hf.PretrainedConfig, path: Path) -> torch.nn.Module:
     return model
 
 
-def _check_against_hf(hf_model: torch.nn.Module, seqs: dict[int, list[int]],
-                      rows: dict[int, list[torch.Tensor]]) -> None:
+def _check_against_hf(
+    hf_model: torch.nn.Module, seqs: dict[int, list[int]], rows: dict[int, list[torch.Tensor]]
+) -> None:
     for seq_id, produced in rows.items():
         ours = torch.cat(produced)  # [n, vocab], positions 0..n-1
         ids = torch.tensor([seqs[seq_id][: ours.shape[0]]])
@@ -109,15 +117,18 @@ def test_parity_with_hf(name: str, tmp_path: Path, paged_runner) -> None:
     # Step 1: a whole prompt and the first chunks of two others.
     run([(0, seqs[0][:5]), (1, seqs[1][:8]), (2, seqs[2][:16])], sample={0})
     # Step 2: remaining chunks, a decode token in the middle, and a new prompt.
-    run([(1, seqs[1][8:17]), (0, seqs[0][5:6]), (2, seqs[2][16:33]), (3, seqs[3][:9])],
-        sample={0, 1, 2, 3})
+    run(
+        [(1, seqs[1][8:17]), (0, seqs[0][5:6]), (2, seqs[2][16:33]), (3, seqs[3][:9])],
+        sample={0, 1, 2, 3},
+    )
     # Decode-only steps, sequences in a different order each time.
     for order in ([3, 1, 0, 2], [0, 1, 2, 3], [2, 3, 1, 0]):
         run([(i, seqs[i][-1:]) for i in order], sample=set(order))
 
     _check_against_hf(hf_model, seqs, rows)
-    assert [sum(r.shape[0] for r in rows[i]) for i in seqs] == [n + 3 + (i == 0) for i, n in
-                                                                 enumerate(PROMPT_LENS)]
+    assert [sum(r.shape[0] for r in rows[i]) for i in seqs] == [
+        n + 3 + (i == 0) for i, n in enumerate(PROMPT_LENS)
+    ]
 
 
 def test_forward_returns_only_logits_rows(tmp_path: Path, paged_runner) -> None:

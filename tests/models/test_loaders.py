@@ -1,0 +1,217 @@
+"""models/loader: sharded safetensors, fused expert layouts, error messages naming the
+offending tensor or architecture, dummy weights, backend registries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as hf
+from safetensors.torch import load_file, save_file
+
+from models.config import ModelConfig, UnsupportedModelError
+from models.layers.experts import TorchExpertBackend, get_expert_backend, register_expert_backend
+from models.loader import build_model, load_model
+from models.loader.safetensors import iter_safetensors_weights
+from models.registry import get_model_class
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def _save(config: hf.PretrainedConfig, path: Path, **save_kwargs: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(path, **save_kwargs)
+    return model
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        torch.testing.assert_close(pa[name], pb[name], rtol=0, atol=0, msg=name)
+
+
+def _rewrite(path: Path, edit) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_sharded_safetensors_with_index(tmp_path: Path) -> None:
+    cfg = hf.Qwen2Config(**TINY)
+    _save(cfg, tmp_path / "one")
+    _save(cfg, tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    single, _ = load_model(tmp_path / "one", dtype=torch.float32, device="cpu")
+    sharded, _ = load_model(tmp_path / "sharded", dtype=torch.float32, device="cpu")
+    _assert_same_params(single, sharded)
+    assert not any(p.requires_grad for p in sharded.parameters()) and not sharded.training
+    names = [n for n, _ in iter_safetensors_weights(tmp_path / "sharded", torch.bfloat16)]
+    assert sorted(names) == sorted(index["weight_map"])
+    _, t = next(iter_safetensors_weights(tmp_path / "sharded", torch.bfloat16))
+    assert t.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        hf.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+        hf.Qwen2MoeConfig(
+            **TINY,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ],
+    ids=["mixtral", "qwen2_moe"],
+)
+def test_fused_3d_expert_layout_matches_per_expert(
+    config: hf.PretrainedConfig, tmp_path: Path
+) -> None:
+    model = _save(config, tmp_path / "per_expert")
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    (fused_dir / "config.json").write_text((tmp_path / "per_expert" / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)  # transformers' 3-D layout
+    save_file(state, fused_dir / "model.safetensors", metadata={"format": "pt"})
+    a, _ = load_model(tmp_path / "per_expert", dtype=torch.float32, device="cpu")
+    b, _ = load_model(fused_dir, dtype=torch.float32, device="cpu")
+    _assert_same_params(a, b)
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    _save(hf.Qwen2Config(**TINY), tmp_path)
+    _rewrite(tmp_path, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+
+
+def test_missing_mixtral_expert_is_named_in_its_scheme(tmp_path: Path) -> None:
+    _save(hf.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2), tmp_path)
+    _rewrite(tmp_path, lambda t: t.pop("model.layers.0.block_sparse_moe.experts.2.w3.weight"))
+    with pytest.raises(UnsupportedModelError, match=r"block_sparse_moe\.experts\.2\.w3\.weight"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+
+
+def test_unexpected_tensor_is_named(tmp_path: Path) -> None:
+    _save(hf.LlamaConfig(**TINY), tmp_path)
+    _rewrite(tmp_path, lambda t: t.update({"model.layers.0.mlp.mystery.weight": torch.zeros(2)}))
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp\.mystery\.weight"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+
+
+def test_wrong_shape_is_named(tmp_path: Path) -> None:
+    _save(hf.LlamaConfig(**TINY), tmp_path)
+    _rewrite(tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(63)}))
+    with pytest.raises(UnsupportedModelError, match=r"model\.norm\.weight.*\(63,\)"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": 8,
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+            }
+        )
+    )
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+    with pytest.raises(UnsupportedModelError, match="FancyForCausalLM"):
+        get_model_class("FancyForCausalLM")
+
+
+def _moe_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="Qwen2MoeForCausalLM",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        attention_bias=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        mlp_only_layers=(1,),
+    )
+
+
+def test_dummy_weights_shapes_and_seed(tmp_path: Path) -> None:
+    cfg = _moe_config()
+    a, _ = load_model(tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg)
+    b, _ = load_model(tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg)
+    c, _ = load_model(
+        tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg, seed=1
+    )
+    _assert_same_params(a, b)
+    assert not torch.equal(_params(a)["embed_tokens.weight"], _params(c)["embed_tokens.weight"])
+    p = _params(a)
+    q, kv = cfg.q_size, cfg.kv_size
+    assert p["layers.0.self_attn.qkv_proj.weight"].shape == (q + 2 * kv, 32)
+    assert p["layers.0.self_attn.qkv_proj.bias"].shape == (q + 2 * kv,)
+    assert p["layers.0.mlp.w13"].shape == (4, 2 * 16, 32)
+    assert p["layers.0.mlp.w2"].shape == (4, 32, 16)
+    assert p["layers.0.mlp.shared_expert.gate_up_proj.weight"].shape == (48, 32)
+    assert p["layers.1.mlp.gate_up_proj.weight"].shape == (96, 32)  # mlp_only layer: dense
+    assert p["lm_head.weight"].shape == (96, 32)
+    assert torch.all(p["layers.1.input_layernorm.weight"] == 1.0)
+    assert torch.all(p["norm.weight"] == 1.0)
+    assert 0.015 < float(p["layers.0.mlp.w13"].std()) < 0.025
+
+
+def test_dummy_from_config_json_in_bf16(tmp_path: Path) -> None:
+    hf.LlamaConfig(**TINY, tie_word_embeddings=True).save_pretrained(tmp_path)
+    model, cfg = load_model(tmp_path, dtype=torch.bfloat16, device="cpu", load_format="dummy")
+    assert cfg.tie_word_embeddings and model.lm_head is None
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
+
+
+def test_backend_registries(tmp_path: Path, paged_runner) -> None:
+    calls: list[int] = []
+
+    class CountingBackend(TorchExpertBackend):
+        name = "counting"
+
+        def forward(self, layer_idx, hidden, topk_ids, topk_weights, w13, w2):  # type: ignore[override]
+            calls.append(layer_idx)
+            return super().forward(layer_idx, hidden, topk_ids, topk_weights, w13, w2)
+
+    register_expert_backend("counting", CountingBackend)
+    assert isinstance(get_expert_backend("counting"), CountingBackend)
+    with pytest.raises(ValueError, match="nope"):
+        get_expert_backend("nope")
+    cfg = _moe_config()
+    with pytest.raises(ValueError, match="nope"):
+        build_model(cfg, dtype=torch.float32, device="cpu", attn_backend="nope")
+    model = build_model(cfg, dtype=torch.float32, device="cpu", expert_backend="counting")
+    from models.loader.dummy import init_dummy_weights
+
+    init_dummy_weights(model)
+    runner = paged_runner(model, cfg, block_size=4)
+    runner.step([(0, [1, 2, 3]), (1, [4])])
+    assert calls == [0]  # layer 1 is dense (mlp_only_layers)

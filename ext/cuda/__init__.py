@@ -1,0 +1,21 @@
+"""CUDA kernels (CuPy RawModules compiled from the `.cu` files here): paged-attention decode
+and extend, and the KV-cache write, registered as `torch.ops.tandem.*` custom ops.
+
+Importing this package needs neither CuPy nor CUDA; calling a kernel needs both
+(`is_available()` says whether they are there). References: ext/attention_ref.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ext.cuda._loader import cupy_available
+from ext.cuda.paged_attention import paged_attention_cuda, paged_decode, paged_extend, write_kv
+
+
+def is_available() -> bool:
+    """True when CuPy imports and torch sees a CUDA device."""
+    return torch.cuda.is_available() and cupy_available()
+
+
+__all__ = ["is_available", "paged_attention_cuda", "paged_decode", "paged_extend", "write_kv"]

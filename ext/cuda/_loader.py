@@ -1,0 +1,122 @@
+"""Compiles the `.cu` sources beside this file with CuPy (NVRTC) and launches their kernels
+on torch's current CUDA stream.
+
+Each (source, template instantiation, device) is compiled once per process and cached; CuPy
+also caches the binary on disk. CuPy is imported lazily, so importing `ext.cuda` works on a
+machine without CuPy or CUDA; only a launch needs them.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_SRC_DIR = Path(__file__).resolve().parent
+_COMMON = "common.cuh"
+_OPTIONS = ("-std=c++17", "--use_fast_math")
+
+_lock = threading.Lock()
+_kernels: dict[tuple[str, str, int], Any] = {}
+_streams: dict[tuple[int, int], Any] = {}
+_sources: dict[str, str] = {}
+
+
+def cupy_module() -> Any:
+    """Import CuPy or raise a clear error (the only place that imports it)."""
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise RuntimeError(
+            "ext.cuda kernels need CuPy (pip install cupy-cuda12x or cupy-cuda13x)"
+        ) from e
+    return cupy
+
+
+def cupy_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _source(filename: str) -> str:
+    """The source text with `#include "common.cuh"` inlined (so CuPy's cache key sees it)."""
+    src = _sources.get(filename)
+    if src is None:
+        common = (_SRC_DIR / _COMMON).read_text()
+        body = (_SRC_DIR / filename).read_text()
+        src = body.replace(f'#include "{_COMMON}"', common)
+        _sources[filename] = src
+    return src
+
+
+def get_kernel(filename: str, name: str, device_index: int) -> Any:
+    """The compiled kernel `name` (a name expression, e.g. `f<1,128>`) of `filename`."""
+    key = (filename, name, device_index)
+    fn = _kernels.get(key)
+    if fn is not None:
+        return fn
+    cp = cupy_module()
+    with _lock:
+        fn = _kernels.get(key)
+        if fn is None:
+            with cp.cuda.Device(device_index):
+                module = cp.RawModule(
+                    code=_source(filename), options=_OPTIONS, name_expressions=(name,)
+                )
+                fn = module.get_function(name)
+            _kernels[key] = fn
+    return fn
+
+
+def _stream(device: torch.device) -> Any:
+    cp = cupy_module()
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    key = (device.index, ptr)
+    s = _streams.get(key)
+    if s is None:
+        s = cp.cuda.ExternalStream(ptr, device.index)
+        _streams[key] = s
+    return s
+
+
+def launch(
+    filename: str,
+    name: str,
+    device: torch.device,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    args: tuple,
+) -> None:
+    """Launch kernel `name` of `filename` on torch's current stream of `device`.
+
+    `args` are numpy scalars (np.uint64 for pointers, np.int32, np.int64, np.float32) in the
+    kernel's parameter order.
+    """
+    cp = cupy_module()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    fn = get_kernel(filename, name, index)
+    with cp.cuda.Device(index), _stream(device):
+        fn(grid, block, args)
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def f32(x: float) -> np.float32:
+    return np.float32(x)

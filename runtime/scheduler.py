@@ -29,7 +29,9 @@ class RequestTooLongError(ValueError):
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ):
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduler_config.policy!r}")
         self.config = scheduler_config
@@ -96,9 +98,12 @@ class Scheduler:
         max_total = num_prompt + max_tokens if max_tokens is not None else max_len
         blocks = self.block_pool.blocks_needed(max_total - 1)
         if blocks > self.block_pool.num_usable_blocks:
+            limit = (
+                f"max_tokens {max_tokens}" if max_tokens is not None else f"max_model_len {max_len}"
+            )
             raise RequestTooLongError(
-                f"request needs up to {max_total} tokens ({blocks} KV blocks of "
-                f"{self.block_pool.block_size}), but the KV cache has only "
+                f"request needs up to {max_total} tokens (prompt {num_prompt}, {limit}): "
+                f"{blocks} KV blocks of {self.block_pool.block_size}, but the KV cache has only "
                 f"{self.block_pool.num_usable_blocks} blocks"
             )
         request.status = RequestStatus.WAITING
@@ -226,7 +231,9 @@ class Scheduler:
         """
         num_samples = sum(1 for s in output.seqs if s.sample)
         if num_samples != len(sampled_token_ids):
-            raise ValueError(f"{len(sampled_token_ids)} sampled ids for {num_samples} sampling seqs")
+            raise ValueError(
+                f"{len(sampled_token_ids)} sampled ids for {num_samples} sampling seqs"
+            )
         finished: list[Request] = []
         samples = iter(sampled_token_ids)
         for seq in output.seqs:

@@ -160,8 +160,14 @@ def test_hash_is_stable_across_processes():
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        res = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        )
         outs.add(res.stdout.strip())
     assert outs == {hash_block(hash_block(None, [1, 2]), [3, 4]).hex()}
     assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [0, 0]), [1, 2])
@@ -188,8 +194,11 @@ class PoolMachine(RuleBasedStateMachine):
             # Real KV depends on the whole context, not just the token at the slot.
             self.kv.setdefault(block, [None] * bs)[pos % bs] = tuple(request.token_ids[: pos + 1])
 
-    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), max_size=6),
-          chunk=st.integers(1, 12))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        tail=st.lists(st.integers(0, 3), max_size=6),
+        chunk=st.integers(1, 12),
+    )
     def start_request(self, prefix: list[int], tail: list[int], chunk: int) -> None:
         request = make_request(f"r{self.next_id}", prefix + tail)
         self.next_id += 1
@@ -248,7 +257,9 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPoolMachine = PoolMachine.TestCase

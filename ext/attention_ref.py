@@ -12,7 +12,7 @@ sequence gets one SDPA call with a causal mask offset by its cached prefix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,9 @@ class PagedAttentionPlan:
     decode_len: int  # max seq_len over the decode sequences
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_len] bool
     prefills: list[_PrefillSeq]
+    # Gather buffers reused by every layer of the step: fresh multi-MB allocations per layer
+    # page-fault on each call and cost more than the attention itself on CPU.
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def plan_paged_attention(
@@ -106,11 +109,34 @@ def plan_paged_attention(
     )
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """`blocks` `[..., nb]` -> float32 `[..., length, num_kv_heads, head_dim]`."""
-    g = cache[blocks]  # [..., nb, block_size, kvh, d]
-    g = g.flatten(-4, -3)[..., :length, :, :]
-    return g.float()
+def _buffer(
+    workspace: dict[str, torch.Tensor], key: str, numel: int, like: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    buf = workspace.get(key)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != like.device:
+        buf = torch.empty(numel, dtype=dtype, device=like.device)
+        workspace[key] = buf
+    return buf[:numel]
+
+
+def _gather(
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    length: int,
+    workspace: dict[str, torch.Tensor],
+    key: str,
+) -> torch.Tensor:
+    """`blocks` `[..., nb]` -> float32 view `[..., length, num_kv_heads, head_dim]`."""
+    _, block_size, kvh, d = cache.shape
+    flat = blocks.reshape(-1)
+    shape = (flat.numel(), block_size, kvh, d)
+    numel = flat.numel() * block_size * kvh * d
+    raw = _buffer(workspace, key, numel, cache, cache.dtype).view(shape)
+    torch.index_select(cache, 0, flat, out=raw)
+    if cache.dtype != torch.float32:
+        f32 = _buffer(workspace, key + ".f32", numel, cache, torch.float32).view(shape)
+        raw = f32.copy_(raw)
+    return raw.view(*blocks.shape[:-1], -1, kvh, d)[..., :length, :, :]
 
 
 def paged_attention(
@@ -138,16 +164,19 @@ def paged_attention(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     gqa = num_heads != num_kv_heads
+    group = num_heads // num_kv_heads
     qf = q.float()
+    ws = plan.workspace
 
     if plan.decode_rows is not None:
         dq = qf if plan.decode_rows_are_all else qf.index_select(0, plan.decode_rows)
-        dq = dq[:, :, None, :]  # [B, H, 1, D]
-        dk = _gather(k_cache, plan.decode_blocks, plan.decode_len).transpose(1, 2)  # [B, KVH, L, D]
-        dv = _gather(v_cache, plan.decode_blocks, plan.decode_len).transpose(1, 2)
+        # One query token: heads sharing a KV head form its "query length" (head h -> h // group).
+        dq = dq.view(-1, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
+        dk = _gather(k_cache, plan.decode_blocks, plan.decode_len, ws, "k")  # [B, L, KVH, D]
+        dv = _gather(v_cache, plan.decode_blocks, plan.decode_len, ws, "v")
         dout = F.scaled_dot_product_attention(
-            dq, dk, dv, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa
-        )[:, :, 0, :]  # [B, H, D]
+            dq, dk.transpose(1, 2), dv.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale
+        ).reshape(-1, num_heads, head_dim)  # [B, H, D]
         if plan.decode_rows_are_all:
             return dout.to(q.dtype)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -156,8 +185,8 @@ def paged_attention(
 
     for p in plan.prefills:
         pq = qf[p.token_start : p.token_start + p.query_len].transpose(0, 1)  # [H, q_len, D]
-        pk = _gather(k_cache, p.blocks, p.seq_len).transpose(0, 1)  # [KVH, s_len, D]
-        pv = _gather(v_cache, p.blocks, p.seq_len).transpose(0, 1)
+        pk = _gather(k_cache, p.blocks, p.seq_len, ws, "k").transpose(0, 1)  # [KVH, s_len, D]
+        pv = _gather(v_cache, p.blocks, p.seq_len, ws, "v").transpose(0, 1)
         pout = F.scaled_dot_product_attention(
             pq, pk, pv, attn_mask=p.mask, scale=scale, enable_gqa=gqa
         )  # [H, q_len, D]

@@ -117,3 +117,18 @@ def test_write_kv_places_tokens_at_slots() -> None:
     torch.testing.assert_close(k_cache[0, 0], k[1])
     torch.testing.assert_close(v_cache[4, 3], v[2])
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
+
+
+def test_plan_workspace_reused_across_layers() -> None:
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    query_lens, seq_lens = [1, 7, 1, 12], [20, 7, 3, 40]
+    layers = [
+        _random_batch(rng, query_lens, seq_lens, 4, 2, 8, 4, dtype=torch.bfloat16) for _ in range(3)
+    ]
+    bt = layers[0][3]
+    plan = plan_paged_attention(query_lens, seq_lens, bt, 4)
+    for q, kc, vc, _ in layers:  # same block tables' shape, different caches per "layer"
+        shared = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.3, plan)
+        fresh = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.3)
+        torch.testing.assert_close(shared, fresh, rtol=0, atol=0)

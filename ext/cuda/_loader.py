@@ -80,7 +80,10 @@ def _stream(device: torch.device) -> Any:
     key = (device.index, ptr)
     s = _streams.get(key)
     if s is None:
-        s = cp.cuda.ExternalStream(ptr, device.index)
+        try:
+            s = cp.cuda.ExternalStream(ptr, device.index)
+        except TypeError:  # older CuPy: no device_id argument
+            s = cp.cuda.ExternalStream(ptr)
         _streams[key] = s
     return s
 

@@ -44,6 +44,14 @@ def time_ms(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def measure_copy_bw() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), 2 GiB buffers."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
 def ref_decode(q, k_cache, v_cache, bt, ctx, scale, max_gather_bytes=4 << 30):
     """torch reference: gather each sequence's KV from the paged cache, then SDPA (GQA)."""
     batch = q.shape[0]

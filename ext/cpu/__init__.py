@@ -1,0 +1,16 @@
+"""CPU expert pool: C++ MoE kernels (bf16/int8/int4; scalar, AVX2, AVX-512, AMX) on NUMA-pinned
+worker threads, built just in time. See ext/cpu/pool.py for the contract."""
+
+from .build import CpuExtensionError, load_extension
+from .pool import ISA_ENV, CpuExpertPool, supported_isas
+from .reference import moe_reference, quantize
+
+__all__ = [
+    "ISA_ENV",
+    "CpuExpertPool",
+    "CpuExtensionError",
+    "load_extension",
+    "moe_reference",
+    "quantize",
+    "supported_isas",
+]

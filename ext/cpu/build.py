@@ -1,0 +1,161 @@
+"""Just-in-time build of the C++ expert pool (`_tandem_cpu`) into a per-user cache.
+
+Owns compiling and loading the extension; knows nothing about experts. Each ISA's kernels are a
+separate translation unit with its own -m flags, so the library loads on any x86-64 CPU and the
+pool picks kernels from CPUID at run time. An ISA the compiler cannot target is left out of the
+build (the pool reports it as unavailable). Needs only g++ (or $CXX), pybind11's headers and the
+Python headers: no setuptools step and no package registry.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+SRC_DIR = Path(__file__).resolve().parent
+MODULE_NAME = "_tandem_cpu"
+
+BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-pthread", "-DNDEBUG"]
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+AVX512_FLAGS = AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
+AMX_FLAGS = AVX512_FLAGS + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+
+# (source, extra flags, define that says it was built); define None: always built.
+CORE_UNITS = [
+    ("isa.cpp", [], None),
+    ("workers.cpp", [], None),
+    ("moe.cpp", [], None),
+    ("kernels_scalar.cpp", [], None),
+    ("bindings.cpp", [], None),
+]
+X86_UNITS = [
+    ("kernels_avx2.cpp", AVX2_FLAGS, "TANDEM_HAVE_AVX2"),
+    ("kernels_avx512.cpp", AVX512_FLAGS, "TANDEM_HAVE_AVX512"),
+    ("kernels_amx.cpp", AMX_FLAGS, "TANDEM_HAVE_AMX"),
+]
+HEADERS = ["kernels.h", "isa.h", "workers.h", "moe.h"]
+
+
+class CpuExtensionError(RuntimeError):
+    """The C++ expert pool could not be built or loaded (no compiler, missing headers, errors)."""
+
+
+def cache_root() -> Path:
+    home = os.environ.get("TANDEM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    return Path(home) / "cpu_ext"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx or not shutil.which(cxx):
+        raise CpuExtensionError(
+            "no C++ compiler found for the CPU expert pool: install g++ (or set CXX)"
+        )
+    return cxx
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def _include_dirs() -> list[str]:
+    try:
+        import pybind11
+    except ImportError as e:
+        raise CpuExtensionError("pybind11 is not installed (needed to build the CPU pool)") from e
+    py_inc = sysconfig.get_paths()["include"]
+    if not (Path(py_inc) / "Python.h").exists():
+        raise CpuExtensionError(f"Python headers not found ({py_inc}/Python.h): install python3-dev")
+    return [pybind11.get_include(), py_inc, str(SRC_DIR)]
+
+
+def _build_key(cxx: str) -> str:
+    h = hashlib.sha256()
+    for name in [u[0] for u in CORE_UNITS + X86_UNITS] + HEADERS + ["build.py"]:
+        h.update(name.encode())
+        h.update((SRC_DIR / name).read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    flags = [BASE_FLAGS, AVX2_FLAGS, AVX512_FLAGS, AMX_FLAGS]
+    for part in (version, repr(flags), sys.version, sysconfig.get_config_var("EXT_SUFFIX") or "",
+                 platform.machine()):
+        h.update(part.encode())
+    return h.hexdigest()[:20]
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CpuExtensionError(
+            f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
+        )
+
+
+def _build(cxx: str, target: Path) -> list[str]:
+    """Compiles every unit into target; returns the ISA units left out and why."""
+    includes = [f"-I{d}" for d in _include_dirs()]
+    skipped: list[str] = []
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects: list[str] = []
+        defines: list[str] = []
+        if _is_x86():
+            for src, flags, define in X86_UNITS:
+                obj = os.path.join(tmp, src + ".o")
+                if define == "TANDEM_HAVE_AMX" and "-DTANDEM_HAVE_AVX512" not in defines:
+                    skipped.append(f"{src}: needs the AVX-512 unit")
+                    continue
+                try:
+                    _run([cxx, *BASE_FLAGS, *flags, *defines, *includes, "-c", str(SRC_DIR / src),
+                          "-o", obj])
+                except CpuExtensionError as e:
+                    skipped.append(f"{src}: {str(e).splitlines()[-1][:200]}")
+                    continue
+                objects.append(obj)
+                defines.append(f"-D{define}")
+        for src, flags, _ in CORE_UNITS:
+            obj = os.path.join(tmp, src + ".o")
+            _run([cxx, *BASE_FLAGS, *flags, *defines, *includes, "-c", str(SRC_DIR / src), "-o", obj])
+            objects.append(obj)
+        out = os.path.join(tmp, target.name)
+        _run([cxx, "-shared", "-pthread", *objects, "-o", out])
+        os.replace(out, target)
+    return skipped
+
+
+@lru_cache(maxsize=1)
+def load_extension() -> ModuleType:
+    """Builds (once per source/compiler/Python combination) and imports `_tandem_cpu`."""
+    cxx = _compiler()
+    key = _build_key(cxx)
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / key / (MODULE_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if not target.exists():
+                    skipped = _build(cxx, target)
+                    (target.parent / "skipped_isas.txt").write_text("\n".join(skipped))
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, target)
+    if spec is None or spec.loader is None:
+        raise CpuExtensionError(f"cannot load {target}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        raise CpuExtensionError(f"cannot load {target}: {e}") from e
+    return module

@@ -1,0 +1,113 @@
+// Weight layout and the per-ISA kernel interface of the CPU expert pool.
+//
+// Every ISA lives in its own translation unit compiled with its own -m flags. This header is
+// included by all of them, so everything defined here is `static inline` (internal linkage):
+// an inline function with external linkage could be emitted by the AVX-512 unit and picked by
+// the linker for the baseline code, which would then fault on an older CPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace tandem_cpu {
+
+enum Fmt : int { FMT_BF16 = 0, FMT_INT8 = 1, FMT_INT4 = 2 };
+
+// Converted weights are kept as rows of K elements; K is always a multiple of kKAlign.
+// int8: one fp32 scale per row, value = q * scale.
+// int4: one fp32 scale per group of `group` elements along K, value = (nibble - 8) * scale.
+//       Each 32-element chunk is 16 bytes: byte j holds element j (low nibble) and j+16 (high).
+constexpr int kKAlign = 64;
+constexpr int kRowBlock = 64;   // weight rows per work item (gate/up: 32 gate + 32 up rows)
+constexpr int kAmxMinTokens = 4;  // tokens of one expert from which the AMX path is used
+
+struct WeightView {
+  int fmt;
+  const uint8_t* data;  // row r at data + r * row_bytes
+  size_t row_bytes;
+  const float* scales;  // int8: [rows]; int4: [rows][K / group]; bf16: unused
+  int group;            // int4 group size
+};
+
+// Activations of one expert, prepared once per phase in the layout the ISA wants.
+//   prep_bytes(K, n): bytes needed for n tokens.
+//   prep(x, Kv, K, n, dst): x[t] holds Kv <= K floats; elements past Kv are taken as zero.
+//   gemm(w, R, K, xp, n, C, ldc, scratch): C[t * ldc + r] = sum_k W[r, k] * x_t[k]
+//     for r < R (a multiple of 32), t < n; scratch holds gemm_scratch_bytes(R, K) bytes.
+struct KernelSet {
+  const char* name;
+  size_t (*prep_bytes)(int K, int n);
+  void (*prep)(const float* const* x, int Kv, int K, int n, void* dst);
+  void (*gemm)(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
+               uint8_t* scratch);
+};
+
+static inline size_t gemm_scratch_bytes(int R, int K) {
+  return (size_t)R * K * 2 + (size_t)K * 4 + 8192;
+}
+
+static inline size_t row_bytes(int fmt, int K) {
+  return fmt == FMT_BF16 ? (size_t)K * 2 : fmt == FMT_INT8 ? (size_t)K : (size_t)K / 2;
+}
+
+static inline int scales_per_row(int fmt, int K, int group) {
+  return fmt == FMT_BF16 ? 0 : fmt == FMT_INT8 ? 1 : K / group;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, as _mm512_cvtneps_pbh and torch's .to(torch.bfloat16) do.
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// Row r of w as floats (int8 scale included).
+static inline void dequant_row(const WeightView& w, int r, int K, float* dst) {
+  const uint8_t* row = w.data + (size_t)r * w.row_bytes;
+  if (w.fmt == FMT_BF16) {
+    const uint16_t* p = (const uint16_t*)row;
+    for (int k = 0; k < K; ++k) dst[k] = bf16_to_f32(p[k]);
+  } else if (w.fmt == FMT_INT8) {
+    const int8_t* p = (const int8_t*)row;
+    const float s = w.scales[r];
+    for (int k = 0; k < K; ++k) dst[k] = (float)p[k] * s;
+  } else {
+    const int groups = K / w.group;
+    const float* s = w.scales + (size_t)r * groups;
+    for (int c = 0; c < K / 32; ++c) {
+      const uint8_t* b = row + c * 16;
+      for (int j = 0; j < 16; ++j) {
+        const int k0 = c * 32 + j, k1 = k0 + 16;
+        dst[k0] = (float)((int)(b[j] & 15) - 8) * s[k0 / w.group];
+        dst[k1] = (float)((int)(b[j] >> 4) - 8) * s[k1 / w.group];
+      }
+    }
+  }
+}
+
+KernelSet kernels_scalar();
+#ifdef TANDEM_HAVE_AVX2
+KernelSet kernels_avx2();
+#endif
+#ifdef TANDEM_HAVE_AVX512
+KernelSet kernels_avx512();
+// Rows [0, R) of w as bf16 into dst[R][K]; int8 rows are left unscaled (exact), int4 scaled.
+void avx512_dequant_bf16(const WeightView& w, int R, int K, uint16_t* dst);
+void avx512_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
+                 uint8_t* scratch);
+#endif
+#ifdef TANDEM_HAVE_AMX
+KernelSet kernels_amx();
+#endif
+
+}  // namespace tandem_cpu

@@ -1,0 +1,154 @@
+// AMX kernels (Sapphire Rapids and later): tdpbf16ps on 16x16 fp32 tiles.
+//
+// The weight rows are the A operand, loaded straight from the row-major bf16 layout (16 rows x
+// 32 elements per tile); the tokens are the B operand, packed once per expert and phase into
+// the VNNI pair layout [token block][k chunk][16 k pairs][16 tokens][2]. Each C tile is
+// 16 weight rows x 16 tokens. int8/int4 rows are widened to bf16 once per work item.
+// Below kAmxMinTokens tokens the AVX-512 kernel runs instead (the step is bandwidth-bound).
+// Compiled with the AVX-512 flags plus -mamx-tile -mamx-bf16 -mamx-int8; used only after CPUID
+// reports AMX and the kernel granted XTILEDATA through arch_prctl.
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace tandem_cpu {
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: C, 4-5: A (weights), 6-7: B (tokens); all 16 rows x 64 bytes.
+inline void configure_tiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+size_t prep_bytes(int K, int n) {
+  if (n < kAmxMinTokens) return (size_t)K * n * 2;
+  return (size_t)((n + 15) / 16) * 16 * K * 2;
+}
+
+void prep(const float* const* x, int Kv, int K, int n, void* dst) {
+  uint16_t* d = (uint16_t*)dst;
+  if (n < kAmxMinTokens) {
+    kernels_avx512().prep(x, Kv, K, n, dst);
+    return;
+  }
+  const int nb = (n + 15) / 16, kcs = K / 32;
+  // Element (token t, k) goes to [t/16][k/32][(k%32)/2][t%16][k%2].
+  alignas(64) uint16_t row[32];
+  for (int t = 0; t < nb * 16; ++t) {
+    const float* src = t < n ? x[t] : nullptr;
+    uint16_t* base = d + (size_t)(t / 16) * kcs * 512 + (t % 16) * 2;
+    for (int c = 0; c < kcs; ++c) {
+      const int k0 = c * 32;
+      __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+      if (src) {
+        const int va = Kv - k0, vb = Kv - k0 - 16;
+        if (va > 0) a = _mm512_maskz_loadu_ps(va >= 16 ? 0xffff : (__mmask16)((1u << va) - 1), src + k0);
+        if (vb > 0) b = _mm512_maskz_loadu_ps(vb >= 16 ? 0xffff : (__mmask16)((1u << vb) - 1), src + k0 + 16);
+      }
+      _mm512_store_si512((void*)row, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+      // 16 pairs (32-bit words) scattered with a stride of 16 words.
+      const uint32_t* pairs = (const uint32_t*)row;
+      uint32_t* out = (uint32_t*)(base + (size_t)c * 512);
+      for (int p = 0; p < 16; ++p) out[p * 16] = pairs[p];
+    }
+  }
+}
+
+void store_tile(float* tmp, float* C, int ldc, int r0, int t0, int n, const float* rowscale) {
+  // tmp[m][j]: weight row r0 + m, token t0 + j.
+  for (int j = 0; j < 16 && t0 + j < n; ++j) {
+    float* c = C + (size_t)(t0 + j) * ldc + r0;
+    for (int m = 0; m < 16; ++m) c[m] = tmp[m * 16 + j] * (rowscale ? rowscale[r0 + m] : 1.f);
+  }
+}
+
+void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
+          uint8_t* scratch) {
+  if (n < kAmxMinTokens) {
+    avx512_gemm(w, R, K, xp, n, C, ldc, scratch);
+    return;
+  }
+  const uint8_t* W = w.data;
+  size_t ldw = w.row_bytes;
+  const float* rowscale = w.fmt == FMT_INT8 ? w.scales : nullptr;
+  uint8_t* free_scratch = scratch;
+  if (w.fmt != FMT_BF16) {
+    avx512_dequant_bf16(w, R, K, (uint16_t*)scratch);
+    W = scratch;
+    ldw = (size_t)K * 2;
+    free_scratch += (size_t)R * K * 2;
+  }
+  float* tmp = (float*)(((uintptr_t)free_scratch + 63) & ~(uintptr_t)63);  // 4 x [16][16]
+  const uint8_t* X = (const uint8_t*)xp;
+  const int nb = (n + 15) / 16, kcs = K / 32;
+  const size_t xblock = (size_t)kcs * 1024;  // bytes per 16-token block
+  configure_tiles();
+  for (int r0 = 0; r0 < R; r0 += 32) {
+    const uint8_t* a0 = W + (size_t)r0 * ldw;
+    const uint8_t* a1 = a0 + 16 * ldw;
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const uint8_t* x0 = X + (size_t)b * xblock;
+      const uint8_t* x1 = x0 + xblock;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int c = 0; c < kcs; ++c) {
+        _tile_loadd(4, a0 + c * 64, ldw);
+        _tile_loadd(5, a1 + c * 64, ldw);
+        _tile_loadd(6, x0 + (size_t)c * 1024, 64);
+        _tile_loadd(7, x1 + (size_t)c * 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, tmp, 64);
+      _tile_stored(1, tmp + 256, 64);
+      _tile_stored(2, tmp + 512, 64);
+      _tile_stored(3, tmp + 768, 64);
+      store_tile(tmp, C, ldc, r0, b * 16, n, rowscale);
+      store_tile(tmp + 256, C, ldc, r0, b * 16 + 16, n, rowscale);
+      store_tile(tmp + 512, C, ldc, r0 + 16, b * 16, n, rowscale);
+      store_tile(tmp + 768, C, ldc, r0 + 16, b * 16 + 16, n, rowscale);
+    }
+    if (b < nb) {
+      const uint8_t* x0 = X + (size_t)b * xblock;
+      _tile_zero(0);
+      _tile_zero(2);
+      for (int c = 0; c < kcs; ++c) {
+        _tile_loadd(4, a0 + c * 64, ldw);
+        _tile_loadd(5, a1 + c * 64, ldw);
+        _tile_loadd(6, x0 + (size_t)c * 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      _tile_stored(0, tmp, 64);
+      _tile_stored(2, tmp + 512, 64);
+      store_tile(tmp, C, ldc, r0, b * 16, n, rowscale);
+      store_tile(tmp + 512, C, ldc, r0 + 16, b * 16, n, rowscale);
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+KernelSet kernels_amx() { return {"amx", prep_bytes, prep, gemm}; }
+
+}  // namespace tandem_cpu

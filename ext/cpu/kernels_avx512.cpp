@@ -1,0 +1,135 @@
+// AVX-512 kernels: bf16 activations, weights turned into bf16 pairs in registers and
+// multiplied with vdpbf16ps (32 multiply-adds per instruction). Compiled with
+// -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx512vnni; used only when CPUID says so.
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace tandem_cpu {
+namespace {
+
+size_t prep_bytes(int K, int n) { return (size_t)K * n * 2; }
+
+// fp32 -> bf16 (round to nearest even), zero past Kv.
+inline void to_bf16(const float* src, int Kv, int K, uint16_t* dst) {
+  int k = 0;
+  for (; k + 16 <= Kv; k += 16)
+    _mm256_storeu_si256((__m256i*)(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+  if (k < Kv) {
+    const __mmask16 m = (__mmask16)((1u << (Kv - k)) - 1);
+    _mm256_storeu_si256((__m256i*)(dst + k),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + k)));
+    k += 16;
+  }
+  for (; k < K; k += 16) _mm256_storeu_si256((__m256i*)(dst + k), _mm256_setzero_si256());
+}
+
+void prep(const float* const* x, int Kv, int K, int n, void* dst) {
+  uint16_t* d = (uint16_t*)dst;
+  for (int t = 0; t < n; ++t) to_bf16(x[t], Kv, K, d + (size_t)t * K);
+}
+
+// 32 weights of row r from element 32 * c as bf16 (int8 unscaled: exact in bf16).
+template <int FMT>
+inline __m512bh load32(const WeightView& w, int r, int c, int groups) {
+  const uint8_t* row = w.data + (size_t)r * w.row_bytes;
+  if (FMT == FMT_BF16) {
+    return (__m512bh)_mm512_loadu_si512((const void*)(row + c * 64));
+  } else if (FMT == FMT_INT8) {
+    const __m256i b = _mm256_loadu_si256((const __m256i*)(row + c * 32));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  } else {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + c * 16)));
+    const __m512i m = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    const __m512i qlo = _mm512_sub_epi32(_mm512_and_si512(b, m), eight);
+    const __m512i qhi = _mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight);
+    const float* sc = w.scales + (size_t)r * groups;
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(qlo), _mm512_set1_ps(sc[(c * 32) / w.group]));
+    const __m512 hi =
+        _mm512_mul_ps(_mm512_cvtepi32_ps(qhi), _mm512_set1_ps(sc[(c * 32 + 16) / w.group]));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+// Four weight rows against NT tokens. rowscale: per-row factor or null.
+template <int FMT, int NT>
+void tile(const WeightView& w, int r0, int K, const uint16_t* X, const float* rowscale, float* C,
+          int ldc) {
+  const int groups = FMT == FMT_INT4 ? K / w.group : 0;
+  __m512 acc[4][NT];
+  for (int r = 0; r < 4; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int c = 0; c < K / 32; ++c) {
+    __m512bh xv[NT];
+    for (int t = 0; t < NT; ++t)
+      xv[t] = (__m512bh)_mm512_loadu_si512((const void*)(X + (size_t)t * K + c * 32));
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh wv = load32<FMT>(w, r0 + r, c, groups);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, xv[t]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    const float scale = rowscale ? rowscale[r0 + r] : 1.f;
+    for (int t = 0; t < NT; ++t)
+      C[(size_t)t * ldc + r0 + r] = _mm512_reduce_add_ps(acc[r][t]) * scale;
+  }
+}
+
+template <int FMT>
+void gemm_fmt(const WeightView& w, int R, int K, const uint16_t* X, int n, const float* rowscale,
+              float* C, int ldc) {
+  int t0 = 0;
+  for (; t0 + 4 <= n; t0 += 4)
+    for (int r0 = 0; r0 < R; r0 += 4)
+      tile<FMT, 4>(w, r0, K, X + (size_t)t0 * K, rowscale, C + (size_t)t0 * ldc, ldc);
+  const int rest = n - t0;
+  if (rest == 0) return;
+  const uint16_t* Xt = X + (size_t)t0 * K;
+  float* Ct = C + (size_t)t0 * ldc;
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    if (rest == 3) tile<FMT, 3>(w, r0, K, Xt, rowscale, Ct, ldc);
+    else if (rest == 2) tile<FMT, 2>(w, r0, K, Xt, rowscale, Ct, ldc);
+    else tile<FMT, 1>(w, r0, K, Xt, rowscale, Ct, ldc);
+  }
+}
+
+}  // namespace
+
+void avx512_dequant_bf16(const WeightView& w, int R, int K, uint16_t* dst) {
+  const int groups = w.fmt == FMT_INT4 ? K / w.group : 0;
+  for (int r = 0; r < R; ++r) {
+    uint16_t* d = dst + (size_t)r * K;
+    for (int c = 0; c < K / 32; ++c) {
+      __m512bh v;
+      if (w.fmt == FMT_BF16) v = load32<FMT_BF16>(w, r, c, groups);
+      else if (w.fmt == FMT_INT8) v = load32<FMT_INT8>(w, r, c, groups);
+      else v = load32<FMT_INT4>(w, r, c, groups);
+      _mm512_storeu_si512((void*)(d + c * 32), (__m512i)v);
+    }
+  }
+}
+
+void avx512_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
+                 uint8_t* scratch) {
+  const uint16_t* X = (const uint16_t*)xp;
+  const float* rowscale = w.fmt == FMT_INT8 ? w.scales : nullptr;
+  if (w.fmt == FMT_BF16) {
+    gemm_fmt<FMT_BF16>(w, R, K, X, n, nullptr, C, ldc);
+  } else if (n > 4) {
+    // Several token groups: widen the quantized rows once, then run the bf16 tiles.
+    uint16_t* wb = (uint16_t*)scratch;
+    avx512_dequant_bf16(w, R, K, wb);
+    const WeightView v{FMT_BF16, (const uint8_t*)wb, (size_t)K * 2, nullptr, 0};
+    gemm_fmt<FMT_BF16>(v, R, K, X, n, rowscale, C, ldc);
+  } else if (w.fmt == FMT_INT8) {
+    gemm_fmt<FMT_INT8>(w, R, K, X, n, rowscale, C, ldc);
+  } else {
+    gemm_fmt<FMT_INT4>(w, R, K, X, n, nullptr, C, ldc);
+  }
+}
+
+KernelSet kernels_avx512() { return {"avx512", prep_bytes, prep, avx512_gemm}; }
+
+}  // namespace tandem_cpu

@@ -1,0 +1,98 @@
+// The CPU expert pool: converted expert weights (one shard per NUMA node, split along the
+// intermediate dimension) and the fused MoE step (gate/up, SiLU*up, down, weighted sum).
+// Plain C++: pointers and sizes in, no Python and no torch. Callers keep the buffers alive and
+// unchanged from submit() until sync() returns.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "workers.h"
+
+namespace tandem_cpu {
+
+enum SrcDtype : int { SRC_F32 = 0, SRC_BF16 = 1, SRC_F16 = 2 };
+
+struct Shard {  // one node's slice [i0, i0 + Is) of every expert's intermediate dimension
+  int i0 = 0, Is = 0, Iv = 0;  // Is padded to kKAlign; Iv = real (unpadded) columns
+  uint8_t* w13 = nullptr;      // [E][Is/32 blocks][32 gate rows + 32 up rows][row_bytes(Hp)]
+  float* s13 = nullptr;        // [E][2 * Is][scales_per_row(Hp)]
+  uint8_t* w2 = nullptr;       // [E][Hp rows][row_bytes(Is)]
+  float* s2 = nullptr;         // [E][Hp][scales_per_row(Is)]
+  size_t w13_expert = 0, s13_expert = 0, w2_expert = 0, s2_expert = 0;  // bytes / floats
+  size_t mapped_bytes = 0;
+  void* mapping = nullptr;
+};
+
+struct Layer {
+  int E = 0, H = 0, I = 0, Hp = 0, fmt = FMT_BF16, group = 64;
+  std::vector<Shard> shards;  // one per node of the pool
+  ~Layer();
+  size_t weight_bytes() const;  // converted weights + scales, all shards
+};
+
+class ExpertPool {
+ public:
+  ExpertPool(int num_threads, const std::string& isa);
+  ~ExpertPool();
+
+  // w13 [E, 2I, H] and w2 [E, H, I], contiguous, of src_dtype. Blocks until converted.
+  void add_layer(int layer, const void* w13, const void* w2, int src_dtype, int E, int I, int H,
+                 int fmt, int group);
+  // hidden [T, H] fp32, ids [T, k] int32/int64 (-1 = skip), weights [T, k] fp32, out [T, H].
+  // Waits for the previous call, routes, starts the workers and returns.
+  void submit(int layer, const float* hidden, const void* ids, bool ids_int64,
+              const float* weights, float* out, int T, int k);
+  void sync();  // waits for the last submit; throws runtime_error if it failed
+  // Writes the weights as the kernels see them (dequantized, unpadded) into fp32 buffers.
+  void dequantize(int layer, float* w13, float* w2);
+
+  std::string isa() const { return kernels_.name; }
+  const Workers& workers() const { return *workers_; }
+  bool has_layer(int layer) const { return layers_.count(layer) > 0; }
+  const Layer& layer(int layer) const;
+  std::vector<int> layer_ids() const;
+
+ private:
+  struct NodeState {
+    std::atomic<int> prep_x{0}, gate_up{0}, prep_a{0}, down{0}, barrier{0};
+    std::vector<size_t> x_off, a_off;  // per active expert, bytes into xprep / aprep
+    std::vector<uint8_t> xprep, aprep;
+    std::vector<float> act;            // [routed pairs][Is] SiLU(gate) * up
+    std::vector<float> y;              // [T * k][Hp] expert outputs per (token, slot)
+  };
+
+  void run_step(int worker);
+  void run_convert(int worker, Layer* L, const void* w13, const void* w2, int src_dtype,
+                   std::atomic<int>* counters);
+  uint8_t* scratch_for(int worker, size_t bytes);
+
+  std::unique_ptr<Workers> workers_;
+  KernelSet kernels_;
+  std::map<int, std::unique_ptr<Layer>> layers_;
+  std::vector<std::vector<uint8_t>> scratch_;  // per worker, grown (first touched) by the worker
+  std::vector<char> scratch_failed_;
+
+  // The call in flight (valid from submit to the end of the job).
+  Layer* L_ = nullptr;
+  const float* hidden_ = nullptr;
+  const float* weights_ = nullptr;
+  float* out_ = nullptr;
+  int T_ = 0, k_ = 0;
+  std::vector<int> ids_;         // [T * k], -1 = skipped
+  std::vector<int> active_;      // experts with >= 1 token
+  std::vector<int> count_, first_;  // per active expert: routed pairs, offset into pair lists
+  std::vector<int> pair_token_, pair_slot_;  // grouped by expert
+  std::vector<int> expert_slot_;  // scratch: active index of each expert
+  int max_count_ = 0;
+  std::vector<std::unique_ptr<NodeState>> node_state_;
+  std::atomic<int> reduce_{0}, global_barrier_{0};
+  std::atomic<bool> failed_{false};
+};
+
+}  // namespace tandem_cpu

@@ -1,0 +1,221 @@
+"""`CpuExpertPool`: the Python face of the C++ expert pool (ext/cpu/*.cpp).
+
+Validates every tensor before its address reaches C++, keeps the tensors of the call in flight
+alive until `sync()`, and reads TANDEM_CPU_ISA. Knows nothing about requests or model classes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+from .build import load_extension
+
+ISA_ENV = "TANDEM_CPU_ISA"
+ISAS = ("scalar", "avx2", "avx512", "amx")
+_FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
+_FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
+_SRC_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def supported_isas() -> list[str]:
+    """ISAs this CPU and build can run, slowest first ("scalar" always)."""
+    return list(load_extension().supported_isas())
+
+
+def _check_cpu_tensor(name: str, t: Any, dtypes: tuple[torch.dtype, ...], ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+class CpuExpertPool:
+    """MoE experts on the CPU: one fused call per layer and step, run on pinned worker threads.
+
+    Contract: `submit` returns at once; the tensors passed to it must not be modified (and `out`
+    not read) until `sync` returns. One call is in flight per pool; a second `submit` first waits
+    for the previous one. Use one pool per caller thread, or serialize calls.
+    """
+
+    def __init__(self, num_threads: int | None = None, isa: str | None = None) -> None:
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+        if isa is None:
+            isa = os.environ.get(ISA_ENV, "") or None
+        if isa is not None and isa not in ISAS:
+            raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+        ext = load_extension()
+        self._pool = ext.ExpertPool(num_threads or 0, isa or "")  # ValueError if unavailable
+        self._layers: dict[int, tuple[int, int, int, str, int]] = {}  # E, I, H, fmt, group
+        self._inflight: tuple[torch.Tensor, ...] | None = None
+        self._lock = threading.Lock()
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def add_layer(
+        self,
+        layer_idx: int,
+        w13: torch.Tensor,  # [E, 2I, H] gate rows then up rows; fp32/bf16/fp16, CPU
+        w2: torch.Tensor,  # [E, H, I]
+        fmt: str = "bf16",
+        group_size: int = 64,
+    ) -> None:
+        """Converts one layer's experts to `fmt` ("bf16", "int8" per row, "int4" per group of
+        `group_size` in {32, 64}); each NUMA node's workers write their own shard. Replaces an
+        existing layer of the same index."""
+        pool = self._live()
+        if fmt not in _FORMATS:
+            raise ValueError(f"fmt must be one of {tuple(_FORMATS)}, got {fmt!r}")
+        if fmt == "int4" and group_size not in (32, 64):
+            raise ValueError(f"int4 group_size must be 32 or 64, got {group_size}")
+        if not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
+        dtypes = tuple(_SRC_DTYPES)
+        _check_cpu_tensor("w13", w13, dtypes, 3)
+        _check_cpu_tensor("w2", w2, dtypes, 3)
+        E, two_i, H = w13.shape
+        if two_i % 2 or two_i == 0 or E == 0 or H == 0:
+            raise ValueError(f"w13 must be [E, 2I, H] with E, I, H > 0, got {tuple(w13.shape)}")
+        inter = two_i // 2
+        if tuple(w2.shape) != (E, H, inter):
+            raise ValueError(f"w2 must be [E, H, I] = {(E, H, inter)}, got {tuple(w2.shape)}")
+        if w2.dtype != w13.dtype:
+            w2 = w2.to(w13.dtype)
+        w13, w2 = w13.contiguous(), w2.contiguous()
+        with self._lock:
+            self._inflight = None
+            pool.add_layer(layer_idx, w13.data_ptr(), w2.data_ptr(), _SRC_DTYPES[w13.dtype],
+                           E, inter, H, _FORMATS[fmt], group_size if fmt == "int4" else 0)
+            self._layers[layer_idx] = (E, inter, H, fmt, group_size if fmt == "int4" else 0)
+
+    def dequantize(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's weights as the kernels use them: (w13 [E, 2I, H], w2 [E, H, I]) fp32."""
+        pool = self._live()
+        E, inter, H, _, _ = self._layer(layer_idx)
+        w13 = torch.empty(E, 2 * inter, H, dtype=torch.float32)
+        w2 = torch.empty(E, H, inter, dtype=torch.float32)
+        with self._lock:
+            pool.dequantize(layer_idx, w13.data_ptr(), w2.data_ptr())
+        return w13, w2
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,  # [T, H] float32, CPU, contiguous
+        topk_ids: torch.Tensor,  # [T, k] int64 or int32; -1 skips a slot
+        topk_weights: torch.Tensor,  # [T, k] float32
+        out: torch.Tensor,  # [T, H] float32; may be `hidden` itself
+    ) -> None:
+        """Starts out = sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(hidden) and returns."""
+        pool = self._live()
+        _, _, H, _, _ = self._layer(layer_idx)
+        _check_cpu_tensor("hidden", hidden, (torch.float32,), 2)
+        _check_cpu_tensor("topk_ids", topk_ids, (torch.int64, torch.int32), 2)
+        _check_cpu_tensor("topk_weights", topk_weights, (torch.float32,), 2)
+        _check_cpu_tensor("out", out, (torch.float32,), 2)
+        T = hidden.shape[0]
+        if hidden.shape[1] != H:
+            raise ValueError(f"hidden must be [T, {H}], got {tuple(hidden.shape)}")
+        if topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
+            raise ValueError(f"topk_ids must be [{T}, k>=1], got {tuple(topk_ids.shape)}")
+        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(
+                f"topk_weights must be {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
+            )
+        if tuple(out.shape) != (T, H):
+            raise ValueError(f"out must be [{T}, {H}], got {tuple(out.shape)}")
+        for name, t in (("hidden", hidden), ("topk_ids", topk_ids),
+                        ("topk_weights", topk_weights), ("out", out)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        if out.data_ptr() != hidden.data_ptr() and _overlaps(out, hidden):
+            raise ValueError("out partially overlaps hidden")
+        with self._lock:
+            pool.submit(layer_idx, hidden.data_ptr(), topk_ids.data_ptr(),
+                        topk_ids.dtype == torch.int64, topk_weights.data_ptr(), out.data_ptr(),
+                        T, topk_ids.shape[1])
+            self._inflight = (hidden, topk_ids, topk_weights, out)
+
+    def sync(self) -> None:
+        """Waits for the last submit (no-op when none is in flight)."""
+        pool = self._live()
+        pool.sync()
+        self._inflight = None
+
+    def forward(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """submit + sync; allocates `out` when not given and returns it."""
+        if out is None:
+            _check_cpu_tensor("hidden", hidden, (torch.float32,), 2)
+            out = torch.empty_like(hidden)
+        self.submit(layer_idx, hidden, topk_ids, topk_weights, out)
+        self.sync()
+        return out
+
+    # -- lifecycle and introspection -------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        pool = self._live()
+        bytes_per_format: dict[str, int] = {}
+        for idx, (_, _, _, fmt, _) in self._layers.items():
+            bytes_per_format[fmt] = bytes_per_format.get(fmt, 0) + pool.layer_bytes(idx)
+        return {
+            "isa": pool.isa,
+            "supported_isas": supported_isas(),
+            "num_threads": pool.num_threads,
+            "numa_nodes": pool.nodes,
+            "layers": sorted(self._layers),
+            "bytes_per_format": bytes_per_format,
+        }
+
+    def close(self) -> None:
+        """Waits for the call in flight, stops the workers and frees the weights. Idempotent."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.sync()
+            del pool
+        self._inflight = None
+
+    def __enter__(self) -> CpuExpertPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _live(self) -> Any:
+        if self._pool is None:
+            raise RuntimeError("CpuExpertPool is closed")
+        return self._pool
+
+    def _layer(self, layer_idx: int) -> tuple[int, int, int, str, int]:
+        if layer_idx not in self._layers:
+            raise ValueError(f"layer {layer_idx} has not been added (have {sorted(self._layers)})")
+        return self._layers[layer_idx]
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1

@@ -1,0 +1,60 @@
+"""Pure-torch reference for the CPU expert pool: the weight quantizers and the MoE step.
+
+The C++ converter (ext/cpu/moe.cpp: quantize_row) follows these formulas exactly, so tests can
+compare the pool with a float32 computation on the same dequantized weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("bf16", "int8", "int4")
+
+
+def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
+    """Weights as the pool stores them, dequantized to float32 (same shape as w).
+
+    Rows are the last dimension. bf16: round to nearest even. int8: one scale per row,
+    scale = absmax / 127, q = round(w / scale) in [-127, 127]. int4: one scale per group of
+    group_size along the row (rows zero-padded to a whole group), scale = absmax / 7,
+    q = round(w / scale) clamped to [-8, 7].
+    """
+    w = w.float()
+    if fmt == "bf16":
+        return w.to(torch.bfloat16).float()
+    if fmt == "int8":
+        scale = w.abs().amax(dim=-1, keepdim=True) / 127.0
+        q = torch.where(scale > 0, torch.round(w / scale), torch.zeros_like(w)).clamp(-127, 127)
+        return q * scale
+    if fmt == "int4":
+        k = w.shape[-1]
+        pad = (-k) % group_size
+        wp = F.pad(w, (0, pad)).reshape(*w.shape[:-1], -1, group_size)
+        scale = wp.abs().amax(dim=-1, keepdim=True) / 7.0
+        q = torch.where(scale > 0, torch.round(wp / scale), torch.zeros_like(wp)).clamp(-8, 7)
+        return (q * scale).reshape(*w.shape[:-1], -1)[..., :k]
+    raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+
+
+def moe_reference(
+    hidden: torch.Tensor,  # [T, H] float32
+    w13: torch.Tensor,  # [E, 2I, H] gate rows then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_ids: torch.Tensor,  # [T, k] int; -1 skips the slot
+    topk_weights: torch.Tensor,  # [T, k] float32
+) -> torch.Tensor:
+    """out[t] = sum_j weight[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert ids[t, j], fp32."""
+    hidden = hidden.float()
+    out = torch.zeros_like(hidden)
+    inter = w13.shape[1] // 2
+    ids = topk_ids.long()
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = hidden[tok] @ w13[e].float().t()
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = act @ w2[e].float().t()
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
+    return out

@@ -3,12 +3,15 @@
 Owns the ggml block layouts (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K); knows nothing of
 file parsing (`models.gguf_reader`) or of model names. Every type is decoded to float32 with the
 same order of float operations as ggml's reference, then cast to the requested dtype. Large
-tensors are decoded in chunks of blocks so the float32 intermediates stay small.
+tensors are decoded in chunks of blocks so the float32 intermediates stay small (and in cache).
+Decoding is memory-bound; it runs on one intra-op thread, which on a busy machine is many times
+faster than torch's thread pool (measured: 0.6 s vs 8-13 s for SmolLM2-135M on 2 shared cores).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -17,7 +20,18 @@ from models.config import UnsupportedModelError
 from models.gguf_reader import GGML_TYPES, GGUFReader, GGUFTensorInfo, ggml_type_name
 
 QK_K = 256
-_CHUNK_BYTES = 32 << 20  # raw bytes decoded per step; bounds the float32 temporaries
+_CHUNK_BYTES = 4 << 20  # raw bytes decoded per step; bounds the float32 temporaries
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch ops on one intra-op thread inside the block; restore the setting after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -132,7 +146,8 @@ def dequantize(
     raw = raw.reshape(-1)
     if type_name in _PLAIN_DTYPES:
         values = raw.view(_PLAIN_DTYPES[type_name])  # zero-copy reinterpretation of the bytes
-        return values.to(dtype, copy=True).reshape(torch_shape)  # never alias the file mapping
+        with one_thread():
+            return values.to(dtype, copy=True).reshape(torch_shape)  # never alias the file mapping
     decode = _BLOCK_DECODERS.get(type_name)
     if decode is None:
         raise UnsupportedModelError(
@@ -143,8 +158,9 @@ def dequantize(
     blocks = raw.view(-1, type_size)  # [n_blocks, type_size] uint8
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype)  # [n_blocks, block_size]
     step = max(1, _CHUNK_BYTES // type_size)
-    for start in range(0, blocks.shape[0], step):  # a few large chunks, not a loop over blocks
-        out[start : start + step] = decode(blocks[start : start + step])
+    with one_thread():
+        for start in range(0, blocks.shape[0], step):  # ~4 MiB chunks, not a loop over blocks
+            out[start : start + step] = decode(blocks[start : start + step])
     return out.reshape(torch_shape)
 
 

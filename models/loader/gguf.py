@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig, UnsupportedModelError
-from models.gguf_dequant import dequantize_tensor
+from models.gguf_dequant import dequantize_tensor, one_thread
 from models.gguf_reader import GGUFReader
 
 logger = logging.getLogger(__name__)
@@ -202,13 +202,14 @@ def load_gguf_weights(
             logger.warning("ignoring GGUF tensor %s (derived from the config instead)", info.name)
             continue
         hf_name, stacked = names[info.name]
-        tensor = dequantize_tensor(reader, info, dtype)
-        if permute and ".self_attn.q_proj." in hf_name:
-            tensor = unpermute_qk(tensor, config.num_attention_heads)
-        elif permute and ".self_attn.k_proj." in hf_name:
-            tensor = unpermute_qk(tensor, config.num_key_value_heads)
-        elif hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
-            tensor = tensor.unsqueeze(0)  # [hidden] -> [1, hidden], HF's Linear(hidden, 1)
+        with one_thread():  # memory-bound work; see models.gguf_dequant
+            tensor = dequantize_tensor(reader, info, dtype)
+            if permute and ".self_attn.q_proj." in hf_name:
+                tensor = unpermute_qk(tensor, config.num_attention_heads)
+            elif permute and ".self_attn.k_proj." in hf_name:
+                tensor = unpermute_qk(tensor, config.num_key_value_heads)
+            elif hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+                tensor = tensor.unsqueeze(0)  # [hidden] -> [1, hidden], HF's Linear(hidden, 1)
         if stacked is not None:
             for e in range(tensor.shape[0]):  # [num_experts, out, in] -> per expert [out, in]
                 yield hf_name.format(e=e), tensor[e]

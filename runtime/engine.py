@@ -51,7 +51,11 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, model=None, model_config=None, tokenizer=None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, model_module=None, model_config=None, tokenizer=None
+    ) -> None:
+        """Loads the model named by `config.model`, or takes a prebuilt `model_module` (tests,
+        tools) with its `model_config` and optional `tokenizer`."""
         from models.loader import load_model
 
         self.config = config
@@ -60,6 +64,7 @@ class Engine:
         self.dtype = resolve_dtype(spec.dtype, self.device)
         t0 = time.perf_counter()
         model_path: Path | None = None
+        model = model_module
         if model is None:
             from models.hub import resolve_model
 

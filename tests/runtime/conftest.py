@@ -33,6 +33,10 @@ class ByteBPE:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.tok.token_to_id("<eos>"),)
+
+    @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 

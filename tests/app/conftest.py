@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from app.config import ServerConfig
@@ -29,11 +30,16 @@ MakeHarness = Callable[..., Awaitable[Harness]]
 async def make_harness() -> AsyncIterator[MakeHarness]:
     clients: list[TestClient] = []
 
-    async def factory(engine: FakeEngine | None = None, **config: Any) -> Harness:
+    async def factory(engine: FakeEngine | None = None,
+                      setup: Callable[[web.Application], None] | None = None,
+                      **config: Any) -> Harness:
         engine = engine or FakeEngine()
         cfg = ServerConfig(**config)
         loop = EngineLoop(engine, max_queue=cfg.max_queue, max_running=engine.max_num_seqs)
-        client = TestClient(TestServer(create_app(cfg, loop)))
+        app = create_app(cfg, loop)
+        if setup is not None:
+            setup(app)
+        client = TestClient(TestServer(app))
         await client.start_server()
         clients.append(client)
         return Harness(client, engine, loop)

@@ -181,8 +181,8 @@ class FakeEngine:
         r.emitted_len = visible
         logprobs: tuple[TokenLogprob, ...] = ()
         if p.logprobs:
-            top = tuple((t, math.log(0.5) - i) for i, t in
-                        enumerate([token] + [t for t in (97, 98, 99) if t != token]))
+            others = [t for t in range(97, 97 + 26) if t != token]
+            top = tuple((t, math.log(0.5) - i) for i, t in enumerate([token] + others))
             logprobs = (TokenLogprob(token, math.log(0.5), top[: p.top_logprobs]),)
         if finish is not None:
             self.running.remove(r)

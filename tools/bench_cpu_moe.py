@@ -1,0 +1,142 @@
+"""Benchmark one MoE layer on the CPU expert pool against torch on the CPU, in the same run.
+
+Default shape: Qwen3-30B-A3B (hidden 2048, expert intermediate 768, 128 experts, top-8).
+For each weight format and token count it prints the time per call, the effective weight bytes
+read per second (bytes of the experts the step touches / time) against a bandwidth floor, and
+the time of a straightforward torch per-expert loop (bf16 weights) with the speedup. Each pool
+result is checked against torch (relative error; int formats include their quantization error).
+
+    python tools/bench_cpu_moe.py [--tokens 1 8 64 256] [--formats bf16 int8 int4]
+        [--threads N] [--isa amx] [--floor-gbps 68] [--experts 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ext.cpu import CpuExpertPool  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--formats", nargs="+", default=["bf16", "int8", "int4"])
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="pool threads (default: cpus - 1)")
+    p.add_argument("--isa", default=None, help="force scalar|avx2|avx512|amx")
+    p.add_argument("--floor-gbps", type=float, default=68.0, help="CPU read bandwidth, GB/s")
+    p.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    return p.parse_args()
+
+
+def time_call(fn, min_time: float, min_reps: int = 3) -> float:
+    """Median seconds per call after one warm-up call."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 1000:
+            break
+    return statistics.median(times)
+
+
+def torch_moe(hidden, w13, w2, ids, weights) -> torch.Tensor:
+    """Per-expert loop in the weights' dtype (the baseline a user would write)."""
+    x = hidden.to(w13.dtype)
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    inter = w13.shape[1] // 2
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok] @ w13[e].t()
+        y = (F.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e].t()
+        out.index_add_(0, tok, y.float() * weights[tok, slot, None])
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    E, H, inter, k = args.experts, args.hidden, args.inter, args.topk
+    g = torch.Generator().manual_seed(0)
+    # [E, 2I, H] gate rows then up rows, [E, H, I]; bf16 as checkpoints ship them.
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    cases = []
+    for T in args.tokens:
+        hidden = torch.randn(T, H, generator=g)
+        ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices  # distinct experts per token
+        weights = torch.softmax(torch.randn(T, k, generator=g), dim=1)
+        cases.append((T, hidden, ids, weights))
+
+    torch_ms: dict[int, float] = {}
+    torch_out: dict[int, torch.Tensor] = {}
+    if not args.no_torch:
+        for T, hidden, ids, weights in cases:
+            torch_out[T] = torch_moe(hidden, w13, w2, ids, weights)
+            torch_ms[T] = 1e3 * time_call(
+                lambda h=hidden, i=ids, w=weights: torch_moe(h, w13, w2, i, w), args.min_time
+            )
+
+    results = []
+    print(f"MoE layer H={H} I={inter} E={E} top-{k}; torch {torch.__version__} with "
+          f"{torch.get_num_threads()} threads; floor {args.floor_gbps:g} GB/s")
+    header = (f"{'fmt':>5} {'tokens':>6} {'experts':>7} {'pool ms':>9} {'GB/s':>7} {'floor%':>7} "
+              f"{'torch ms':>9} {'speedup':>8} {'rel err':>8}")
+    for fmt in args.formats:
+        with CpuExpertPool(num_threads=args.threads, isa=args.isa) as pool:
+            t0 = time.perf_counter()
+            pool.add_layer(0, w13, w2, fmt, args.group_size)
+            convert_s = time.perf_counter() - t0
+            info = pool.info()
+            bytes_per_expert = info["bytes_per_format"][fmt] / E
+            if fmt == args.formats[0]:
+                print(f"pool: isa={info['isa']} threads={info['num_threads']} "
+                      f"nodes={[n['node'] for n in info['numa_nodes']]}")
+                print(header)
+            for T, hidden, ids, weights in cases:
+                out = torch.empty_like(hidden)
+                ms = 1e3 * time_call(lambda: pool.forward(0, hidden, ids, weights, out), args.min_time)
+                active = int(ids.unique().numel())
+                gbps = active * bytes_per_expert / (ms * 1e-3) / 1e9
+                row = {
+                    "format": fmt, "tokens": T, "active_experts": active, "pool_ms": ms,
+                    "weight_gbps": gbps, "floor_fraction": gbps / args.floor_gbps,
+                    "convert_s": convert_s, "isa": info["isa"], "threads": info["num_threads"],
+                }
+                tms = torch_ms.get(T)
+                if tms is not None:
+                    ref = torch_out[T]
+                    row["torch_ms"] = tms
+                    row["speedup"] = tms / ms
+                    row["rel_err_vs_torch_bf16"] = ((out - ref).norm() / ref.norm()).item()
+                results.append(row)
+                print(f"{fmt:>5} {T:>6} {active:>7} {ms:>9.3f} {gbps:>7.1f} "
+                      f"{100 * gbps / args.floor_gbps:>6.1f}% "
+                      f"{tms if tms is not None else float('nan'):>9.3f} "
+                      f"{row.get('speedup', float('nan')):>7.2f}x "
+                      f"{row.get('rel_err_vs_torch_bf16', float('nan')):>8.1e}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

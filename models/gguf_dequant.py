@@ -168,4 +168,6 @@ def dequantize_tensor(
     reader: GGUFReader, info: GGUFTensorInfo, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Tensor `info` of `reader`, decoded to `dtype` in row-major (torch) shape."""
-    return dequantize(reader.tensor_data(info.name), info.ggml_type, info.torch_shape, dtype, info.name)
+    return dequantize(
+        reader.tensor_data(info.name), info.ggml_type, info.torch_shape, dtype, info.name
+    )

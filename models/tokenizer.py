@@ -163,7 +163,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path_or_reader: str | Path | GGUFReader) -> Tokenizer:
         """From a GGUF file's `tokenizer.ggml.*` metadata; only byte-level BPE ("gpt2") models."""
-        reader = path_or_reader if isinstance(path_or_reader, GGUFReader) else GGUFReader(path_or_reader)
+        reader = (
+            path_or_reader if isinstance(path_or_reader, GGUFReader) else GGUFReader(path_or_reader)
+        )
         meta = reader.metadata
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -185,8 +187,8 @@ class Tokenizer:
         backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
         # token_type 3 = control (special), 4 = user-defined (added, matched whole, not special)
-        control = [t for t, ty in zip(tokens, types) if ty == 3 and set(t) <= alphabet]
-        user = [t for t, ty in zip(tokens, types) if ty == 4 and t in vocab]
+        control = [t for t, ty in zip(tokens, types, strict=True) if ty == 3 and set(t) <= alphabet]
+        user = [t for t, ty in zip(tokens, types, strict=True) if ty == 4 and t in vocab]
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 

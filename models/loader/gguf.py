@@ -91,7 +91,10 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
     kind = reader.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(reader.get(f"{arch}.rope.scaling.factor", 1.0))}
+    scaling: dict[str, Any] = {
+        "rope_type": kind,
+        "factor": float(reader.get(f"{arch}.rope.scaling.factor", 1.0)),
+    }
     original = reader.get(f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
@@ -146,7 +149,9 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
             else 0
         ),
         shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
-        norm_topk_prob=bool(norm_topk) if norm_topk is not None else hf_arch != "Qwen2MoeForCausalLM",
+        norm_topk_prob=bool(norm_topk)
+        if norm_topk is not None
+        else hf_arch != "Qwen2MoeForCausalLM",
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         extra={"gguf_architecture": arch, "gguf_file_type": reader.get("general.file_type")},
@@ -196,7 +201,11 @@ def load_gguf_weights(
     config = gguf_model_config(reader)
     mlp = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
     permute = reader.architecture == "llama"
-    names = {info.name: _hf_name(info.name, mlp) for info in reader.tensors.values() if info.name not in _IGNORED}
+    names = {
+        info.name: _hf_name(info.name, mlp)
+        for info in reader.tensors.values()
+        if info.name not in _IGNORED
+    }
     for info in reader.tensors.values():
         if info.name in _IGNORED:
             logger.warning("ignoring GGUF tensor %s (derived from the config instead)", info.name)

@@ -47,7 +47,9 @@ def _random_k_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.nd
 
 
 @pytest.mark.parametrize("shape", [(4, 256), (3, 2, 512), (1536,)])
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize(
+    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+)
 def test_dequantize_matches_gguf_package(qtype: Q, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(int(qtype) * 7 + len(shape))
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -91,23 +93,37 @@ def test_reader_matches_gguf_package_on_real_file(smollm_path: Path) -> None:
     for key, field in fields.items():
         assert ours.metadata_types[key] == tuple(int(t) for t in field.types), key
         expected = field.contents()
-        assert ours.metadata[key] == (expected.tolist() if hasattr(expected, "tolist") else expected), key
+        assert ours.metadata[key] == (
+            expected.tolist() if hasattr(expected, "tolist") else expected
+        ), key
     assert ours.version == ref.fields["GGUF.version"].contents()
     assert list(ours.tensors) == [t.name for t in ref.tensors]
     for t in ref.tensors:
         info = ours.tensors[t.name]
         assert info.shape == tuple(int(x) for x in t.shape)
-        assert (info.ggml_type, info.offset, info.n_bytes) == (int(t.tensor_type), t.data_offset, t.n_bytes)
+        assert (info.ggml_type, info.offset, info.n_bytes) == (
+            int(t.tensor_type),
+            t.data_offset,
+            t.n_bytes,
+        )
     for t in ref.tensors[:4] + ref.tensors[-2:]:
         np.testing.assert_array_equal(ours.tensor_data(t.name), t.data.view(np.uint8).reshape(-1))
 
 
-def _write_gguf(path: Path, arch: str, kv: dict, tensors: dict[str, np.ndarray], alignment: int | None = None) -> None:
+def _write_gguf(
+    path: Path, arch: str, kv: dict, tensors: dict[str, np.ndarray], alignment: int | None = None
+) -> None:
     w = gguf.GGUFWriter(str(path), arch)
     if alignment is not None:
         w.add_custom_alignment(alignment)
     for key, value in kv.items():
-        adder = {bool: w.add_bool, int: w.add_uint32, float: w.add_float32, str: w.add_string, list: w.add_array}
+        adder = {
+            bool: w.add_bool,
+            int: w.add_uint32,
+            float: w.add_float32,
+            str: w.add_string,
+            list: w.add_array,
+        }
         adder[type(value)](key, value)
     for name, array in tensors.items():
         w.add_tensor(name, array)
@@ -122,11 +138,18 @@ def test_reader_all_value_types_and_custom_alignment(tmp_path: Path) -> None:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_custom_alignment(64)
     scalars = {
-        "t.u8": (w.add_uint8, 200), "t.i8": (w.add_int8, -100), "t.u16": (w.add_uint16, 60000),
-        "t.i16": (w.add_int16, -30000), "t.u32": (w.add_uint32, 4_000_000_000),
-        "t.i32": (w.add_int32, -2_000_000_000), "t.f32": (w.add_float32, 0.5),
-        "t.u64": (w.add_uint64, 2**60), "t.i64": (w.add_int64, -(2**60)),
-        "t.f64": (w.add_float64, 1.0 / 3.0), "t.bool": (w.add_bool, True), "t.str": (w.add_string, "héllo ✓"),
+        "t.u8": (w.add_uint8, 200),
+        "t.i8": (w.add_int8, -100),
+        "t.u16": (w.add_uint16, 60000),
+        "t.i16": (w.add_int16, -30000),
+        "t.u32": (w.add_uint32, 4_000_000_000),
+        "t.i32": (w.add_int32, -2_000_000_000),
+        "t.f32": (w.add_float32, 0.5),
+        "t.u64": (w.add_uint64, 2**60),
+        "t.i64": (w.add_int64, -(2**60)),
+        "t.f64": (w.add_float64, 1.0 / 3.0),
+        "t.bool": (w.add_bool, True),
+        "t.str": (w.add_string, "héllo ✓"),
     }
     for key, (add, value) in scalars.items():
         add(key, value)
@@ -187,30 +210,50 @@ def test_qwen3moe_config_and_expert_names(tmp_path: Path) -> None:
         "blk.0.ffn_down_exps.weight": rand(experts, hidden, inter),
     }
     kv = {
-        "qwen3moe.block_count": 1, "qwen3moe.embedding_length": hidden,
-        "qwen3moe.feed_forward_length": 64, "qwen3moe.attention.head_count": heads,
-        "qwen3moe.attention.head_count_kv": kv_heads, "qwen3moe.attention.key_length": hd,
-        "qwen3moe.rope.freq_base": 1e6, "qwen3moe.attention.layer_norm_rms_epsilon": 1e-6,
-        "qwen3moe.expert_count": experts, "qwen3moe.expert_used_count": 2,
-        "qwen3moe.expert_feed_forward_length": inter, "qwen3moe.context_length": 4096,
+        "qwen3moe.block_count": 1,
+        "qwen3moe.embedding_length": hidden,
+        "qwen3moe.feed_forward_length": 64,
+        "qwen3moe.attention.head_count": heads,
+        "qwen3moe.attention.head_count_kv": kv_heads,
+        "qwen3moe.attention.key_length": hd,
+        "qwen3moe.rope.freq_base": 1e6,
+        "qwen3moe.attention.layer_norm_rms_epsilon": 1e-6,
+        "qwen3moe.expert_count": experts,
+        "qwen3moe.expert_used_count": 2,
+        "qwen3moe.expert_feed_forward_length": inter,
+        "qwen3moe.context_length": 4096,
         "tokenizer.ggml.eos_token_id": 7,
     }
     path = tmp_path / "moe.gguf"
     _write_gguf(path, "qwen3moe", kv, tensors)
     cfg = gguf_model_config(path)
     assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm and not cfg.tie_word_embeddings
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (experts, 2, inter)
-    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.rope_theta, cfg.eos_token_ids) == (hd, kv_heads, 1e6, (7,))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        experts,
+        2,
+        inter,
+    )
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.rope_theta, cfg.eos_token_ids) == (
+        hd,
+        kv_heads,
+        1e6,
+        (7,),
+    )
     got = dict(load_gguf_weights(path, torch.float32))
     assert len(got) == 12 + 3 * experts
     for e in range(experts):
         for gg, hf in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             np.testing.assert_array_equal(
-                got[f"model.layers.0.mlp.experts.{e}.{hf}.weight"].numpy(), tensors[f"blk.0.ffn_{gg}_exps.weight"][e]
+                got[f"model.layers.0.mlp.experts.{e}.{hf}.weight"].numpy(),
+                tensors[f"blk.0.ffn_{gg}_exps.weight"][e],
             )
     # qwen files are not permuted: q/k come through unchanged
-    np.testing.assert_array_equal(got["model.layers.0.self_attn.q_proj.weight"].numpy(), tensors["blk.0.attn_q.weight"])
-    np.testing.assert_array_equal(got["model.layers.0.mlp.gate.weight"].numpy(), tensors["blk.0.ffn_gate_inp.weight"])
+    np.testing.assert_array_equal(
+        got["model.layers.0.self_attn.q_proj.weight"].numpy(), tensors["blk.0.attn_q.weight"]
+    )
+    np.testing.assert_array_equal(
+        got["model.layers.0.mlp.gate.weight"].numpy(), tensors["blk.0.ffn_gate_inp.weight"]
+    )
     assert "lm_head.weight" in got and "model.layers.0.self_attn.k_norm.weight" in got
 
 
@@ -271,7 +314,12 @@ def test_smollm_config(smollm_path: Path) -> None:
     cfg = gguf_model_config(smollm_path)
     ref = AutoConfig.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
     assert cfg.architecture == "LlamaForCausalLM"
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    assert (
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    ) == (30, 576, 9, 3)
     assert (cfg.vocab_size, cfg.head_dim, cfg.tie_word_embeddings) == (49152, 64, True)
     assert cfg.intermediate_size == ref.intermediate_size
     assert cfg.max_position_embeddings == ref.max_position_embeddings
@@ -290,7 +338,9 @@ def transformers_tensors(smollm_path: Path) -> dict[str, torch.Tensor]:
 
     config = AutoConfig.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
     model = AutoModelForCausalLM.from_config(config)
-    return load_gguf_checkpoint(str(smollm_path), return_tensors=True, model_to_load=model)["tensors"]
+    return load_gguf_checkpoint(str(smollm_path), return_tensors=True, model_to_load=model)[
+        "tensors"
+    ]
 
 
 def test_smollm_weights_match_transformers(smollm_path: Path, transformers_tensors: dict) -> None:

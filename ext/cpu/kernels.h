@@ -17,7 +17,8 @@ enum Fmt : int { FMT_BF16 = 0, FMT_INT8 = 1, FMT_INT4 = 2 };
 // Converted weights are kept as rows of K elements; K is always a multiple of kKAlign.
 // int8: one fp32 scale per row, value = q * scale.
 // int4: one fp32 scale per group of `group` elements along K, value = (nibble - 8) * scale.
-//       Each 32-element chunk is 16 bytes: byte j holds element j (low nibble) and j+16 (high).
+//       Each 64-element chunk is 32 bytes: byte j holds element j (low nibble) and j+32 (high),
+//       so one widening load and a mask or a shift give 32 consecutive elements.
 constexpr int kKAlign = 64;
 constexpr int kRowBlock = 64;   // weight rows per work item (gate/up: 32 gate + 32 up rows)
 constexpr int kAmxMinTokens = 4;  // tokens of one expert from which the AMX path is used
@@ -84,10 +85,10 @@ static inline void dequant_row(const WeightView& w, int r, int K, float* dst) {
   } else {
     const int groups = K / w.group;
     const float* s = w.scales + (size_t)r * groups;
-    for (int c = 0; c < K / 32; ++c) {
-      const uint8_t* b = row + c * 16;
-      for (int j = 0; j < 16; ++j) {
-        const int k0 = c * 32 + j, k1 = k0 + 16;
+    for (int c = 0; c < K / 64; ++c) {
+      const uint8_t* b = row + c * 32;
+      for (int j = 0; j < 32; ++j) {
+        const int k0 = c * 64 + j, k1 = k0 + 32;
         dst[k0] = (float)((int)(b[j] & 15) - 8) * s[k0 / w.group];
         dst[k1] = (float)((int)(b[j] >> 4) - 8) * s[k1 / w.group];
       }

@@ -39,15 +39,17 @@ inline void load32(const WeightView& w, int r, int c, int groups, __m256 out[4])
       out[s] = _mm256_cvtepi32_ps(
           _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * s))));
   } else {
-    const __m128i b = _mm_loadu_si128((const __m128i*)(row + c * 16));
-    const __m128i m = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    const __m256i eight = _mm256_set1_epi32(8);
+    // Chunk c is the low (c even) or high (c odd) nibbles of the 32 bytes of 64-chunk c / 2.
+    const __m256i b = _mm256_loadu_si256((const __m256i*)(row + (c / 2) * 32));
+    const __m256i m = _mm256_set1_epi8(15);
+    const __m256i q8 = (c & 1) ? _mm256_and_si256(_mm256_srli_epi16(b, 4), m) : _mm256_and_si256(b, m);
+    const __m128i lo = _mm256_castsi256_si128(q8), hi = _mm256_extracti128_si256(q8, 1);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const float* sc = w.scales + (size_t)r * groups;
+    const __m256i eight = _mm256_set1_epi32(8);
+    const __m256 scale = _mm256_set1_ps(w.scales[(size_t)r * groups + (c * 32) / w.group]);
     for (int s = 0; s < 4; ++s) {
       const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[s]), eight);
-      out[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(sc[(c * 32 + 8 * s) / w.group]));
+      out[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale);
     }
   }
 }

@@ -41,15 +41,70 @@ inline __m512bh load32(const WeightView& w, int r, int c, int groups) {
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
     return _mm512_cvtne2ps_pbh(hi, lo);
   } else {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + c * 16)));
-    const __m512i m = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
-    const __m512i qlo = _mm512_sub_epi32(_mm512_and_si512(b, m), eight);
-    const __m512i qhi = _mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight);
-    const float* sc = w.scales + (size_t)r * groups;
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(qlo), _mm512_set1_ps(sc[(c * 32) / w.group]));
-    const __m512 hi =
-        _mm512_mul_ps(_mm512_cvtepi32_ps(qhi), _mm512_set1_ps(sc[(c * 32 + 16) / w.group]));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    // Chunk c is the low (c even) or high (c odd) nibbles of the 32 bytes of 64-chunk c / 2.
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row + (c / 2) * 32)));
+    const __m512i q = (c & 1) ? _mm512_srli_epi16(b, 4) : _mm512_and_si512(b, _mm512_set1_epi16(15));
+    const __m512i eight = _mm512_set1_epi32(8);
+    const __m512 scale = _mm512_set1_ps(w.scales[(size_t)r * groups + (c * 32) / w.group]);
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)), eight));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)), eight));
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, scale), _mm512_mul_ps(lo, scale));
+  }
+}
+
+// int4 rows against NT tokens, one 64-element chunk at a time: nibbles become bf16 (q - 8)
+// through a 16-entry table (vpermw), dot products per group, then one FMA with the group scale.
+template <int NT>
+void tile_int4(const WeightView& w, int r0, int K, const uint16_t* X, __m512i table, float* C,
+               int ldc) {
+  const int groups = K / w.group;
+  const bool g32 = w.group == 32;
+  const __m512i m15 = _mm512_set1_epi16(15);
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 acc[4][NT];
+  for (int r = 0; r < 4; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = zero;
+  for (int c = 0; c < K / 64; ++c) {
+    __m512bh x0[NT], x1[NT];
+    for (int t = 0; t < NT; ++t) {
+      x0[t] = (__m512bh)_mm512_loadu_si512((const void*)(X + (size_t)t * K + c * 64));
+      x1[t] = (__m512bh)_mm512_loadu_si512((const void*)(X + (size_t)t * K + c * 64 + 32));
+    }
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* row = w.data + (size_t)(r0 + r) * w.row_bytes;
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row + c * 32)));
+      const __m512bh wlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, m15), table);
+      const __m512bh whi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      const float* s = w.scales + (size_t)(r0 + r) * groups;
+      if (g32) {
+        const __m512 s0 = _mm512_set1_ps(s[2 * c]), s1 = _mm512_set1_ps(s[2 * c + 1]);
+        for (int t = 0; t < NT; ++t) {
+          acc[r][t] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, wlo, x0[t]), s0, acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, whi, x1[t]), s1, acc[r][t]);
+        }
+      } else {
+        const __m512 s0 = _mm512_set1_ps(s[(c * 64) / w.group]);
+        for (int t = 0; t < NT; ++t)
+          acc[r][t] = _mm512_fmadd_ps(
+              _mm512_dpbf16_ps(_mm512_dpbf16_ps(zero, wlo, x0[t]), whi, x1[t]), s0, acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int t = 0; t < NT; ++t) C[(size_t)t * ldc + r0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+void gemm_int4(const WeightView& w, int R, int K, const uint16_t* X, int n, float* C, int ldc) {
+  alignas(64) uint16_t tbl[32];
+  for (int i = 0; i < 32; ++i) tbl[i] = f32_to_bf16((float)(i - 8));
+  const __m512i table = _mm512_load_si512((const void*)tbl);
+  for (int t0 = 0; t0 < n; t0 += 2) {
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      if (n - t0 >= 2) tile_int4<2>(w, r0, K, X + (size_t)t0 * K, table, C + (size_t)t0 * ldc, ldc);
+      else tile_int4<1>(w, r0, K, X + (size_t)t0 * K, table, C + (size_t)t0 * ldc, ldc);
+    }
   }
 }
 
@@ -126,7 +181,7 @@ void avx512_gemm(const WeightView& w, int R, int K, const void* xp, int n, float
   } else if (w.fmt == FMT_INT8) {
     gemm_fmt<FMT_INT8>(w, R, K, X, n, rowscale, C, ldc);
   } else {
-    gemm_fmt<FMT_INT4>(w, R, K, X, n, nullptr, C, ldc);
+    gemm_int4(w, R, K, X, n, C, ldc);
   }
 }
 

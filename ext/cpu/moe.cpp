@@ -80,9 +80,9 @@ void quantize_row(int fmt, int group, const float* x, int K, uint8_t* dst, float
         nib[k] = (uint8_t)((int)q + 8);
       }
     }
-    for (int c = 0; c < K / 32; ++c)
-      for (int j = 0; j < 16; ++j)
-        dst[c * 16 + j] = (uint8_t)(nib[c * 32 + j] | (nib[c * 32 + 16 + j] << 4));
+    for (int c = 0; c < K / 64; ++c)
+      for (int j = 0; j < 32; ++j)
+        dst[c * 32 + j] = (uint8_t)(nib[c * 64 + j] | (nib[c * 64 + 32 + j] << 4));
   }
 }
 

@@ -20,7 +20,7 @@ from app.protocol import Kind, parse_json_body
 from app.sse import stream_sse
 from app.state import STATE_KEY, ServerState, TokenText
 from app.ws import ws_handler
-from runtime.loop import EngineLoop
+from runtime.loop import EngineDeadError, EngineLoop
 
 
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
@@ -31,6 +31,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         return await stream_sse(request, generation)
     try:
         return json_response(await generation.collect())
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead") from None
     finally:
         generation.close()
 

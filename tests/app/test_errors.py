@@ -134,3 +134,12 @@ async def test_engine_rejection_maps_to_400(make_harness: MakeHarness) -> None:
     h = await make_harness(engine)
     err = await expect_error(await h.client.post(COMP, json={"prompt": "a"}), 400)
     assert err["message"] == "engine says no"
+
+
+async def test_engine_death_during_non_streamed_request_is_503(make_harness: MakeHarness) -> None:
+    engine = FakeEngine()
+    engine.fail_next_step = RuntimeError("boom")
+    h = await make_harness(engine)
+    err = await expect_error(await h.client.post(COMP, json={"prompt": "a"}), 503)
+    assert err["code"] == "engine_dead" and "boom" in err["message"]
+    assert (await h.client.get("/health")).status == 503

@@ -86,8 +86,10 @@ def main() -> None:
     for T in args.tokens:
         hidden = torch.randn(T, H, generator=g)
         routings = [
-            (torch.rand(T, E, generator=g).topk(k, dim=1).indices,  # distinct experts per token
-             torch.softmax(torch.randn(T, k, generator=g), dim=1))
+            (
+                torch.rand(T, E, generator=g).topk(k, dim=1).indices,  # distinct experts per token
+                torch.softmax(torch.randn(T, k, generator=g), dim=1),
+            )
             for _ in range(args.routings)
         ]
         cases.append((T, hidden, routings))
@@ -103,10 +105,14 @@ def main() -> None:
             )
 
     results = []
-    print(f"MoE layer H={H} I={inter} E={E} top-{k}; torch {torch.__version__} with "
-          f"{torch.get_num_threads()} threads; floor {args.floor_gbps:g} GB/s")
-    header = (f"{'fmt':>5} {'tokens':>6} {'experts':>7} {'pool ms':>9} {'GB/s':>7} {'floor%':>7} "
-              f"{'torch ms':>9} {'speedup':>8} {'rel err':>8}")
+    print(
+        f"MoE layer H={H} I={inter} E={E} top-{k}; torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads; floor {args.floor_gbps:g} GB/s"
+    )
+    header = (
+        f"{'fmt':>5} {'tokens':>6} {'experts':>7} {'pool ms':>9} {'GB/s':>7} {'floor%':>7} "
+        f"{'torch ms':>9} {'speedup':>8} {'rel err':>8}"
+    )
     for fmt in args.formats:
         with CpuExpertPool(num_threads=args.threads, isa=args.isa) as pool:
             t0 = time.perf_counter()
@@ -115,22 +121,30 @@ def main() -> None:
             info = pool.info()
             bytes_per_expert = info["bytes_per_format"][fmt] / E
             if fmt == args.formats[0]:
-                print(f"pool: isa={info['isa']} threads={info['num_threads']} "
-                      f"nodes={[n['node'] for n in info['numa_nodes']]}")
+                print(
+                    f"pool: isa={info['isa']} threads={info['num_threads']} "
+                    f"nodes={[n['node'] for n in info['numa_nodes']]}"
+                )
                 print(header)
             for T, hidden, routings in cases:
                 out = torch.empty_like(hidden)
                 ms = 1e3 * time_call(
-                    lambda i: pool.forward(0, hidden, *routings[i % len(routings)], out),
+                    lambda i, h=hidden, r=routings, o=out: pool.forward(0, h, *r[i % len(r)], o),
                     args.min_time,
                 )
                 active = statistics.mean(int(ids.unique().numel()) for ids, _ in routings)
                 pool.forward(0, hidden, *routings[0], out)
                 gbps = active * bytes_per_expert / (ms * 1e-3) / 1e9
                 row = {
-                    "format": fmt, "tokens": T, "active_experts": active, "pool_ms": ms,
-                    "weight_gbps": gbps, "floor_fraction": gbps / args.floor_gbps,
-                    "convert_s": convert_s, "isa": info["isa"], "threads": info["num_threads"],
+                    "format": fmt,
+                    "tokens": T,
+                    "active_experts": active,
+                    "pool_ms": ms,
+                    "weight_gbps": gbps,
+                    "floor_fraction": gbps / args.floor_gbps,
+                    "convert_s": convert_s,
+                    "isa": info["isa"],
+                    "threads": info["num_threads"],
                 }
                 tms = torch_ms.get(T)
                 if tms is not None:
@@ -139,14 +153,19 @@ def main() -> None:
                     row["speedup"] = tms / ms
                     row["rel_err_vs_torch_bf16"] = ((out - ref).norm() / ref.norm()).item()
                 results.append(row)
-                print(f"{fmt:>5} {T:>6} {active:>7.1f} {ms:>9.3f} {gbps:>7.1f} "
-                      f"{100 * gbps / args.floor_gbps:>6.1f}% "
-                      f"{tms if tms is not None else float('nan'):>9.3f} "
-                      f"{row.get('speedup', float('nan')):>7.2f}x "
-                      f"{row.get('rel_err_vs_torch_bf16', float('nan')):>8.1e}")
+                print(
+                    f"{fmt:>5} {T:>6} {active:>7.1f} {ms:>9.3f} {gbps:>7.1f} "
+                    f"{100 * gbps / args.floor_gbps:>6.1f}% "
+                    f"{tms if tms is not None else float('nan'):>9.3f} "
+                    f"{row.get('speedup', float('nan')):>7.2f}x "
+                    f"{row.get('rel_err_vs_torch_bf16', float('nan')):>8.1e}"
+                )
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

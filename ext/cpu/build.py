@@ -28,7 +28,13 @@ MODULE_NAME = "_tandem_cpu"
 
 BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-pthread", "-DNDEBUG"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
-AVX512_FLAGS = AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
+AVX512_FLAGS = AVX2_FLAGS + [
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mavx512vnni",
+]
 AMX_FLAGS = AVX512_FLAGS + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 
 # (source, extra flags, define that says it was built); define None: always built.
@@ -52,7 +58,9 @@ class CpuExtensionError(RuntimeError):
 
 
 def cache_root() -> Path:
-    home = os.environ.get("TANDEM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    home = os.environ.get("TANDEM_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tandem"
+    )
     return Path(home) / "cpu_ext"
 
 
@@ -76,7 +84,9 @@ def _include_dirs() -> list[str]:
         raise CpuExtensionError("pybind11 is not installed (needed to build the CPU pool)") from e
     py_inc = sysconfig.get_paths()["include"]
     if not (Path(py_inc) / "Python.h").exists():
-        raise CpuExtensionError(f"Python headers not found ({py_inc}/Python.h): install python3-dev")
+        raise CpuExtensionError(
+            f"Python headers not found ({py_inc}/Python.h): install python3-dev"
+        )
     return [pybind11.get_include(), py_inc, str(SRC_DIR)]
 
 
@@ -87,8 +97,13 @@ def _build_key(cxx: str) -> str:
         h.update((SRC_DIR / name).read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     flags = [BASE_FLAGS, AVX2_FLAGS, AVX512_FLAGS, AMX_FLAGS]
-    for part in (version, repr(flags), sys.version, sysconfig.get_config_var("EXT_SUFFIX") or "",
-                 platform.machine()):
+    for part in (
+        version,
+        repr(flags),
+        sys.version,
+        sysconfig.get_config_var("EXT_SUFFIX") or "",
+        platform.machine(),
+    ):
         h.update(part.encode())
     return h.hexdigest()[:20]
 
@@ -115,8 +130,19 @@ def _build(cxx: str, target: Path) -> list[str]:
                     skipped.append(f"{src}: needs the AVX-512 unit")
                     continue
                 try:
-                    _run([cxx, *BASE_FLAGS, *flags, *defines, *includes, "-c", str(SRC_DIR / src),
-                          "-o", obj])
+                    _run(
+                        [
+                            cxx,
+                            *BASE_FLAGS,
+                            *flags,
+                            *defines,
+                            *includes,
+                            "-c",
+                            str(SRC_DIR / src),
+                            "-o",
+                            obj,
+                        ]
+                    )
                 except CpuExtensionError as e:
                     skipped.append(f"{src}: {str(e).splitlines()[-1][:200]}")
                     continue
@@ -124,7 +150,9 @@ def _build(cxx: str, target: Path) -> list[str]:
                 defines.append(f"-D{define}")
         for src, flags, _ in CORE_UNITS:
             obj = os.path.join(tmp, src + ".o")
-            _run([cxx, *BASE_FLAGS, *flags, *defines, *includes, "-c", str(SRC_DIR / src), "-o", obj])
+            _run(
+                [cxx, *BASE_FLAGS, *flags, *defines, *includes, "-c", str(SRC_DIR / src), "-o", obj]
+            )
             objects.append(obj)
         out = os.path.join(tmp, target.name)
         _run([cxx, "-shared", "-pthread", *objects, "-o", out])

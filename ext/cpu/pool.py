@@ -92,8 +92,17 @@ class CpuExpertPool:
         w13, w2 = w13.contiguous(), w2.contiguous()
         with self._lock:
             self._inflight = None
-            pool.add_layer(layer_idx, w13.data_ptr(), w2.data_ptr(), _SRC_DTYPES[w13.dtype],
-                           E, inter, H, _FORMATS[fmt], group_size if fmt == "int4" else 0)
+            pool.add_layer(
+                layer_idx,
+                w13.data_ptr(),
+                w2.data_ptr(),
+                _SRC_DTYPES[w13.dtype],
+                E,
+                inter,
+                H,
+                _FORMATS[fmt],
+                group_size if fmt == "int4" else 0,
+            )
             self._layers[layer_idx] = (E, inter, H, fmt, group_size if fmt == "int4" else 0)
 
     def dequantize(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,16 +143,27 @@ class CpuExpertPool:
             )
         if tuple(out.shape) != (T, H):
             raise ValueError(f"out must be [{T}, {H}], got {tuple(out.shape)}")
-        for name, t in (("hidden", hidden), ("topk_ids", topk_ids),
-                        ("topk_weights", topk_weights), ("out", out)):
+        for name, t in (
+            ("hidden", hidden),
+            ("topk_ids", topk_ids),
+            ("topk_weights", topk_weights),
+            ("out", out),
+        ):
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
         if out.data_ptr() != hidden.data_ptr() and _overlaps(out, hidden):
             raise ValueError("out partially overlaps hidden")
         with self._lock:
-            pool.submit(layer_idx, hidden.data_ptr(), topk_ids.data_ptr(),
-                        topk_ids.dtype == torch.int64, topk_weights.data_ptr(), out.data_ptr(),
-                        T, topk_ids.shape[1])
+            pool.submit(
+                layer_idx,
+                hidden.data_ptr(),
+                topk_ids.data_ptr(),
+                topk_ids.dtype == torch.int64,
+                topk_weights.data_ptr(),
+                out.data_ptr(),
+                T,
+                topk_ids.shape[1],
+            )
             self._inflight = (hidden, topk_ids, topk_weights, out)
 
     def sync(self) -> None:

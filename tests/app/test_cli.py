@@ -1,0 +1,56 @@
+"""`tandem generate` on the real default model: completions on stdout, nothing else there."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from runtime import LLM, SamplingParams
+
+
+def run_tandem(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        capture_output=True, text=True, timeout=300, input=stdin,
+    )
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(None, dtype="float32", device="cpu", max_model_len=1024)
+
+
+def test_generate_prints_one_greedy_completion_per_prompt(llm):
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    proc = run_tandem("generate", "--max-tokens", "8", "--device", "cpu", *prompts)
+    assert proc.returncode == 0, proc.stderr
+    expected = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    assert proc.stdout == "".join(o.text + "\n" for o in expected)
+
+
+def test_generate_chat_applies_the_template(llm):
+    proc = run_tandem("generate", "--chat", "--max-tokens", "12", "--device", "cpu",
+                      "What is the capital of France?")
+    assert proc.returncode == 0, proc.stderr
+    expected = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    assert proc.stdout == expected + "\n"
+    assert "Paris" in proc.stdout
+
+
+def test_chat_streams_answers_from_stdin_and_exits_on_eof():
+    proc = run_tandem("chat", "--max-tokens", "12", "--temperature", "0", "--device", "cpu",
+                      stdin="What is the capital of France?\n/reset\nSay hi.\n")
+    assert proc.returncode == 0, proc.stderr
+    answers = [line for line in proc.stdout.split("\n") if line.strip()]
+    assert len(answers) >= 2 and "Paris" in answers[0]
+
+
+def test_bad_arguments_give_a_clear_error_not_a_traceback():
+    proc = run_tandem("generate", "--model", "/no/such/model.gguf", "hi")
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_tandem("generate", "--max-tokens", "0", "--device", "cpu", "hi")
+    assert proc.returncode == 2 and "max_tokens" in proc.stderr

@@ -26,8 +26,9 @@ from app.responses import (
     usage_dict,
 )
 from app.state import ServerState
-from runtime.loop import EngineDeadError, LoopClosedError, QueueFullError, RequestStream
+from runtime.loop import EngineDeadError, LoopClosedError, QueueFullError
 from runtime.sampling_params import SamplingParamsError
+from runtime.stream import RequestStream
 from runtime.types import RequestDelta
 
 

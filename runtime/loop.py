@@ -3,8 +3,9 @@
 `EngineLoop` is the only caller of the engine. `step()` runs in one worker thread so the event
 loop stays responsive; `add_request`/`abort_request` are queued and applied between steps,
 never while a step is in flight. Each request reads its output through a `RequestStream`
-whose pending deltas coalesce per choice, so a slow reader never stalls the engine and holds
-at most one pending delta per choice however far behind it is. No HTTP here.
+(runtime/stream.py) whose pending deltas coalesce per choice, so a slow reader never stalls
+the engine. This module owns admission, the step task, delta dispatch, drain and shutdown.
+No HTTP here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 from runtime.metrics import ServingMetrics, render_metrics
 from runtime.sampling_params import SamplingParams, expand_n
+from runtime.stream import RequestStream
 from runtime.types import EngineStats, RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -30,8 +32,13 @@ class EngineProtocol(Protocol):
     model_name: str
     max_model_len: int
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestDelta]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -48,91 +55,6 @@ class LoopClosedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine raised inside `step()`; every stream fails and nothing more is admitted."""
-
-
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """A delta of one choice of a request (choice index = prompt_index * n + sample_index)."""
-
-    index: int
-    delta: RequestDelta
-
-
-def merge_deltas(old: RequestDelta, new: RequestDelta) -> RequestDelta:
-    """Coalesce two consecutive deltas of one sequence into one (tokens and text concatenate)."""
-    return RequestDelta(
-        request_id=new.request_id,
-        new_token_ids=old.new_token_ids + new.new_token_ids,
-        new_text=old.new_text + new.new_text,
-        finish_reason=new.finish_reason or old.finish_reason,
-        stop_reason=new.stop_reason if new.finish_reason else old.stop_reason,
-        logprobs=old.logprobs + new.logprobs,
-        num_prompt_tokens=new.num_prompt_tokens or old.num_prompt_tokens,
-        num_output_tokens=max(new.num_output_tokens, old.num_output_tokens),
-        num_cached_tokens=max(new.num_cached_tokens, old.num_cached_tokens),
-    )
-
-
-class RequestStream:
-    """The reader's side of one request: async-iterate to get lists of `ChoiceDelta`.
-
-    Each iteration returns everything pending, at most one (coalesced) delta per choice.
-    Iteration ends once every choice has delivered its finishing delta; it raises
-    `EngineDeadError` if the engine died. `close()` from a reader that stops early aborts.
-    """
-
-    def __init__(self, owner: EngineLoop, request_id: str, prompt_lens: list[int], n: int) -> None:
-        self._owner = owner
-        self.request_id = request_id
-        self.prompt_lens = prompt_lens
-        self.n = n
-        self.num_choices = len(prompt_lens) * n
-        self._pending: dict[int, RequestDelta] = {}
-        self._finished: set[int] = set()  # choices whose finishing delta reached _pending
-        self._delivered_all = False
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    @property
-    def finished(self) -> bool:
-        return len(self._finished) == self.num_choices
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
-    def _push(self, index: int, delta: RequestDelta) -> None:
-        old = self._pending.get(index)
-        self._pending[index] = delta if old is None else merge_deltas(old, delta)
-        if delta.finished:
-            self._finished.add(index)
-        self._ready.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> list[ChoiceDelta]:
-        while not self._pending:
-            if self._error is not None:
-                raise self._error
-            if self._delivered_all:
-                raise StopAsyncIteration
-            self._ready.clear()
-            await self._ready.wait()
-        out = [ChoiceDelta(i, d) for i, d in sorted(self._pending.items())]
-        self._pending.clear()
-        if self.finished:
-            self._delivered_all = True
-        return out
-
-    def close(self) -> None:
-        """The reader is gone: abort whatever has not finished (freed at the next step)."""
-        if not self.finished and self._error is None:
-            self._owner.abort(self.request_id)
 
 
 @dataclass
@@ -161,8 +83,14 @@ class EngineLoop:
     when admission is checked, so a burst cannot overshoot.
     """
 
-    def __init__(self, engine: EngineProtocol, max_queue: int = 256, *, max_running: int = 0,
-                 metrics: ServingMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineProtocol,
+        max_queue: int = 256,
+        *,
+        max_running: int = 0,
+        metrics: ServingMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.capacity = max_queue + max_running
         self.metrics = metrics or ServingMetrics()
@@ -220,8 +148,9 @@ class EngineLoop:
         return list(self._streams)
 
     def render_metrics(self) -> str:
-        return render_metrics(self._stats, self.metrics, num_admitted=self._num_admitted,
-                              healthy=self.healthy)
+        return render_metrics(
+            self._stats, self.metrics, num_admitted=self._num_admitted, healthy=self.healthy
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -263,8 +192,9 @@ class EngineLoop:
             self._executor = None
 
     # ---- requests -----------------------------------------------------------------------
-    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     priority: int = 0) -> RequestStream:
+    async def submit(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
         """Admit a request of one or more prompts, each sampled `params.n` times.
 
         Raises QueueFullError, LoopClosedError, EngineDeadError, or what `add_request` raised
@@ -279,14 +209,17 @@ class EngineLoop:
         num_seqs = len(prompts) * params.n
         if self._num_admitted + num_seqs > self.capacity:
             self.metrics.num_rejected += 1
-            raise QueueFullError(f"queue is full ({self._num_admitted} of {self.capacity} "
-                                 f"sequences admitted); retry later")
+            raise QueueFullError(
+                f"queue is full ({self._num_admitted} of {self.capacity} "
+                f"sequences admitted); retry later"
+            )
         self._num_admitted += num_seqs  # reserved now, before any await
-        stream = RequestStream(self, request_id, [len(p) for p in prompts], params.n)
+        stream = RequestStream(request_id, [len(p) for p in prompts], params.n, self.abort)
         self._streams[request_id] = stream
         self._idle.clear()
-        add = _PendingAdd(stream, prompts, params, priority,
-                          asyncio.get_running_loop().create_future())
+        add = _PendingAdd(
+            stream, prompts, params, priority, asyncio.get_running_loop().create_future()
+        )
         self._pending_adds.append(add)
         self._wakeup.set()
         try:
@@ -371,8 +304,11 @@ class EngineLoop:
         for child_id, child in list(self._children.items()):
             if child.stream is stream:
                 self.engine.abort_request(child_id)
-                self._finish_child(child_id, RequestDelta(child_id, (), "", finish_reason="abort"),
-                                   time.monotonic())
+                self._finish_child(
+                    child_id,
+                    RequestDelta(child_id, (), "", finish_reason="abort"),
+                    time.monotonic(),
+                )
 
     def _dispatch(self, deltas: list[RequestDelta], now: float) -> None:
         for delta in deltas:
@@ -394,14 +330,14 @@ class EngineLoop:
             if delta.finished:
                 self._finish_child(delta.request_id, delta, now)
             else:
-                child.stream._push(child.index, delta)
+                child.stream.push(child.index, delta)
 
     def _finish_child(self, child_id: str, delta: RequestDelta, now: float) -> None:
         child = self._children.pop(child_id)
         self._num_admitted -= 1
         self.metrics.e2e.observe(now - child.arrival)
         self.metrics.finished.inc(delta.finish_reason or "abort")
-        child.stream._push(child.index, delta)
+        child.stream.push(child.index, delta)
         if child.stream.finished:
             self._forget_stream(child.stream.request_id)
 
@@ -417,7 +353,7 @@ class EngineLoop:
             if not add.done.done():
                 add.done.set_exception(error)
         for stream in self._streams.values():
-            stream._fail(error)
+            stream.fail(error)
         self._pending_adds.clear()
         self._pending_aborts.clear()
         self._streams.clear()

@@ -13,9 +13,9 @@ from runtime.loop import (
     EngineLoop,
     LoopClosedError,
     QueueFullError,
-    RequestStream,
 )
 from runtime.sampling_params import SamplingParams
+from runtime.stream import RequestStream
 from tests.app.fake_engine import REPLY, FakeEngine
 
 

@@ -44,6 +44,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--load-format", default="auto",
                         choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument("--cpu-experts", default=None,
+                        help="'all' or N: MoE experts per layer on the CPU expert pool")
+    parser.add_argument("--gpu-experts", type=int, default=None,
+                        help="MoE experts per layer kept on the GPU (the most routed ones)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="threads of the CPU expert pool (default: cpus - 1)")
+    parser.add_argument("--cpu-expert-format", default="bf16", choices=["bf16", "int8", "int4"],
+                        help="weight format of the experts in the CPU pool")
     parser.add_argument("--max-model-len", type=int, default=sched.max_model_len)
     parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -69,7 +77,11 @@ def server_config_from_args(args: argparse.Namespace,
     engine = EngineConfig(
         model=ModelSpec(model=args.model, dtype=args.dtype,
                         device=getattr(args, "device", "auto"),
-                        load_format=getattr(args, "load_format", "auto")),
+                        load_format=getattr(args, "load_format", "auto"),
+                        cpu_experts=getattr(args, "cpu_experts", None),
+                        gpu_experts=getattr(args, "gpu_experts", None),
+                        cpu_threads=getattr(args, "cpu_threads", None),
+                        cpu_expert_format=getattr(args, "cpu_expert_format", "bf16")),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

@@ -43,6 +43,7 @@ class ModelSpec:
     cpu_experts: str | None = None  # "all" or a number per layer
     gpu_experts: int | None = None
     cpu_threads: int | None = None
+    cpu_expert_format: str = "bf16"  # bf16 | int8 | int4: experts' format in the CPU pool
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def("layer_ids", &ExpertPool::layer_ids)
       .def_property_readonly("isa", &ExpertPool::isa)
       .def_property_readonly("num_threads", [](const ExpertPool& p) { return p.workers().size(); })
+      .def("busy_ns", [](const ExpertPool& p) { return p.workers().busy_ns(); })
       .def_property_readonly("nodes", [](const ExpertPool& p) {
         py::list out;
         for (const auto& n : p.workers().nodes()) {

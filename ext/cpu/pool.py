@@ -190,6 +190,11 @@ class CpuExpertPool:
 
     # -- lifecycle and introspection -------------------------------------------------------
 
+    def busy_seconds(self) -> list[float]:
+        """Seconds each worker thread has spent inside jobs (conversion and MoE steps) since the
+        pool started; divide by wall time for utilisation."""
+        return [ns * 1e-9 for ns in self._live().busy_ns()]
+
     def info(self) -> dict[str, Any]:
         pool = self._live()
         bytes_per_format: dict[str, int] = {}

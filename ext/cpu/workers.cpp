@@ -127,6 +127,8 @@ Workers::Workers(int num_threads) {
     }
     nodes_.push_back(node);
   }
+  busy_ns_.reset(new std::atomic<uint64_t>[placement.size()]);
+  for (size_t i = 0; i < placement.size(); ++i) busy_ns_[i].store(0);
   for (const auto& p : placement) threads_.emplace_back([this, p] { loop(p.first, p.second); });
 }
 
@@ -156,6 +158,12 @@ void Workers::wait() {
   done_cv_.wait(lk, [this] { return !busy_; });
 }
 
+std::vector<uint64_t> Workers::busy_ns() const {
+  std::vector<uint64_t> out(threads_.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = busy_ns_[i].load(std::memory_order_relaxed);
+  return out;
+}
+
 bool Workers::busy() {
   std::lock_guard<std::mutex> lk(mu_);
   return busy_;
@@ -183,7 +191,12 @@ void Workers::loop(int worker, int cpu) {
       seen = generation_.load();
       job = &job_;
     }
+    const auto t0 = std::chrono::steady_clock::now();
     (*job)(worker);
+    busy_ns_[worker].fetch_add(
+        (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now() - t0).count(),
+        std::memory_order_relaxed);
     if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lk(mu_);
       busy_ = false;

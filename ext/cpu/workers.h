@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -38,6 +39,8 @@ class Workers {
   int size() const { return (int)threads_.size(); }
   const std::vector<NodeInfo>& nodes() const { return nodes_; }  // nodes with >= 1 worker
   int node_of(int worker) const { return worker_node_[worker]; }
+  // Nanoseconds each worker has spent inside jobs since it started (for utilisation metrics).
+  std::vector<uint64_t> busy_ns() const;
 
  private:
   void loop(int worker, int cpu);
@@ -51,6 +54,7 @@ class Workers {
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> remaining_{0};
   std::atomic<bool> stop_{false};
+  std::unique_ptr<std::atomic<uint64_t>[]> busy_ns_;
   bool busy_ = false;
 };
 

@@ -8,6 +8,7 @@ Formats: "safetensors" (HF directory or file), "gguf" (models/loader/gguf.py, im
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,13 +43,28 @@ def build_model(
     device: torch.device | str,
     attn_backend: str = "torch",
     expert_backend: str = "torch",
+    expert_options: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """An uninitialized model whose parameters live on `device` in `dtype` (allocated once)."""
+    """An uninitialized model whose parameters live on `device` in `dtype` (allocated once).
+
+    A backend with `host_experts = True` (cpu_pool) gets the MoE expert weights in host memory
+    instead, so they never occupy the device."""
     cls = get_model_class(config.architecture)
-    experts = get_expert_backend(expert_backend) if config.is_moe else None
+    experts = (
+        get_expert_backend(expert_backend, **(expert_options or {})) if config.is_moe else None
+    )
     with torch.device("meta"):
         model = cls(config, get_attention_backend(attn_backend), experts)
+    host_blocks = []
+    if getattr(experts, "host_experts", False):
+        for block in model.modules():
+            if getattr(block, "backend", None) is experts and hasattr(block, "w13"):
+                host_blocks.append((block, tuple(block.w13.shape), tuple(block.w2.shape)))
+                block.w13 = block.w2 = None  # materialized below, on the host
     model = model.to(dtype=dtype).to_empty(device=device)
+    for block, shape13, shape2 in host_blocks:
+        block.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
+        block.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
     model.requires_grad_(False)
     return model.eval()
 
@@ -63,7 +79,10 @@ def load_model(
     expert_backend: str = "torch",
     seed: int = 0,
     config: ModelConfig | None = None,
+    expert_options: dict[str, Any] | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
+    """`expert_options` go to the expert backend's factory (cpu_pool: fmt, cpu_experts,
+    gpu_experts, num_threads, ...); a backend with `attach(model)` gets the loaded model."""
     fmt = resolve_load_format(model_path, load_format) if load_format != "dummy" else "dummy"
     path = Path(model_path)
     if fmt == "gguf":
@@ -79,10 +98,18 @@ def load_model(
             config = ModelConfig.from_pretrained(path)
         weights = None
     model = build_model(
-        config, dtype=dtype, device=device, attn_backend=attn_backend, expert_backend=expert_backend
+        config,
+        dtype=dtype,
+        device=device,
+        attn_backend=attn_backend,
+        expert_backend=expert_backend,
+        expert_options=expert_options,
     )
     if weights is None:
         init_dummy_weights(model, seed)
     else:
         model.load_weights(weights)
+    attach = getattr(getattr(model, "expert_backend", None), "attach", None)
+    if attach is not None:
+        attach(model)  # e.g. cpu_pool: experts into the pool, torch copies freed
     return model, config

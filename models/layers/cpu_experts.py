@@ -1,0 +1,406 @@
+"""The "cpu_pool" expert backend: a MoE layer's experts live in the C++ CPU expert pool
+(ext/cpu), optionally with each layer's most-routed experts kept on the GPU as well.
+
+Owns expert placement, the host<->device traffic of the hybrid path and its counters. Knows
+nothing about requests or scheduling. At load (`attach`) every MoE block hands its stacked
+weights to the pool, which converts them (bf16, int8 or int4), and the block's torch copies
+are replaced by empty tensors, so host memory holds the experts once.
+
+One layer's step on CUDA:
+  1. enqueue: hidden (fp32), the CPU-routed ids (GPU-placed experts -> -1) and the routing
+     weights -> pinned host buffers (non_blocking); record an event;
+  2. wait for that event only (the copy), submit to the pool (it starts at once, GIL released);
+  3. meanwhile enqueue the GPU-resident experts on the current stream;
+  4. pool.sync(), copy its output up (non_blocking) and add.
+The host waits in 2 and 4 make this path unusable inside a captured CUDA graph: a hybrid
+model runs its decode steps eagerly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers.experts import register_expert_backend
+
+if TYPE_CHECKING:
+    from ext.cpu import CpuExpertPool
+
+FORMATS = ("bf16", "int8", "int4")
+
+
+def parse_cpu_experts(value: str | int | None) -> int | None:
+    """'all' / None -> None (every expert not placed on the GPU); 'N' or N -> N."""
+    if value is None or value == "all":
+        return None
+    n = int(value)
+    if n < 0:
+        raise ValueError(f"cpu_experts must be 'all' or a non-negative int, got {value!r}")
+    return n
+
+
+def num_gpu_experts(
+    num_experts: int, cpu_experts: str | int | None, gpu_experts: int | None
+) -> int:
+    """How many of a layer's experts stay on the GPU. `gpu_experts` wins; `cpu_experts=N`
+    alone leaves E - N on the GPU; both given must add up to E ('all' takes the rest)."""
+    cpu_n = parse_cpu_experts(cpu_experts)
+    if gpu_experts is not None and gpu_experts < 0:
+        raise ValueError(f"gpu_experts must be >= 0, got {gpu_experts}")
+    if gpu_experts is None:
+        gpu = 0 if cpu_n is None else num_experts - min(cpu_n, num_experts)
+    else:
+        gpu = min(gpu_experts, num_experts)
+        if cpu_n is not None and cpu_n + gpu != num_experts:
+            raise ValueError(
+                f"cpu_experts={cpu_n} + gpu_experts={gpu} must equal the {num_experts} experts "
+                "of a layer (or use cpu_experts='all')"
+            )
+    return gpu
+
+
+@dataclass
+class HybridMoeStats:
+    """Cumulative counters of the hybrid path (monotonic since `attach`)."""
+
+    layer_calls: int = 0  # MoE layer forwards through the backend
+    pool_wait_seconds: float = 0.0  # caller blocked on the pool (copy wait + sync)
+    pool_seconds: float = 0.0  # submit -> sync returned, summed over calls
+    d2h_bytes: int = 0  # device -> pinned host (hidden, ids, weights)
+    h2d_bytes: int = 0  # pinned host -> device (pool output, GPU expert weights)
+    pool_threads: int = 0
+    pool_busy_seconds: float = 0.0  # summed over worker threads
+    wall_seconds: float = 0.0  # since attach
+    routing_counts: dict[int, list[int]] = field(default_factory=dict)  # layer -> per expert
+    gpu_experts: dict[int, list[int]] = field(default_factory=dict)  # layer -> ids on the GPU
+
+    @property
+    def pool_utilisation(self) -> float:
+        """Fraction of the pool threads' time spent computing, since attach."""
+        denom = self.wall_seconds * max(self.pool_threads, 1)
+        return self.pool_busy_seconds / denom if denom > 0 else 0.0
+
+
+@dataclass
+class _Placement:
+    """One layer's GPU-resident experts."""
+
+    expert_ids: torch.Tensor  # [G] int64, device
+    local: torch.Tensor  # [E] int64, device: index into w13/w2 below, -1 = CPU
+    w13: torch.Tensor  # [G, 2I, H] model dtype, device
+    w2: torch.Tensor  # [G, H, I]
+
+
+class _PinnedBuffers:
+    """Host staging for one layer call, grown on demand. One set suffices: layers run one after
+    another and each reuse follows a host wait on work queued after the previous use."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.tokens = 0
+        self.x = self.ids = self.w = self.out = torch.empty(0)
+
+    def get(self, tokens: int, hidden: int, k: int) -> tuple[torch.Tensor, ...]:
+        if tokens > self.tokens or self.x.shape[1:] != (hidden,) or self.ids.shape[1:] != (k,):
+            cap = max(tokens, 2 * self.tokens if self.x.shape[1:] == (hidden,) else 0, 16)
+            kw = {"pin_memory": self.pin}
+            self.x = torch.empty(cap, hidden, dtype=torch.float32, **kw)
+            self.out = torch.empty(cap, hidden, dtype=torch.float32, **kw)
+            self.ids = torch.empty(cap, k, dtype=torch.int64, **kw)
+            self.w = torch.empty(cap, k, dtype=torch.float32, **kw)
+            self.tokens = cap
+        return self.x[:tokens], self.ids[:tokens], self.w[:tokens], self.out[:tokens]
+
+
+def _grouped_experts(
+    hidden: torch.Tensor,  # [T, H], device
+    local_ids: torch.Tensor,  # [T, k] int64, -1 = not here
+    weights: torch.Tensor,  # [T, k] float32
+    w13: torch.Tensor,  # [G, 2I, H]
+    w2: torch.Tensor,  # [G, H, I]
+) -> torch.Tensor:
+    """sum over slots routed to one of the G experts; [T, H] float32. One host sync (counts)."""
+    G, top_k = w13.shape[0], local_ids.shape[1]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    flat = local_ids.reshape(-1) + 1  # 0 = elsewhere
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=G + 1).tolist()
+    flat_w = weights.reshape(-1)
+    start = counts[0]
+    for g in range(G):
+        n = counts[g + 1]
+        if n == 0:
+            continue
+        slots = order[start : start + n]
+        start += n
+        tokens = slots // top_k
+        x = hidden.index_select(0, tokens)
+        gate, up = F.linear(x, w13[g]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[g]).float() * flat_w.index_select(0, slots)[:, None]
+        out.index_add_(0, tokens, y)
+    return out
+
+
+class CpuPoolExpertBackend:
+    """ExpertBackend over a `CpuExpertPool`; see the module docstring for the step.
+
+    Options: fmt ("bf16" | "int8" | "int4"), group_size (int4), num_threads and isa (pool),
+    cpu_experts ("all" | N) and gpu_experts (N) per layer, rebalance_after_tokens (after this
+    many routed tokens, re-place each layer's hottest experts on the GPU once; 0 = never).
+    """
+
+    name = "cpu_pool"
+    host_experts = True  # build_model materializes MoE expert weights in host memory
+
+    def __init__(
+        self,
+        fmt: str = "bf16",
+        group_size: int = 64,
+        num_threads: int | None = None,
+        isa: str | None = None,
+        cpu_experts: str | int | None = "all",
+        gpu_experts: int | None = None,
+        rebalance_after_tokens: int = 4096,
+        pool: CpuExpertPool | None = None,
+    ) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+        parse_cpu_experts(cpu_experts)  # validate early
+        self.fmt, self.group_size = fmt, group_size
+        self.cpu_experts, self.gpu_experts = cpu_experts, gpu_experts
+        self.rebalance_after_tokens = rebalance_after_tokens
+        self._pool_args = (num_threads, isa)
+        self._pool = pool
+        self._placements: dict[int, _Placement] = {}
+        self._counts: dict[int, torch.Tensor] = {}  # layer -> [E] int64 on the ids' device
+        self._num_experts: dict[int, int] = {}
+        self._buffers: _PinnedBuffers | None = None
+        self._stats = HybridMoeStats()
+        self._t_attach = time.perf_counter()
+        self._routed_tokens = 0
+        self._rebalanced = False
+        self._lock = threading.Lock()
+
+    # -- load --------------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> CpuExpertPool:
+        if self._pool is None:
+            from ext.cpu import CpuExpertPool  # lazy: builds the extension on first use
+
+            self._pool = CpuExpertPool(*self._pool_args)
+        return self._pool
+
+    @torch.no_grad()
+    def attach(self, model: nn.Module) -> None:
+        """Moves every MoE block's experts into the pool (converting them) and frees the torch
+        copies; keeps each layer's first `gpu` experts on the model's device until routing
+        counts say which are hottest (`rebalance`)."""
+        for block in model.modules():
+            if not (
+                hasattr(block, "w13") and hasattr(block, "layer_idx") and block.backend is self
+            ):
+                continue
+            self.add_block(block)
+        self._t_attach = time.perf_counter()
+
+    @torch.no_grad()
+    def add_block(self, block: nn.Module) -> None:
+        layer, w13, w2 = block.layer_idx, block.w13, block.w2
+        E = w13.shape[0]
+        device = block.gate.weight.device
+        self.pool.add_layer(layer, w13.detach().cpu(), w2.detach().cpu(), self.fmt, self.group_size)
+        self._num_experts[layer] = E
+        self._counts[layer] = torch.zeros(E, dtype=torch.int64, device=device)
+        gpu = num_gpu_experts(E, self.cpu_experts, self.gpu_experts)
+        if gpu:
+            self._place(layer, torch.arange(gpu), w13, w2, device)
+        # Free the torch copies: the pool holds the experts now.
+        empty13 = torch.empty(E, 0, w13.shape[2], dtype=w13.dtype, device=w13.device)
+        empty2 = torch.empty(E, w2.shape[1], 0, dtype=w2.dtype, device=w2.device)
+        block.w13 = nn.Parameter(empty13, requires_grad=False)
+        block.w2 = nn.Parameter(empty2, requires_grad=False)
+
+    def _place(
+        self,
+        layer: int,
+        expert_ids: torch.Tensor,  # [G] int64, CPU
+        w13: torch.Tensor,  # [E, 2I, H] any dtype/device
+        w2: torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        dtype = dtype or w13.dtype
+        E = w13.shape[0]
+        local = torch.full((E,), -1, dtype=torch.int64)
+        local[expert_ids] = torch.arange(len(expert_ids))
+        g13 = w13.index_select(0, expert_ids.to(w13.device)).to(device=device, dtype=dtype)
+        g2 = w2.index_select(0, expert_ids.to(w2.device)).to(device=device, dtype=dtype)
+        if device.type == "cuda":
+            self._stats.h2d_bytes += (
+                g13.numel() * g13.element_size() + g2.numel() * g2.element_size()
+            )
+        self._placements[layer] = _Placement(expert_ids.to(device), local.to(device), g13, g2)
+
+    @torch.no_grad()
+    def rebalance(self, counts: dict[int, torch.Tensor] | None = None) -> None:
+        """Keeps each layer's most-routed experts (by `counts`, default the counts gathered so
+        far) on the GPU; the pool keeps every expert, GPU-placed ones just get id -1."""
+        counts = counts or self._counts
+        for layer, place in list(self._placements.items()):
+            G = len(place.expert_ids)
+            hottest = torch.topk(counts[layer].cpu().float(), G).indices.sort().values
+            if torch.equal(hottest, place.expert_ids.cpu()):
+                continue
+            w13, w2 = self.pool.dequantize(layer)  # fp32, what the pool computes with
+            self._place(layer, hottest, w13, w2, place.w13.device, place.w13.dtype)
+
+    # -- forward -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,  # [T, H] model dtype, cpu or cuda
+        topk_ids: torch.Tensor,  # [T, k] int64
+        topk_weights: torch.Tensor,  # [T, k] float32
+        w13: torch.Tensor,  # unused: the pool holds the experts
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
+        T, k = topk_ids.shape
+        counts = self._counts.get(layer_idx)
+        if counts is None:
+            raise RuntimeError(f"cpu_pool: layer {layer_idx} was not attached (load_model does it)")
+        counts += torch.bincount(topk_ids.reshape(-1), minlength=counts.shape[0])
+        place = self._placements.get(layer_idx)
+        cpu_ids = (
+            topk_ids if place is None else torch.where(place.local[topk_ids] >= 0, -1, topk_ids)
+        )
+        if hidden.device.type == "cuda":
+            out = self._forward_cuda(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
+        else:
+            out = self._forward_cpu(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
+        self._stats.layer_calls += 1
+        if layer_idx == min(self._counts):
+            self._routed_tokens += T
+            if (
+                self._placements
+                and not self._rebalanced
+                and self.rebalance_after_tokens
+                and self._routed_tokens >= self.rebalance_after_tokens
+            ):
+                self._rebalanced = True
+                self.rebalance()
+        return out
+
+    def _forward_cpu(self, layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place):
+        x = hidden.float().contiguous()  # [T, H] f32
+        ids = cpu_ids.contiguous()
+        w = topk_weights.float().contiguous()
+        out = torch.empty_like(x)
+        t0 = time.perf_counter()
+        self.pool.submit(layer_idx, x, ids, w, out)
+        extra = None
+        if place is not None:
+            extra = _grouped_experts(hidden, place.local[topk_ids], w, place.w13, place.w2)
+        t1 = time.perf_counter()
+        self.pool.sync()
+        t2 = time.perf_counter()
+        self._stats.pool_wait_seconds += t2 - t1
+        self._stats.pool_seconds += t2 - t0
+        if extra is not None:
+            out += extra
+        return out.to(hidden.dtype)
+
+    def _forward_cuda(self, layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place):
+        T, H = hidden.shape
+        k = topk_ids.shape[1]
+        if self._buffers is None:
+            self._buffers = _PinnedBuffers(pin=True)
+        x_h, ids_h, w_h, out_h = self._buffers.get(T, H, k)
+        stream = torch.cuda.current_stream(hidden.device)
+        x_h.copy_(hidden.float(), non_blocking=True)  # [T, H] f32 pinned
+        ids_h.copy_(cpu_ids, non_blocking=True)
+        w_h.copy_(topk_weights.float(), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        t0 = time.perf_counter()
+        copied.synchronize()  # the copies only: nothing else is queued before them
+        t1 = time.perf_counter()
+        self.pool.submit(layer_idx, x_h, ids_h, w_h, out_h)
+        t2 = time.perf_counter()
+        extra = None
+        if place is not None:  # the GPU-resident experts run while the pool computes
+            extra = _grouped_experts(
+                hidden, place.local[topk_ids], topk_weights, place.w13, place.w2
+            )
+        t3 = time.perf_counter()
+        self.pool.sync()
+        t4 = time.perf_counter()
+        out = out_h.to(hidden.device, non_blocking=True)  # [T, H] f32 cuda
+        if extra is not None:
+            out += extra
+        s = self._stats
+        s.pool_wait_seconds += (t1 - t0) + (t4 - t3)
+        s.pool_seconds += t4 - t2
+        s.d2h_bytes += T * H * 4 + T * k * 12
+        s.h2d_bytes += T * H * 4
+        return out.to(hidden.dtype)
+
+    # -- metrics and lifecycle ---------------------------------------------------------------
+
+    def stats(self) -> HybridMoeStats:
+        """A snapshot of the cumulative counters (copies; safe to keep)."""
+        s = self._stats
+        busy = self._pool.busy_seconds() if self._pool is not None else []
+        return HybridMoeStats(
+            layer_calls=s.layer_calls,
+            pool_wait_seconds=s.pool_wait_seconds,
+            pool_seconds=s.pool_seconds,
+            d2h_bytes=s.d2h_bytes,
+            h2d_bytes=s.h2d_bytes,
+            pool_threads=len(busy),
+            pool_busy_seconds=sum(busy),
+            wall_seconds=time.perf_counter() - self._t_attach,
+            routing_counts={i: c.tolist() for i, c in sorted(self._counts.items())},
+            gpu_experts={i: p.expert_ids.tolist() for i, p in sorted(self._placements.items())},
+        )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+
+def hybrid_moe_stats(model: nn.Module) -> HybridMoeStats | None:
+    """The hybrid counters of a loaded model, or None when its experts are not on the pool."""
+    backend = getattr(model, "expert_backend", None)
+    return backend.stats() if isinstance(backend, CpuPoolExpertBackend) else None
+
+
+def hybrid_moe_metrics(model: nn.Module) -> dict[str, Any]:
+    """Flat Prometheus-style samples: name -> value, or name -> {label value: value}."""
+    s = hybrid_moe_stats(model)
+    if s is None:
+        return {}
+    return {
+        "tandem_moe_pool_wait_seconds_total": s.pool_wait_seconds,
+        "tandem_moe_pool_seconds_total": s.pool_seconds,
+        "tandem_moe_layer_calls_total": s.layer_calls,
+        "tandem_moe_d2h_bytes_total": s.d2h_bytes,
+        "tandem_moe_h2d_bytes_total": s.h2d_bytes,
+        "tandem_moe_pool_threads": s.pool_threads,
+        "tandem_moe_pool_busy_seconds_total": s.pool_busy_seconds,
+        "tandem_moe_pool_utilisation": s.pool_utilisation,
+        "tandem_moe_expert_routed_total": {
+            (layer, e): n for layer, c in s.routing_counts.items() for e, n in enumerate(c)
+        },
+    }
+
+
+register_expert_backend("cpu_pool", CpuPoolExpertBackend)

@@ -1,0 +1,189 @@
+"""Qwen3-MoE, Qwen2-MoE and Mixtral through the "cpu_pool" expert backend against HF transformers.
+
+What is exactly comparable: the checkpoint's expert weights are rounded to bf16 before saving,
+so the pool's bf16 conversion is lossless; for int8/int4 the HF reference gets the same
+quantization (ext/cpu/reference.quantize, which the C++ converter follows). With the "scalar"
+ISA the pool computes in fp32 (fp32 activations x converted weights), so logits must match HF
+to fp32 accuracy. The SIMD ISAs round activations to bf16: a bf16-sized tolerance applies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as hf
+
+from ext.cpu import quantize, supported_isas
+from models.layers.cpu_experts import CpuPoolExpertBackend, hybrid_moe_metrics, num_gpu_experts
+from models.loader import load_model
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.05,
+)
+CASES = {
+    "qwen3_moe": lambda: hf.Qwen3MoeConfig(
+        **COMMON,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
+    "qwen2_moe": lambda: hf.Qwen2MoeConfig(
+        **COMMON,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "mixtral": lambda: hf.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2),
+}
+PROMPT_LENS = [5, 17, 9]
+
+
+def _expert_params(model: torch.nn.Module):
+    return [(n, p) for n, p in model.named_parameters() if ".experts." in n]
+
+
+def _save(name: str, path: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(CASES[name](), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for _, p in _expert_params(model):
+            p.copy_(p.to(torch.bfloat16).float())
+    model.save_pretrained(path)
+    return model
+
+
+def _quantize_reference(model: torch.nn.Module, fmt: str) -> None:
+    with torch.no_grad():
+        for _, p in _expert_params(model):
+            p.copy_(quantize(p, fmt))
+
+
+def _run(model, config, paged_runner) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+    """Chunked prefill + mixed decode steps; returns the sequences and their logits rows."""
+    runner = paged_runner(model, config, block_size=4)
+    gen = torch.Generator().manual_seed(1)
+    seqs = {
+        i: torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
+        for i, n in enumerate(PROMPT_LENS)
+    }
+    rows: dict[int, list[torch.Tensor]] = {i: [] for i in seqs}
+    steps = [[(0, seqs[0]), (1, seqs[1][:8])], [(1, seqs[1][8:]), (2, seqs[2])]]
+    for work in steps:
+        for seq_id, logits in runner.step(work).items():
+            rows[seq_id].append(logits)
+    for _ in range(3):
+        for seq_id in seqs:
+            seqs[seq_id].append(int(rows[seq_id][-1][-1].argmax()))
+        for seq_id, logits in runner.step([(i, seqs[i][-1:]) for i in seqs]).items():
+            rows[seq_id].append(logits)
+    return seqs, {i: torch.cat(r) for i, r in rows.items()}
+
+
+def _max_rel_diff(hf_model, seqs, rows) -> float:
+    worst = 0.0
+    for seq_id, ours in rows.items():
+        ids = torch.tensor([seqs[seq_id][: ours.shape[0]]])
+        with torch.no_grad():
+            ref = hf_model(ids).logits[0].float()
+        worst = max(worst, float((ours - ref).abs().max() / ref.abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_scalar_pool_matches_hf_exactly(name: str, fmt: str, tmp_path: Path, paged_runner) -> None:
+    hf_model = _save(name, tmp_path)
+    if fmt != "bf16":
+        _quantize_reference(hf_model, fmt)
+    model, config = load_model(
+        tmp_path,
+        dtype=torch.float32,
+        device="cpu",
+        expert_backend="cpu_pool",
+        expert_options={"fmt": fmt, "isa": "scalar", "num_threads": 2},
+    )
+    backend = model.expert_backend
+    assert isinstance(backend, CpuPoolExpertBackend)
+    # The torch copies are gone: the pool holds the experts.
+    moe_blocks = [m for m in model.modules() if hasattr(m, "w13")]
+    assert moe_blocks and all(b.w13.numel() == 0 and b.w2.numel() == 0 for b in moe_blocks)
+    seqs, rows = _run(model, config, paged_runner)
+    assert _max_rel_diff(hf_model, seqs, rows) < 1e-4
+    stats = backend.stats()
+    num_moe_layers = len(moe_blocks)
+    assert stats.layer_calls == 5 * num_moe_layers
+    routed = sum(len(s) for s in seqs.values())  # every token ran once
+    for counts in stats.routing_counts.values():
+        assert sum(counts) == routed * config.num_experts_per_tok
+    backend.close()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_simd_pool_matches_hf_to_bf16(name: str, tmp_path: Path, paged_runner) -> None:
+    isa = supported_isas()[-1]
+    if isa == "scalar":
+        pytest.skip("this CPU has no SIMD path")  # pragma: no cover
+    hf_model = _save(name, tmp_path)
+    model, config = load_model(
+        tmp_path,
+        dtype=torch.float32,
+        device="cpu",
+        expert_backend="cpu_pool",
+        expert_options={"isa": isa},
+    )
+    seqs, rows = _run(model, config, paged_runner)
+    rel = _max_rel_diff(hf_model, seqs, rows)
+    assert rel < 2e-2, f"{isa}: {rel:.3e}"
+    model.expert_backend.close()
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_split_placement_and_rebalance_match_hf(name: str, tmp_path: Path, paged_runner) -> None:
+    """3 experts per layer "on the GPU" (torch, here on the CPU) and 5 on the pool, summed; then
+    re-placed by routing counts. Still HF's logits."""
+    hf_model = _save(name, tmp_path)
+    model, config = load_model(
+        tmp_path,
+        dtype=torch.float32,
+        device="cpu",
+        expert_backend="cpu_pool",
+        expert_options={"isa": "scalar", "cpu_experts": 5, "rebalance_after_tokens": 0},
+    )
+    backend = model.expert_backend
+    assert backend.stats().gpu_experts == {i: [0, 1, 2] for i in backend.stats().gpu_experts}
+    seqs, rows = _run(model, config, paged_runner)
+    assert _max_rel_diff(hf_model, seqs, rows) < 1e-4
+    counts = backend.stats().routing_counts
+    backend.rebalance()
+    for layer, ids in backend.stats().gpu_experts.items():
+        hottest = sorted(range(8), key=lambda e: -counts[layer][e])[:3]
+        assert sorted(counts[layer][e] for e in ids) == sorted(counts[layer][e] for e in hottest)
+    seqs2, rows2 = _run(model, config, paged_runner)
+    assert _max_rel_diff(hf_model, seqs2, rows2) < 1e-4
+    metrics = hybrid_moe_metrics(model)
+    assert metrics["tandem_moe_layer_calls_total"] == backend.stats().layer_calls > 0
+    assert 0.0 < metrics["tandem_moe_pool_utilisation"] <= 1.0
+    backend.close()
+
+
+def test_placement_arithmetic() -> None:
+    assert num_gpu_experts(8, "all", None) == 0
+    assert num_gpu_experts(8, None, 2) == 2
+    assert num_gpu_experts(8, "all", 3) == 3
+    assert num_gpu_experts(8, "6", None) == 2
+    assert num_gpu_experts(8, 6, 2) == 2
+    with pytest.raises(ValueError):
+        num_gpu_experts(8, 6, 3)
+    with pytest.raises(ValueError):
+        CpuPoolExpertBackend(fmt="fp8")

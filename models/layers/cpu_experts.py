@@ -157,6 +157,7 @@ class CpuPoolExpertBackend:
 
     name = "cpu_pool"
     host_experts = True  # build_model materializes MoE expert weights in host memory
+    supports_cuda_graphs = False  # host waits inside forward: a CUDA runner must run it eagerly
 
     def __init__(
         self,

@@ -209,6 +209,30 @@ def test_concurrent_pools_from_threads():
     assert errors == []
 
 
+def test_many_back_to_back_submits_and_busy_time(pools):
+    """200 submits alternating between layers with no sync in between (each submit waits for
+    the previous): every output is complete and right; worker busy time accumulates."""
+    pool = pools("scalar")
+    E, inter, H = 6, 64, 64
+    w13, w2 = make_layer(E, inter, H, seed=11)
+    pool.add_layer(50, w13, w2, "bf16")
+    pool.add_layer(51, w13, w2, "int8")
+    busy0 = sum(pool.busy_seconds())
+    calls = []
+    for i in range(200):
+        hidden, ids, weights = make_inputs(1 + i % 5, H, E, 1 + i % 3, seed=1000 + i)
+        out = torch.empty_like(hidden)
+        pool.submit(50 + i % 2, hidden, ids, weights, out)
+        calls.append((i % 2, hidden, ids, weights, out))
+    pool.sync()
+    for fmt_i, hidden, ids, weights, out in calls[::7]:
+        fmt = ("bf16", "int8")[fmt_i]
+        ref = moe_reference(hidden, quantize(w13, fmt), quantize(w2, fmt), ids, weights)
+        assert rel_err(out, ref) < REL_TOL["scalar"]
+    busy = pool.busy_seconds()
+    assert len(busy) == 2 and sum(busy) > busy0
+
+
 def test_close_and_context_manager():
     w13, w2 = make_layer(4, 32, 64, seed=9)
     with CpuExpertPool(num_threads=1) as pool:

@@ -187,3 +187,41 @@ def test_placement_arithmetic() -> None:
         num_gpu_experts(8, 6, 3)
     with pytest.raises(ValueError):
         CpuPoolExpertBackend(fmt="fp8")
+
+
+def _llm(path: Path, **spec: object):
+    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from runtime.llm import LLM
+
+    ec = EngineConfig(
+        model=ModelSpec(model=str(path), device="cpu", dtype="float32", **spec),
+        cache=CacheConfig(block_size=4, num_blocks=96),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=24),
+    )
+    return LLM(engine_config=ec)
+
+
+def test_engine_greedy_equals_torch_backend(tmp_path: Path, monkeypatch) -> None:
+    """The offline API through ModelSpec(cpu_experts="all"): 6 concurrent requests (chunked
+    prefill, mixed steps), then a second round on the same pool. The expert weights are bf16
+    values and the scalar pool computes in fp32, so greedy tokens equal the torch backend's."""
+    from runtime.sampling_params import SamplingParams
+
+    monkeypatch.setenv("TANDEM_CPU_ISA", "scalar")
+    _save("mixtral", tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (3, 30, 7, 19, 1, 44)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in _llm(tmp_path).generate(prompts, params)]
+    llm = _llm(tmp_path, cpu_experts="all", cpu_threads=1)
+    backend = llm.engine.model.expert_backend
+    assert isinstance(backend, CpuPoolExpertBackend)
+    for _ in range(2):  # pool reuse across requests
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == ref
+    stats = backend.stats()
+    assert stats.pool_threads == 1 and stats.pool_busy_seconds > 0
+    first_round = sum(len(p) + 11 for p in prompts)  # the 12th token is sampled, never run
+    routed = [sum(c) for c in stats.routing_counts.values()]  # round 2 hits the prefix cache
+    assert routed[0] == routed[1] and 2 * first_round < routed[0] < 4 * first_round
+    backend.close()

@@ -105,10 +105,15 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
                    "code": {"type": "string", "nullable": True}}}}}
 
 
+# One server-sent event: `data:` holds a JSON chunk, or `[DONE]` last.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
+
 def _responses(ok: str, *errors: int) -> dict[str, Any]:
     out: dict[str, Any] = {"200": {"description": ok, "content": {
         "application/json": {"schema": {"type": "object"}},
-        "text/event-stream": {"schema": {"type": "string"}}}}}
+        "text/event-stream": {"schema": _SSE_EVENT}}}}
     for status in errors:
         out[str(status)] = {"description": "error", "content": {
             "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
@@ -125,7 +130,15 @@ def _post(summary: str, schema_ref: str) -> dict[str, Any]:
     }}
 
 
-def build_openapi(model_name: str, secured: bool) -> dict[str, Any]:
+def _with_model(request_schema: dict[str, Any], model_names: tuple[str, ...]) -> dict[str, Any]:
+    props = {**request_schema["properties"],
+             "model": {"type": "string", "enum": list(model_names)}}
+    return {**request_schema, "properties": props}
+
+
+def build_openapi(model_names: tuple[str, ...], secured: bool) -> dict[str, Any]:
+    """The document for a server answering to `model_names` (the served name first)."""
+    model_name = model_names[0]
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
         "info": {"title": "Tandem", "version": "0.1.0",
@@ -148,8 +161,9 @@ def build_openapi(model_name: str, secured: bool) -> dict[str, Any]:
                                                            "schema": {"type": "string"}}}}}}},
         },
         "components": {
-            "schemas": {"ChatCompletionRequest": CHAT_REQUEST,
-                        "CompletionRequest": COMPLETION_REQUEST, "Error": _ERROR},
+            "schemas": {"ChatCompletionRequest": _with_model(CHAT_REQUEST, model_names),
+                        "CompletionRequest": _with_model(COMPLETION_REQUEST, model_names),
+                        "Error": _ERROR},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -24,10 +24,17 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_
                     "stop_token_ids", "skip_special_tokens")
 _COMMON = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "priority",
            *_SAMPLING_FIELDS}
-_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
-_CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs",
+# accepted and checked for type, but they change nothing here
+_IGNORED: dict[str, tuple[tuple[type, ...], str]] = {
+    "user": ((str,), "a string"),
+    "store": ((bool,), "a boolean"),
+    "metadata": ((dict,), "an object"),
+    "service_tier": ((str,), "a string"),
+    "parallel_tool_calls": ((bool,), "a boolean"),
+}
+_CHAT_FIELDS = _COMMON | set(_IGNORED) | {"messages", "max_completion_tokens", "logprobs",
                                      "top_logprobs"}
-_COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "logprobs"}
+_COMPLETION_FIELDS = _COMMON | set(_IGNORED) | {"prompt", "logprobs"}
 
 # field -> predicate saying the value is harmless (a default) and may be accepted
 _UNSUPPORTED: dict[str, Any] = {
@@ -83,6 +90,8 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
         elif name not in allowed:
             raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
                            code="unknown_parameter")
+        elif name in _IGNORED:
+            _opt(body, name, *_IGNORED[name])
 
 
 def _opt(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> Any:
@@ -163,7 +172,9 @@ def parse_generation(kind: Kind, body: dict[str, Any], tokenizer: Any,
                      max_model_len: int, model_names: tuple[str, ...]) -> GenerationRequest:
     """Validate one chat or completions body and tokenize its prompt(s)."""
     _check_fields(body, _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS)
-    model = _opt(body, "model", (str,), "a string") or model_names[0]
+    model = _opt(body, "model", (str,), "a string")
+    if model is None:  # absent or null: the served model
+        model = model_names[0]
     if model not in model_names:
         raise APIError(404, f"The model '{model}' does not exist; this server serves "
                        f"'{model_names[0]}'", param="model", code="model_not_found")
@@ -183,8 +194,11 @@ def parse_generation(kind: Kind, body: dict[str, Any], tokenizer: Any,
         kwargs["n"] = body["n"]
     if kind == "chat":
         prompts = [_messages_to_prompt(body.get("messages"), tokenizer)]
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        # both are checked; the newer name wins when both are set (a null one counts as unset)
+        newer = _opt(body, "max_completion_tokens", (int,), "an integer")
+        older = _opt(body, "max_tokens", (int,), "an integer")
+        max_tokens = newer if newer is not None else older
+        max_param = "max_completion_tokens" if newer is not None else "max_tokens"
         logprobs = _opt(body, "logprobs", (bool,), "a boolean") or False
         top = _opt(body, "top_logprobs", (int,), "an integer")
         if top is not None and not logprobs:
@@ -192,7 +206,9 @@ def parse_generation(kind: Kind, body: dict[str, Any], tokenizer: Any,
         kwargs.update(logprobs=logprobs, top_logprobs=top or 0)
     else:
         prompts = _prompt_to_ids(body.get("prompt"), tokenizer)
-        max_tokens = body.get("max_tokens", 16)
+        max_tokens = _opt(body, "max_tokens", (int,), "an integer")
+        if "max_tokens" not in body:
+            max_tokens = 16  # OpenAI's completions default; an explicit null means "to the limit"
         max_param = "max_tokens"
         top = _opt(body, "logprobs", (int,), "an integer")
         if top is not None:

@@ -79,7 +79,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    return web.Response(body=orjson.dumps(build_openapi(state.model_name,
+    return web.Response(body=orjson.dumps(build_openapi(state.model_names,
                                                         bool(state.config.api_keys))),
                         content_type="application/json")
 

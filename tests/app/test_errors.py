@@ -54,6 +54,11 @@ async def test_invalid_json_and_non_object(harness: Harness) -> None:
     (COMP, {"prompt": [100000]}, "prompt"),
     (COMP, {"prompt": "a", "logprobs": "x"}, "logprobs"),
     (COMP, {"prompt": "a", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    # found by schemathesis: a field was ignored instead of checked
+    (CHAT, {"messages": MSG, "max_completion_tokens": 4, "max_tokens": [5]}, "max_tokens"),
+    (COMP, {"prompt": "a", "max_tokens": "16"}, "max_tokens"),
+    (COMP, {"prompt": "a", "user": 0}, "user"),
+    (CHAT, {"messages": MSG, "metadata": "x"}, "metadata"),
 ])
 async def test_invalid_parameter_names_it(harness: Harness, path: str, body: dict, param: str
                                           ) -> None:
@@ -143,3 +148,13 @@ async def test_engine_death_during_non_streamed_request_is_503(make_harness: Mak
     err = await expect_error(await h.client.post(COMP, json={"prompt": "a"}), 503)
     assert err["code"] == "engine_dead" and "boom" in err["message"]
     assert (await h.client.get("/health")).status == 503
+
+
+async def test_empty_model_name_is_unknown_and_null_max_completion_tokens_is_unset(
+        harness: Harness) -> None:
+    await expect_error(await harness.client.post(COMP, json={"prompt": "a", "model": ""}), 404,
+                       "model")
+    resp = await harness.client.post(CHAT, json={"messages": MSG, "max_completion_tokens": None,
+                                                 "max_tokens": 3})
+    assert resp.status == 200
+    assert (await resp.json())["usage"]["completion_tokens"] == 3

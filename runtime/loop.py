@@ -158,6 +158,10 @@ class EngineLoop:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
             self._task = asyncio.create_task(self._run(), name="engine-loop")
 
+    async def wait_idle(self) -> None:
+        """Return once no admitted request remains (aborts applied, streams finished)."""
+        await self._idle.wait()
+
     def begin_drain(self) -> None:
         """Stop admitting; requests in flight carry on."""
         self._draining = True

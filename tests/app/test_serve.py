@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -78,6 +79,51 @@ async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
             assert refused.status == 503
             rest = await resp.read()
             assert b'"finish_reason":"abort"' in rest and rest.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _tandem_command() -> list[str]:
+    """The installed console script, else the same entry point through this interpreter."""
+    script = shutil.which("tandem")
+    if script is not None:
+        return [script]
+    return [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())"]
+
+
+async def test_tandem_serve_without_model_serves_the_default_model() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *_tandem_command(), "serve", "--port", "0", "--shutdown-timeout", "2",
+        stderr=asyncio.subprocess.PIPE, cwd=str(ROOT))
+    try:
+        port = None
+        for _ in range(200):  # log lines until the listening one (bounded)
+            line = (await asyncio.wait_for(proc.stderr.readline(), 120)).decode()
+            assert line, "tandem serve exited before listening"
+            if m := re.search(r"serving (\S+) on http://127\.0\.0\.1:(\d+)", line):
+                assert m.group(1) == "smollm2-135m-instruct"
+                port = int(m.group(2))
+                break
+        assert port is not None
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{base}/health") as health:
+                assert health.status == 200
+            async with http.get(f"{base}/v1/models") as models:
+                assert [m["id"] for m in (await models.json())["data"]] == ["smollm2-135m-instruct"]
+            async with http.post(f"{base}/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "max_tokens": 8, "temperature": 0}) as resp:
+                assert resp.status == 200, await resp.text()
+                body = await resp.json()
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+        assert body["model"] == "smollm2-135m-instruct"
+        assert 1 <= body["usage"]["completion_tokens"] <= 8
+        proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
         if proc.returncode is None:

@@ -225,3 +225,61 @@ def test_engine_greedy_equals_torch_backend(tmp_path: Path, monkeypatch) -> None
     routed = [sum(c) for c in stats.routing_counts.values()]  # round 2 hits the prefix cache
     assert routed[0] == routed[1] and 2 * first_round < routed[0] < 4 * first_round
     backend.close()
+
+
+def _one_sequence_batch(n: int, device: str, kv) -> tuple[torch.Tensor, torch.Tensor, object]:
+    from models.batch import ForwardBatch
+
+    blocks = -(-n // kv.block_size)
+    batch = ForwardBatch(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
+        logits_indices=torch.arange(n, dtype=torch.int64, device=device),
+        query_lens_cpu=[n],
+        seq_lens_cpu=[n],
+        kv_cache=kv,
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    return torch.arange(n, device=device), torch.arange(n, device=device), batch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_experts", [0, 3])
+def test_cuda_hybrid_matches_hf(gpu_experts: int, tmp_path: Path) -> None:
+    """On CUDA: pinned copies, pool on the CPU, GPU-resident experts (3 of 8) meanwhile, sum."""
+    from models.batch import KVCache
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    hf_model = _save("qwen2_moe", tmp_path)
+    model, config = load_model(
+        tmp_path,
+        dtype=torch.float32,
+        device="cuda",
+        expert_backend="cpu_pool",
+        expert_options={"isa": "scalar", "gpu_experts": gpu_experts, "rebalance_after_tokens": 0},
+    )
+    backend = model.expert_backend
+    assert all(b.w13.device.type == "cpu" for b in model.modules() if hasattr(b, "w13"))
+    n = 37
+    kv = KVCache.allocate(2, 4, 16, config.num_key_value_heads, config.head_dim, torch.float32,
+                          "cuda")  # fmt: skip
+    ids, pos, batch = _one_sequence_batch(n, "cuda", kv)
+    ids = (ids * 7) % config.vocab_size
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids, pos, batch)).cpu()
+        ref = hf_model(ids.cpu()[None]).logits[0].float()
+    rel = float((ours - ref).abs().max() / ref.abs().max())
+    assert rel < 1e-4, rel
+    s = backend.stats()
+    assert s.d2h_bytes > 0 and s.h2d_bytes > 0 and s.layer_calls == 2
+    if gpu_experts:
+        backend.rebalance()
+        with torch.no_grad():
+            ids2, pos2, batch2 = _one_sequence_batch(n, "cuda", kv)
+            again = model.compute_logits(model((ids2 * 7) % config.vocab_size, pos2, batch2))
+        assert float((again.cpu() - ref).abs().max() / ref.abs().max()) < 1e-4
+    backend.close()

@@ -1,0 +1,291 @@
+"""End-to-end hybrid MoE benchmark: a Qwen3-30B-A3B-shaped model (48 layers, hidden 2048,
+32/4 heads of dim 128, 128 experts top-8, expert intermediate 768, vocab 151936) with random
+weights; attention and everything dense on the GPU, the experts on the CPU expert pool
+("cpu_pool" backend), per expert format; then, where it fits, the same model with every
+expert on the GPU (torch expert backend) in the same process.
+
+Per configuration it prints decode tok/s at batch 1, aggregate decode tok/s at --batch
+concurrent sequences, and prefill tok/s of one --prefill-token prompt, each next to its floor:
+active expert bytes per token / --floor-gbps (CPU read bandwidth). At batch B the floor counts
+the experts a step is expected to touch under uniform routing (E * (1 - (1 - k/E)^B)); prefill
+reads every expert once. The pool holds distinct memory per layer, but every layer is converted
+from one random layer (random init of 29 B host parameters would dominate the run).
+
+    python tools/bench_hybrid_moe.py [--formats int4 bf16] [--gpu-all] [--json out.json]
+        [--layers 48] [--decode-steps 16] [--batch 16] [--prefill 2048] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.batch import ForwardBatch, KVCache  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from models.loader import build_model  # noqa: E402
+from models.loader.dummy import init_dummy_weights  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--formats", nargs="+", default=["int4", "bf16"])
+    p.add_argument("--threads", type=int, default=None, help="pool threads (default cpus - 1)")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--gpu-all", action="store_true", help="also run every expert on the GPU")
+    p.add_argument("--floor-gbps", type=float, default=68.0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def model_config(a: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=6144,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        num_experts=a.experts,
+        num_experts_per_tok=a.topk,
+        moe_intermediate_size=a.inter,
+        norm_topk_prob=True,
+    )
+
+
+class Runner:
+    """Fixed KV blocks per sequence slot; steps of (slot, number of new tokens) with random ids."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig, device, dtype, slots: int, max_len: int):
+        self.model, self.cfg, self.device = model, cfg, torch.device(device)
+        self.block_size = 16
+        self.blocks_per_slot = -(-max_len // self.block_size)
+        self.kv = KVCache.allocate(
+            cfg.num_hidden_layers,
+            slots * self.blocks_per_slot,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype,
+            device,
+        )
+        self.lens = [0] * slots
+        self.gen = torch.Generator().manual_seed(0)
+
+    def reset(self) -> None:
+        self.lens = [0] * len(self.lens)
+
+    @torch.no_grad()
+    def step(self, work: list[tuple[int, int]]) -> None:
+        ids, pos, slots, qlens, slens, tables = [], [], [], [], [], []
+        for slot, n in work:
+            start, end = self.lens[slot], self.lens[slot] + n
+            first = slot * self.blocks_per_slot
+            pos += range(start, end)
+            slots += [(first + p // self.block_size) * self.block_size + p % self.block_size
+                      for p in range(start, end)]  # fmt: skip
+            qlens.append(n)
+            slens.append(end)
+            tables.append(list(range(first, first + -(-end // self.block_size))))
+            self.lens[slot] = end
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        qsl = torch.zeros(len(work) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(qlens), 0)
+        dev = self.device
+        batch = ForwardBatch(
+            query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            logits_indices=(qsl[1:] - 1).long().to(dev),
+            query_lens_cpu=qlens,
+            seq_lens_cpu=slens,
+            kv_cache=self.kv,
+            max_query_len=max(qlens),
+            max_seq_len=max(slens),
+        )
+        total = sum(qlens)
+        ids = torch.randint(0, self.cfg.vocab_size, (total,), generator=self.gen).to(dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        logits = self.model.compute_logits(self.model(ids, positions, batch))
+        logits.argmax(-1).tolist()  # the sampled tokens reach the host, as in serving
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(runner: Runner, a: argparse.Namespace) -> dict[str, float]:
+    dev = a.device
+    out: dict[str, float] = {}
+    # Batch 1: a prompt, one warm-up decode step, then timed decode steps.
+    runner.reset()
+    runner.step([(0, a.prompt)])
+    runner.step([(0, 1)])
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(a.decode_steps):
+        runner.step([(0, 1)])
+    _sync(dev)
+    out["decode_b1_tok_s"] = a.decode_steps / (time.perf_counter() - t0)
+    # Batch B: B prompts in one step, a warm-up step, then timed steps of B tokens.
+    runner.reset()
+    runner.step([(s, a.prompt) for s in range(a.batch)])
+    runner.step([(s, 1) for s in range(a.batch)])
+    _sync(dev)
+    steps = max(4, a.decode_steps // 2)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.step([(s, 1) for s in range(a.batch)])
+    _sync(dev)
+    out[f"decode_b{a.batch}_tok_s"] = a.batch * steps / (time.perf_counter() - t0)
+    # Prefill: one warm-up of 256 tokens, then one whole prompt in one step.
+    runner.reset()
+    runner.step([(0, 256)])
+    runner.reset()
+    _sync(dev)
+    t0 = time.perf_counter()
+    runner.step([(0, a.prefill)])
+    _sync(dev)
+    out["prefill_tok_s"] = a.prefill / (time.perf_counter() - t0)
+    return out
+
+
+def floors(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> dict[str, float]:
+    per_elt = {"bf16": 2.0, "int8": 1.0 + 4 / cfg.hidden_size, "int4": 0.5 + 4 / 64}[fmt]
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_elt
+    layers, E, k, bw = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, a.floor_gbps
+    per_token = k * expert_bytes * layers
+    touched = E * (1 - (1 - k / E) ** a.batch)
+    return {
+        "active_expert_GB_per_token": per_token / 1e9,
+        "decode_b1_floor_tok_s": bw * 1e9 / per_token,
+        f"decode_b{a.batch}_floor_tok_s": a.batch * bw * 1e9 / (touched * expert_bytes * layers),
+        "prefill_floor_tok_s": a.prefill * bw * 1e9 / (E * expert_bytes * layers),
+    }
+
+
+def shared_layer(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.02).to(torch.bfloat16)
+    return w13, w2
+
+
+def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
+    t0 = time.perf_counter()
+    opts = {"fmt": fmt, "num_threads": a.threads, "cpu_experts": "all"}
+    model = build_model(cfg, dtype=dtype, device=a.device, expert_backend="cpu_pool",
+                        expert_options=opts)  # fmt: skip
+    backend = model.expert_backend
+    for block in model.modules():
+        if hasattr(block, "w13") and getattr(block, "backend", None) is backend:
+            block.w13 = nn.Parameter(shared[0], requires_grad=False)
+            block.w2 = nn.Parameter(shared[1], requires_grad=False)
+            backend.add_block(block)  # converts into the pool, frees the torch copy
+    init_dummy_weights(model)  # everything else (the expert tensors are empty now)
+    load_s = time.perf_counter() - t0
+    runner = Runner(model, cfg, a.device, dtype, max(a.batch, 1), a.prefill + 64)
+    res = measure(runner, a)
+    s = backend.stats()
+    info = backend.pool.info()
+    res.update(
+        load_s=load_s,
+        pool_GB=sum(info["bytes_per_format"].values()) / 1e9,
+        isa=info["isa"],
+        threads=info["num_threads"],
+        pool_wait_s=s.pool_wait_seconds,
+        d2h_GB=s.d2h_bytes / 1e9,
+        h2d_GB=s.h2d_bytes / 1e9,
+        pool_utilisation=s.pool_utilisation,
+    )
+    res.update(floors(cfg, fmt, a))
+    backend.close()
+    del model, runner
+    return res
+
+
+def run_gpu_all(cfg, a, dtype) -> dict:
+    t0 = time.perf_counter()
+    model = build_model(cfg, dtype=dtype, device=a.device, expert_backend="torch")
+    init_dummy_weights(model)
+    load_s = time.perf_counter() - t0
+    runner = Runner(model, cfg, a.device, dtype, max(a.batch, 1), a.prefill + 64)
+    res = measure(runner, a)
+    res["load_s"] = load_s
+    del model, runner
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    cfg = model_config(a)
+    dtype = torch.bfloat16 if torch.device(a.device).type == "cuda" else torch.float32
+    print(f"# {cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-"
+          f"{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, expert inter "
+          f"{cfg.moe_intermediate_size}; device {a.device}"
+          + (f" ({torch.cuda.get_device_name()})" if a.device == "cuda" else ""), flush=True)  # fmt: skip
+    t0 = time.perf_counter()
+    shared = shared_layer(cfg)
+    print(f"# random expert layer: {time.perf_counter() - t0:.1f}s", flush=True)
+    results: dict[str, dict] = {}
+    for fmt in a.formats:
+        r = results[f"hybrid_{fmt}"] = run_hybrid(cfg, fmt, shared, a, dtype)
+        print(f"hybrid {fmt}: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                              for k, v in r.items()}), flush=True)  # fmt: skip
+    del shared
+    if a.gpu_all:
+        r = results["gpu_all_bf16"] = run_gpu_all(cfg, a, dtype)
+        print("gpu-all bf16: " + json.dumps({k: round(v, 3) for k, v in r.items()}), flush=True)
+    print()
+    b = a.batch
+    print(
+        f"| experts | decode b=1 tok/s (floor) | decode b={b} agg tok/s (floor) "
+        f"| prefill {a.prefill} tok/s (floor) |"
+    )
+    print("|---|---|---|---|")
+    for name, r in results.items():
+
+        def cell(key: str, r: dict = r) -> str:
+            floor = r.get(key.replace("_tok_s", "_floor_tok_s"))
+            return f"{r[key]:.1f}" + (f" ({floor:.1f}, {r[key] / floor:.0%})" if floor else "")
+
+        print(f"| {name} | {cell('decode_b1_tok_s')} | {cell(f'decode_b{b}_tok_s')} "
+              f"| {cell('prefill_tok_s')} |")  # fmt: skip
+    if a.json:
+        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "results": results},
+                                     indent=2, default=str))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -80,39 +80,45 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
 
 
 class Runner:
-    """Fixed KV blocks per sequence slot; steps of (slot, number of new tokens) with random ids."""
+    """KV blocks handed out on demand (reset frees all); steps of (sequence slot, number of new
+    tokens) with random token ids; the last token of each sequence gets logits."""
 
-    def __init__(self, model: nn.Module, cfg: ModelConfig, device, dtype, slots: int, max_len: int):
+    def __init__(self, model: nn.Module, cfg: ModelConfig, device, dtype, num_blocks: int):
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = 16
-        self.blocks_per_slot = -(-max_len // self.block_size)
         self.kv = KVCache.allocate(
             cfg.num_hidden_layers,
-            slots * self.blocks_per_slot,
+            num_blocks,
             self.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
             dtype,
             device,
         )
-        self.lens = [0] * slots
         self.gen = torch.Generator().manual_seed(0)
+        self.reset()
 
     def reset(self) -> None:
-        self.lens = [0] * len(self.lens)
+        self.lens: dict[int, int] = {}
+        self.tables: dict[int, list[int]] = {}
+        self.next_block = 0
 
     @torch.no_grad()
     def step(self, work: list[tuple[int, int]]) -> None:
         ids, pos, slots, qlens, slens, tables = [], [], [], [], [], []
         for slot, n in work:
-            start, end = self.lens[slot], self.lens[slot] + n
-            first = slot * self.blocks_per_slot
+            start = self.lens.get(slot, 0)
+            end = start + n
+            table = self.tables.setdefault(slot, [])
+            while len(table) * self.block_size < end:
+                table.append(self.next_block)
+                self.next_block += 1
             pos += range(start, end)
-            slots += [(first + p // self.block_size) * self.block_size + p % self.block_size
+            slots += [table[p // self.block_size] * self.block_size + p % self.block_size
                       for p in range(start, end)]  # fmt: skip
             qlens.append(n)
             slens.append(end)
-            tables.append(list(range(first, first + -(-end // self.block_size))))
+            tables.append(list(table))
             self.lens[slot] = end
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -136,6 +142,11 @@ class Runner:
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         logits = self.model.compute_logits(self.model(ids, positions, batch))
         logits.argmax(-1).tolist()  # the sampled tokens reach the host, as in serving
+
+
+def num_blocks(a: argparse.Namespace) -> int:
+    per_seq = -(-(a.prompt + a.decode_steps + 4) // 16)
+    return max(a.batch * per_seq, -(-a.prefill // 16)) + 8
 
 
 def _sync(device) -> None:
@@ -214,7 +225,7 @@ def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
             backend.add_block(block)  # converts into the pool, frees the torch copy
     init_dummy_weights(model)  # everything else (the expert tensors are empty now)
     load_s = time.perf_counter() - t0
-    runner = Runner(model, cfg, a.device, dtype, max(a.batch, 1), a.prefill + 64)
+    runner = Runner(model, cfg, a.device, dtype, num_blocks(a))
     res = measure(runner, a)
     s = backend.stats()
     info = backend.pool.info()
@@ -239,7 +250,7 @@ def run_gpu_all(cfg, a, dtype) -> dict:
     model = build_model(cfg, dtype=dtype, device=a.device, expert_backend="torch")
     init_dummy_weights(model)
     load_s = time.perf_counter() - t0
-    runner = Runner(model, cfg, a.device, dtype, max(a.batch, 1), a.prefill + 64)
+    runner = Runner(model, cfg, a.device, dtype, num_blocks(a))
     res = measure(runner, a)
     res["load_s"] = load_s
     del model, runner

@@ -154,7 +154,14 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _pool_seconds(runner: Runner) -> float:
+    backend = getattr(runner.model, "expert_backend", None)
+    return backend.stats().pool_seconds if hasattr(backend, "stats") else 0.0
+
+
 def measure(runner: Runner, a: argparse.Namespace) -> dict[str, float]:
+    """tok/s per phase, and for the pool the seconds per token it spent from submit to sync
+    (`*_pool_tok_s`: the rate if nothing but the pool took time)."""
     dev = a.device
     out: dict[str, float] = {}
     # Batch 1: a prompt, one warm-up decode step, then timed decode steps.
@@ -162,31 +169,37 @@ def measure(runner: Runner, a: argparse.Namespace) -> dict[str, float]:
     runner.step([(0, a.prompt)])
     runner.step([(0, 1)])
     _sync(dev)
-    t0 = time.perf_counter()
+    t0, p0 = time.perf_counter(), _pool_seconds(runner)
     for _ in range(a.decode_steps):
         runner.step([(0, 1)])
     _sync(dev)
     out["decode_b1_tok_s"] = a.decode_steps / (time.perf_counter() - t0)
+    out["decode_b1_pool_tok_s"] = a.decode_steps / max(_pool_seconds(runner) - p0, 1e-9)
     # Batch B: B prompts in one step, a warm-up step, then timed steps of B tokens.
     runner.reset()
     runner.step([(s, a.prompt) for s in range(a.batch)])
     runner.step([(s, 1) for s in range(a.batch)])
     _sync(dev)
     steps = max(4, a.decode_steps // 2)
-    t0 = time.perf_counter()
+    t0, p0 = time.perf_counter(), _pool_seconds(runner)
     for _ in range(steps):
         runner.step([(s, 1) for s in range(a.batch)])
     _sync(dev)
     out[f"decode_b{a.batch}_tok_s"] = a.batch * steps / (time.perf_counter() - t0)
+    pool_s = max(_pool_seconds(runner) - p0, 1e-9)
+    out[f"decode_b{a.batch}_pool_tok_s"] = a.batch * steps / pool_s
     # Prefill: one warm-up of 256 tokens, then one whole prompt in one step.
     runner.reset()
     runner.step([(0, 256)])
     runner.reset()
     _sync(dev)
-    t0 = time.perf_counter()
+    t0, p0 = time.perf_counter(), _pool_seconds(runner)
     runner.step([(0, a.prefill)])
     _sync(dev)
     out["prefill_tok_s"] = a.prefill / (time.perf_counter() - t0)
+    out["prefill_pool_tok_s"] = a.prefill / max(_pool_seconds(runner) - p0, 1e-9)
+    if not _pool_seconds(runner):
+        out = {k: v for k, v in out.items() if "_pool_" not in k}
     return out
 
 
@@ -287,11 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
 
         def cell(key: str, r: dict = r) -> str:
-            floor = r.get(key.replace("_tok_s", "_floor_tok_s"))
+            floor = r.get(key.replace("_pool", "").replace("_tok_s", "_floor_tok_s"))
             return f"{r[key]:.1f}" + (f" ({floor:.1f}, {r[key] / floor:.0%})" if floor else "")
 
         print(f"| {name} | {cell('decode_b1_tok_s')} | {cell(f'decode_b{b}_tok_s')} "
               f"| {cell('prefill_tok_s')} |")  # fmt: skip
+        if "decode_b1_pool_tok_s" in r:
+            print(f"| {name}, pool time only | {cell('decode_b1_pool_tok_s')} "
+                  f"| {cell(f'decode_b{b}_pool_tok_s')} | {cell('prefill_pool_tok_s')} |")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "results": results},
                                      indent=2, default=str))  # fmt: skip

@@ -16,6 +16,7 @@ from runtime.loop import (
 )
 from runtime.sampling_params import SamplingParams
 from runtime.stream import RequestStream
+from runtime.types import RequestDelta
 from tests.app.fake_engine import REPLY, FakeEngine
 
 
@@ -163,3 +164,36 @@ async def test_metrics_record_latencies(engine_and_loop) -> None:
     assert "tandem:e2e_request_latency_seconds_count 1" in text
     assert 'tandem:request_success_total{finished_reason="length"} 1' in text
     assert "tandem:generation_tokens_total 4" in text
+
+
+async def test_request_stream_coalesces_per_choice_and_fails_after_pending() -> None:
+    aborted: list[str] = []
+    stream = RequestStream("s", [3], 2, aborted.append)
+    stream.push(0, RequestDelta("s-0", (1,), "a", num_output_tokens=1))
+    stream.push(0, RequestDelta("s-0", (2,), "b", num_output_tokens=2))
+    stream.push(1, RequestDelta("s-1", (3,), "c", finish_reason="stop", stop_reason=3,
+                                num_output_tokens=1))
+    assert stream.num_pending == 2 and not stream.finished
+    batch = await stream.__anext__()
+    assert [(cd.index, cd.delta.new_token_ids, cd.delta.new_text) for cd in batch] == [
+        (0, (1, 2), "ab"), (1, (3,), "c")]
+    assert batch[0].delta.num_output_tokens == 2 and batch[1].delta.finish_reason == "stop"
+    stream.close()  # choice 0 is unfinished: the reader leaving aborts the request
+    assert aborted == ["s"]
+    stream.push(0, RequestDelta("s-0", (4,), "d"))
+    stream.fail(EngineDeadError("boom"))
+    assert [cd.delta.new_text for cd in await stream.__anext__()] == ["d"]  # pending first
+    with pytest.raises(EngineDeadError, match="boom"):
+        await stream.__anext__()
+
+
+async def test_request_stream_ends_after_every_choice_finished() -> None:
+    aborted: list[str] = []
+    stream = RequestStream("t", [1], 1, aborted.append)
+    stream.push(0, RequestDelta("t-0", (5,), "x", finish_reason="length"))
+    assert stream.finished
+    assert [cd.delta.finish_reason for cd in await stream.__anext__()] == ["length"]
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
+    stream.close()
+    assert aborted == []  # nothing left to abort

@@ -69,14 +69,20 @@ void quantize_row(int fmt, int group, const float* x, int K, uint8_t* dst, float
     for (int k = 0; k < K; ++k)
       d[k] = s > 0.f ? (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(x[k] / s))) : 0;
   } else {
+    // 16 levels, as GGUF's Q4_0: the element of largest magnitude (the first on ties) maps to
+    // -8 exactly, so s = that element / -8 may be negative; q = round(x / s) in [-8, 7].
     std::vector<uint8_t> nib(K);
     for (int g = 0; g < K / group; ++g) {
-      float amax = 0.f;
-      for (int k = g * group; k < (g + 1) * group; ++k) amax = std::max(amax, std::fabs(x[k]));
-      const float s = amax / 7.f;
+      float amax = 0.f, peak = 0.f;
+      for (int k = g * group; k < (g + 1) * group; ++k)
+        if (std::fabs(x[k]) > amax) {
+          amax = std::fabs(x[k]);
+          peak = x[k];
+        }
+      const float s = peak / -8.f;
       scales[g] = s;
       for (int k = g * group; k < (g + 1) * group; ++k) {
-        const float q = s > 0.f ? std::min(7.f, std::max(-8.f, std::nearbyint(x[k] / s))) : 0.f;
+        const float q = s != 0.f ? std::min(7.f, std::max(-8.f, std::nearbyint(x[k] / s))) : 0.f;
         nib[k] = (uint8_t)((int)q + 8);
       }
     }

@@ -17,8 +17,9 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
 
     Rows are the last dimension. bf16: round to nearest even. int8: one scale per row,
     scale = absmax / 127, q = round(w / scale) in [-127, 127]. int4: one scale per group of
-    group_size along the row (rows zero-padded to a whole group), scale = absmax / 7,
-    q = round(w / scale) clamped to [-8, 7].
+    group_size along the row (rows zero-padded to a whole group), 16 levels as GGUF's Q4_0: the
+    element of largest magnitude (the first on ties) maps to -8 exactly, scale = that element
+    / -8 (may be negative), q = round(w / scale) clamped to [-8, 7]. A Q4_0 block round-trips.
     """
     w = w.float()
     if fmt == "bf16":
@@ -31,8 +32,9 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
         k = w.shape[-1]
         pad = (-k) % group_size
         wp = F.pad(w, (0, pad)).reshape(*w.shape[:-1], -1, group_size)
-        scale = wp.abs().amax(dim=-1, keepdim=True) / 7.0
-        q = torch.where(scale > 0, torch.round(wp / scale), torch.zeros_like(wp)).clamp(-8, 7)
+        peak = wp.gather(-1, wp.abs().argmax(dim=-1, keepdim=True))  # first max on ties
+        scale = peak / -8.0
+        q = torch.where(scale != 0, torch.round(wp / scale), torch.zeros_like(wp)).clamp(-8, 7)
         return (q * scale).reshape(*w.shape[:-1], -1)[..., :k]
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +33,7 @@ from models.layers.experts import register_expert_backend
 if TYPE_CHECKING:
     from ext.cpu import CpuExpertPool
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "auto")  # auto: from the GGUF type (bf16 otherwise)
 
 
 def parse_cpu_experts(value: str | int | None) -> int | None:
@@ -187,6 +188,7 @@ class CpuPoolExpertBackend:
         self._routed_tokens = 0
         self._rebalanced = False
         self._lock = threading.Lock()
+        self.gguf_source: Path | None = None  # set by load_model for a .gguf checkpoint
 
     # -- load --------------------------------------------------------------------------------
 
@@ -216,7 +218,13 @@ class CpuPoolExpertBackend:
         layer, w13, w2 = block.layer_idx, block.w13, block.w2
         E = w13.shape[0]
         device = block.gate.weight.device
-        self.pool.add_layer(layer, w13.detach().cpu(), w2.detach().cpu(), self.fmt, self.group_size)
+        if self.gguf_source is not None:  # from the file's own blocks, decoded to fp32
+            from models.loader.gguf_experts import load_gguf_experts
+
+            load_gguf_experts(self.gguf_source, self.pool, self.fmt, [layer])
+        else:
+            fmt = "bf16" if self.fmt == "auto" else self.fmt
+            self.pool.add_layer(layer, w13.detach().cpu(), w2.detach().cpu(), fmt, self.group_size)
         self._num_experts[layer] = E
         self._counts[layer] = torch.zeros(E, dtype=torch.int64, device=device)
         gpu = num_gpu_experts(E, self.cpu_experts, self.gpu_experts)

@@ -109,7 +109,10 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         model.load_weights(weights)
-    attach = getattr(getattr(model, "expert_backend", None), "attach", None)
+    backend = getattr(model, "expert_backend", None)
+    if fmt == "gguf" and hasattr(backend, "gguf_source"):
+        backend.gguf_source = path  # convert experts from the file's blocks, not the copy
+    attach = getattr(backend, "attach", None)
     if attach is not None:
         attach(model)  # e.g. cpu_pool: experts into the pool, torch copies freed
     return model, config

@@ -283,3 +283,61 @@ def test_cuda_hybrid_matches_hf(gpu_experts: int, tmp_path: Path) -> None:
             again = model.compute_logits(model((ids2 * 7) % config.vocab_size, pos2, batch2))
         assert float((again.cpu() - ref).abs().max() / ref.abs().max()) < 1e-4
     backend.close()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_1", "Q4_K"])
+def test_gguf_experts_into_pool(qtype: str, tmp_path: Path) -> None:
+    """Stacked GGUF expert tensors -> pool formats. Q4_0 -> int4/32 is lossless; the others
+    equal the pool's quantizer applied to the decoded values (ext/cpu/reference.quantize)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from ext.cpu import CpuExpertPool
+    from models.gguf_dequant import dequantize
+    from models.loader.gguf_experts import AUTO_FORMATS, load_gguf_experts
+
+    Q = gguf.GGMLQuantizationType
+    qt = Q[qtype]
+    E, inter, H = 3, 256, 256  # Q4_K rows hold whole 256-element super-blocks
+    rng = np.random.default_rng(int(qt))
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+
+    def packed(shape):  # [E, out, in] -> raw blocks [E, out, in / block * size]
+        if qtype == "Q4_K":
+            raw = rng.integers(0, 256, (int(np.prod(shape)) // block, size), dtype=np.uint8)
+            raw[:, 0:4] = (
+                rng.uniform(-0.05, 0.05, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+            )
+            return raw.reshape(*shape[:-1], -1)
+        return gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.02, qt)
+
+    tensors = {f"blk.1.ffn_{w}_exps.weight": packed(s) for w, s in
+               (("gate", (E, inter, H)), ("up", (E, inter, H)), ("down", (E, H, inter)))}  # fmt: skip
+    path = tmp_path / "experts.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    for name, arr in tensors.items():
+        writer.add_tensor(name, arr, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def decoded(name, shape):
+        raw = np.ascontiguousarray(tensors[name]).view(np.uint8).reshape(-1)
+        return dequantize(raw, int(qt), shape, torch.float32, name=name)
+
+    gate = decoded("blk.1.ffn_gate_exps.weight", (E, inter, H))
+    up = decoded("blk.1.ffn_up_exps.weight", (E, inter, H))
+    down = decoded("blk.1.ffn_down_exps.weight", (E, H, inter))
+    src13 = torch.cat([gate, up], dim=1)
+    with CpuExpertPool(num_threads=1, isa="scalar") as pool:
+        assert load_gguf_experts(path, pool) == {1: AUTO_FORMATS[qtype]}
+        w13, w2 = pool.dequantize(1)
+    fmt, group = AUTO_FORMATS[qtype]
+    if qtype == "Q4_0":
+        assert torch.equal(w13, src13) and torch.equal(w2, down)
+    else:
+        torch.testing.assert_close(w13, quantize(src13, fmt, group), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(w2, quantize(down, fmt, group), rtol=1e-6, atol=1e-7)
+    rel = float((w13 - src13).norm() / src13.norm())
+    assert rel < (0.02 if qtype == "Q8_0" else 0.12), rel

@@ -2,7 +2,7 @@
 
 A backend owns how K/V are stored into the paged cache and how attention over that cache is
 computed; it knows nothing about models or requests. `torch` (ext/attention_ref.py) runs on
-any device; the `cupy` GPU kernels register later under their own name.
+any device; `cupy` (models/cupy_backend.py) runs ext/cuda's kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -77,8 +77,17 @@ class TorchAttentionBackend:
         )
 
 
+def _cupy_backend() -> AttentionBackend:
+    # Imported on use: the kernels' module needs no CUDA to import, but keep the torch-only
+    # path free of it.
+    from models.cupy_backend import CupyAttentionBackend
+
+    return CupyAttentionBackend()
+
+
 _ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch": TorchAttentionBackend,
+    "cupy": _cupy_backend,
 }
 
 

@@ -52,10 +52,17 @@ class _Tracked:
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, *, model_module=None, model_config=None, tokenizer=None
+        self,
+        config: EngineConfig,
+        *,
+        model_module=None,
+        model_config=None,
+        tokenizer=None,
+        runner_options=None,
     ) -> None:
         """Loads the model named by `config.model`, or takes a prebuilt `model_module` (tests,
-        tools) with its `model_config` and optional `tokenizer`."""
+        tools) with its `model_config` and optional `tokenizer`. `runner_options`
+        (runtime.cuda_runner.CudaRunnerOptions) tune the CUDA runner; default: from the env."""
         from models.loader import load_model
 
         self.config = config
@@ -72,7 +79,9 @@ class Engine:
                 model_path = None
             else:
                 model_path = resolve_model(spec.model)
-            attn = spec.attention_backend if spec.attention_backend != "auto" else "torch"
+            attn = spec.attention_backend
+            if attn == "auto":
+                attn = _auto_attention_backend(self.device, self.dtype, model_config, model_path)
             experts = spec.expert_backend if spec.expert_backend != "auto" else "torch"
             if spec.expert_backend == "auto" and spec.cpu_experts is not None:
                 experts = "cpu_pool"
@@ -121,7 +130,18 @@ class Engine:
             replace(sched_cfg, max_model_len=self.max_model_len), config.cache, self.layout.num_blocks
         )
         attn_backend = getattr(model, "attn_backend", None)
-        self.runner = ModelRunner(model, model_config, self.kv_cache, self.device, attn_backend)
+        if self.device.type == "cuda":
+            from runtime.cuda_runner import CudaModelRunner
+
+            self.runner = CudaModelRunner(
+                model, model_config, self.kv_cache, self.device, attn_backend,
+                max_num_seqs=sched_cfg.max_num_seqs,
+                max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                options=runner_options,
+            )  # fmt: skip
+        else:
+            self.runner = ModelRunner(model, model_config, self.kv_cache, self.device, attn_backend)
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(
                 (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -145,9 +165,10 @@ class Engine:
         if cfg.num_blocks is not None:
             num_blocks = cfg.num_blocks
         elif self.device.type == "cuda":
+            reserve = self._profile_activation_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            budget = int(total * cfg.gpu_memory_utilization) - used - _activation_reserve(mc)
+            budget = int(total * cfg.gpu_memory_utilization) - used - reserve
             num_blocks = max(budget // per_block, 0)
         else:
             budget = cfg.cpu_kv_bytes or _DEFAULT_CPU_KV_BYTES
@@ -161,6 +182,23 @@ class Engine:
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, cfg.block_size,
                  num_blocks * per_block / 2**20)
         return CacheLayout(num_blocks=int(num_blocks), block_size=cfg.block_size, bytes_per_block=per_block)
+
+    def _profile_activation_bytes(self) -> int:
+        from runtime.cuda_runner import profile_activation_bytes
+
+        sc = self.config.scheduler
+        try:
+            reserve = profile_activation_bytes(
+                self.model, self.model_config, self.dtype, self.device,
+                sc.max_num_batched_tokens, sc.max_num_seqs, self.config.cache.block_size,
+            )  # fmt: skip
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:  # a model the profile cannot drive: keep the coarse bound, loudly
+            log.exception("activation profiling failed; reserving a coarse bound instead")
+            return _activation_reserve(self.model_config)
+        log.info("profiled peak activation + graph reserve: %.0f MiB", reserve / 2**20)
+        return reserve
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -296,6 +334,24 @@ def _activation_reserve(mc) -> int:
     # A coarse bound until the runner profiles a real peak: logits of a full token budget plus
     # a few hidden-sized buffers per token.
     return 2 * 1024**3
+
+
+def _auto_attention_backend(device, dtype, model_config, model_path) -> str:
+    """"cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
+    if device.type != "cuda":
+        return "torch"
+    from models.cupy_backend import cupy_backend_supports
+
+    mc = model_config
+    if mc is None and model_path is not None and Path(model_path).is_dir():
+        from models.config import ModelConfig
+
+        try:
+            mc = ModelConfig.from_pretrained(model_path)
+        except Exception:  # the loader reports a bad config with a better error
+            mc = None
+    head_dim = mc.head_dim if mc is not None else 128
+    return "cupy" if cupy_backend_supports(head_dim, dtype, device) else "torch"
 
 
 def _load_tokenizer(model_path: Path):

@@ -19,7 +19,8 @@ def run_tandem(*args: str, stdin: str | None = None) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(None, dtype="float32", device="cpu", max_model_len=1024)
+    # the same dtype the CLI picks ("auto": bf16 on CPUs with native bf16, else fp32)
+    return LLM(None, dtype="auto", device="cpu", max_model_len=1024)
 
 
 def test_generate_prints_one_greedy_completion_per_prompt(llm):

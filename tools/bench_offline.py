@@ -3,9 +3,10 @@
 
     python tools/bench_offline.py [--model M] [--new-tokens 128] [--concurrency 16]
 
-Prints batch-1 decode tokens/s and the aggregate at N concurrent sequences for Tandem, HF
-transformers' float32 `generate` on the same dequantized weights, and llama-cpp-python on the
-same GGUF file if it is importable; next to the memory-bandwidth floor measured in the run.
+Prints batch-1 decode tokens/s and the aggregate at N concurrent sequences for Tandem and HF
+transformers' `generate` on the same dequantized weights, per dtype (float32 and bfloat16 by
+default), and llama-cpp-python on the same GGUF file if it is importable; next to the
+memory-bandwidth floor (weight bytes / measured read bandwidth) measured in the run.
 Decode rate = new tokens / (time(1 + new tokens) - time(1 token)), the same for every engine,
 so prefill is excluded alike.
 """
@@ -30,16 +31,16 @@ from runtime import LLM, SamplingParams  # noqa: E402
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def copy_bandwidth_gbps(num_bytes: int = 512 << 20) -> float:
+def read_bandwidth_gbps(num_bytes: int = 1 << 30) -> float:
+    """Memory read bandwidth with torch's threads: the rate decode streams weights at best."""
     src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    src.sum()
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         best = min(best, time.perf_counter() - t)
-    return 2 * num_bytes / best / 1e9  # read + write
+    return num_bytes / best / 1e9
 
 
 def timed(fn) -> float:
@@ -67,14 +68,16 @@ def bench_tandem(llm: LLM, prompt_ids: list[int], new: int, conc: int) -> tuple[
     return b1, agg
 
 
-def bench_hf(path: Path, llm: LLM, prompt_ids: list[int], new: int, conc: int) -> tuple[float, float]:
+def bench_hf(
+    path: Path, llm: LLM, prompt_ids: list[int], new: int, conc: int, dtype: torch.dtype
+) -> tuple[float, float]:
     import transformers
 
     from models.loader.gguf import load_gguf_weights
 
     cfg = transformers.AutoConfig.for_model(**to_hf_config_dict(llm.engine.model_config))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    sd = dict(load_gguf_weights(path, torch.float32))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    sd = dict(load_gguf_weights(path, dtype))
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
     model.tie_weights()
@@ -117,42 +120,48 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write results to this file")
     args = ap.parse_args()
 
     torch.manual_seed(0)
     path = resolve_model(args.model)
-    t = time.perf_counter()
-    llm = LLM(args.model, dtype="float32", device="cpu")
-    load_s = time.perf_counter() - t
-    prompt_ids = llm.tokenizer.encode(PROMPT)
-    mc = llm.engine.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    bw = copy_bandwidth_gbps()
-    floor = bw * 1e9 / weight_bytes
-    res: dict = {"model": str(path), "threads": torch.get_num_threads(), "load_s": load_s,
-                 "weight_bytes": weight_bytes, "copy_gbps": bw, "floor_tok_s": floor,
-                 "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
-                 "concurrency": args.concurrency, "arch": mc.architecture}
-    res["tandem_b1"], res["tandem_agg"] = bench_tandem(llm, prompt_ids, args.new_tokens, args.concurrency)
-    if not args.no_hf:
-        res["hf_b1"], res["hf_agg"] = bench_hf(path, llm, prompt_ids, args.new_tokens, args.concurrency)
-    res["llama_cpp_b1"] = bench_llama_cpp(path, prompt_ids, args.new_tokens)
-
-    print(f"model {path.name}  threads {res['threads']}  load {load_s:.2f}s  "
-          f"weights {weight_bytes / 1e6:.0f} MB fp32")
-    print(f"floor: {bw:.1f} GB/s copy bandwidth / weight bytes = {floor:.1f} tok/s at batch 1")
-    print(f"{'engine':<22}{'batch-1 tok/s':>15}{f'{args.concurrency} concurrent tok/s':>24}")
-    print(f"{'tandem (fp32)':<22}{res['tandem_b1']:>15.1f}{res['tandem_agg']:>24.1f}")
-    if "hf_b1" in res:
-        print(f"{'hf transformers fp32':<22}{res['hf_b1']:>15.1f}{res['hf_agg']:>24.1f}")
-        print(f"ratio tandem/hf: batch-1 {res['tandem_b1'] / res['hf_b1']:.2f}x, "
-              f"{args.concurrency} concurrent {res['tandem_agg'] / res['hf_agg']:.2f}x")
-    if res["llama_cpp_b1"]:
-        print(f"{'llama.cpp (Q4_1)':<22}{res['llama_cpp_b1']:>15.1f}{'-':>24}")
-    print(f"tandem {args.concurrency}-concurrent / batch-1: {res['tandem_agg'] / res['tandem_b1']:.2f}x; "
-          f"batch-1 at {100 * res['tandem_b1'] / floor:.0f}% of floor")
+    bw = read_bandwidth_gbps()
+    res: dict = {"model": str(path), "threads": torch.get_num_threads(), "read_gbps": bw,
+                 "new_tokens": args.new_tokens, "concurrency": args.concurrency, "runs": {}}
+    print(f"model {path.name}  threads {res['threads']}  read bandwidth {bw:.1f} GB/s")
+    print(f"{'engine':<26}{'batch-1 tok/s':>14}{f'{args.concurrency} concurrent':>16}"
+          f"{'floor b1':>10}{'b1/floor':>10}")
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        t = time.perf_counter()
+        llm = LLM(args.model, dtype=dtype_name, device="cpu")
+        load_s = time.perf_counter() - t
+        prompt_ids = llm.tokenizer.encode(PROMPT)
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+        floor = bw * 1e9 / weight_bytes
+        run = {"load_s": load_s, "weight_bytes": weight_bytes, "floor_tok_s": floor}
+        run["tandem_b1"], run["tandem_agg"] = bench_tandem(
+            llm, prompt_ids, args.new_tokens, args.concurrency)
+        print(f"{'tandem ' + dtype_name:<26}{run['tandem_b1']:>14.1f}{run['tandem_agg']:>16.1f}"
+              f"{floor:>10.1f}{run['tandem_b1'] / floor:>10.2f}")
+        if not args.no_hf:
+            run["hf_b1"], run["hf_agg"] = bench_hf(
+                path, llm, prompt_ids, args.new_tokens, args.concurrency, dtype)
+            print(f"{'hf transformers ' + dtype_name:<26}{run['hf_b1']:>14.1f}{run['hf_agg']:>16.1f}"
+                  f"{floor:>10.1f}{run['hf_b1'] / floor:>10.2f}")
+            print(f"  ratio tandem/hf {dtype_name}: batch-1 {run['tandem_b1'] / run['hf_b1']:.2f}x, "
+                  f"{args.concurrency} concurrent {run['tandem_agg'] / run['hf_agg']:.2f}x")
+        print(f"  tandem {dtype_name}: {args.concurrency}-concurrent / batch-1 = "
+              f"{run['tandem_agg'] / run['tandem_b1']:.2f}x; load {load_s:.2f}s")
+        res["runs"][dtype_name] = run
+        del llm
+    lc = bench_llama_cpp(path, prompt_ids, args.new_tokens)
+    res["llama_cpp_b1"] = lc
+    if lc:
+        q_floor = bw * 1e9 / path.stat().st_size
+        print(f"{'llama.cpp (Q4_1 GGUF)':<26}{lc:>14.1f}{'-':>16}{q_floor:>10.1f}{lc / q_floor:>10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
 

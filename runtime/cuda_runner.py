@@ -253,8 +253,9 @@ class CudaModelRunner(ModelRunner):
     def _compile_decode(self):
         import torch._dynamo
 
-        # One compiled graph per bucket; more recompiles than that is a bug, not a reason to
-        # silently run eager: fail loudly and let the caller log and count it.
+        # Buckets differ only in the batch dim: the first compile is static, the second marks
+        # that dim dynamic and serves every later bucket. More recompiles than buckets is a
+        # bug, not a reason to silently run eager: fail loudly; the caller logs and counts it.
         cfg = torch._dynamo.config
         limit = len(self.graph_sizes) + 2
         for name in ("recompile_limit", "cache_size_limit"):
@@ -262,7 +263,7 @@ class CudaModelRunner(ModelRunner):
                 setattr(cfg, name, max(getattr(cfg, name), limit))
         if hasattr(cfg, "fail_on_recompile_limit_hit"):
             cfg.fail_on_recompile_limit_hit = True
-        return torch.compile(self._forward_logits, mode=self.options.compile_mode, dynamic=False)
+        return torch.compile(self._forward_logits, mode=self.options.compile_mode)
 
     def _bucket(self, num_seqs: int) -> int | None:
         for bs in self.graph_sizes:

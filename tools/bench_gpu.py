@@ -121,7 +121,7 @@ def timed(fn) -> float:
 # ------------------------------------------------------------------------------------ Tandem
 
 
-def bench_tandem(name: str, bw: float, args) -> dict:
+def bench_tandem(name: str, bw: float, args, compile_mode: str | None) -> dict:
     cfg = shape_config(name)
     res: dict = {}
     t = time.perf_counter()
@@ -129,7 +129,7 @@ def bench_tandem(name: str, bw: float, args) -> dict:
     init_dummy_weights(model, seed=0)
     total, read = weight_bytes(model, cfg)
     res["weight_gb"], res["read_gb"] = total / 1e9, read / 1e9
-    opts = CudaRunnerOptions(compile_mode=args.compile, nvtx=False)
+    opts = CudaRunnerOptions(compile_mode=compile_mode, nvtx=False)
     ec = EngineConfig(
         model=ModelSpec(model=f"llama-{name}-dummy", device="cuda", dtype="bfloat16"),
         cache=CacheConfig(block_size=16, gpu_memory_utilization=args.gpu_memory_utilization),
@@ -141,6 +141,7 @@ def bench_tandem(name: str, bw: float, args) -> dict:
     eng = llm.engine
     res["init_s"] = time.perf_counter() - t
     res["kv_blocks"] = eng.layout.num_blocks
+    name = name + (f"+compile({compile_mode})" if compile_mode else "")
     say(f"tandem {name}: weights {total / 1e9:.2f} GB (read/step {read / 1e9:.2f} GB), "
         f"{eng.layout.num_blocks} KV blocks, ready in {res['init_s']:.1f}s")  # fmt: skip
 
@@ -162,6 +163,18 @@ def bench_tandem(name: str, bw: float, args) -> dict:
     res["b1_step_ms"] = 1e3 / rate
     say(f"tandem {name} batch-1 decode: {rate:.1f} tok/s ({1e3 / rate:.2f} ms/token), floor "
         f"{floor:.1f} tok/s -> {rate / floor:.1%} of floor")  # fmt: skip
+    g = eng.runner._graphs.get(1)
+    if g is not None:  # GPU time of one batch-1 decode step alone: the rest is host overhead
+        with torch.cuda.stream(eng.runner.stream):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(50):
+                g.graph.replay()
+            b.record()
+        b.synchronize()
+        res["b1_graph_ms"] = a.elapsed_time(b) / 50
+        say(f"tandem {name} batch-1 graph replay alone: {res['b1_graph_ms']:.2f} ms/step "
+            f"({1e3 / res['b1_graph_ms']:.0f} steps/s)")  # fmt: skip
 
     prompts = random_prompts(TP_REQS, TP_IN, 7)
     params = SamplingParams(max_tokens=TP_OUT, **greedy)
@@ -291,10 +304,14 @@ def main() -> int:
     ap.add_argument("--shapes", default="1B,8B")
     ap.add_argument("--hf-shapes", default="1B")
     ap.add_argument("--skip-hf", default="", help="comma list of: tp, static_compile, dynamic")
-    ap.add_argument("--compile", default=None, help="torch.compile mode for Tandem's decode graphs")
+    ap.add_argument(
+        "--compile-modes",
+        default="none,default",
+        help="comma list of torch.compile modes for Tandem's decode graphs; none: eager",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--deadline-s", type=float, default=400.0)
+    ap.add_argument("--deadline-s", type=float, default=330.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.skip_hf = [s for s in args.skip_hf.split(",") if s]
@@ -305,29 +322,37 @@ def main() -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": props.name, "sms": props.multi_processor_count,
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "compile": args.compile,
+        "python": platform.python_version(), "compile_modes": args.compile_modes,
         "max_model_len": args.max_model_len, "argv": sys.argv[1:],
     }  # fmt: skip
     say("meta", RESULTS["meta"])
     bw = copy_bandwidth_gbps()
     RESULTS["copy_bw_gbps"] = bw
     say(f"device copy bandwidth (read + write): {bw:.0f} GB/s")
-    for name in [s for s in args.shapes.split(",") if s]:
-        try:
-            RESULTS[f"tandem_{name}"] = bench_tandem(name, bw, args)
-        except Exception as e:
-            RESULTS[f"tandem_{name}"] = {"error": f"{type(e).__name__}: {e}"}
-            say(f"tandem {name}: FAILED {type(e).__name__}: {e}")
-            traceback.print_exc()
-        save(args.json)
-    for name in [s for s in args.hf_shapes.split(",") if s]:
-        RESULTS[f"hf_{name}"] = bench_hf(name, args)
-        save(args.json)
+    modes = [None if m == "none" else m for m in args.compile_modes.split(",")]
+    hf_shapes = [s for s in args.hf_shapes.split(",") if s]
+    for name in [s for s in args.shapes.split(",") if s]:  # each shape's peers right after it
+        for mode in modes:
+            key = f"tandem_{name}" + (f"_{mode}" if mode else "")
+            if time.monotonic() - T0 > args.deadline_s:
+                say(f"{key}: SKIPPED (past the {args.deadline_s}s deadline)")
+                continue
+            try:
+                RESULTS[key] = bench_tandem(name, bw, args, mode)
+            except Exception as e:
+                RESULTS[key] = {"error": f"{type(e).__name__}: {e}"}
+                say(f"{key}: FAILED {type(e).__name__}: {e}")
+                traceback.print_exc()
+            save(args.json)
+        if name in hf_shapes:
+            RESULTS[f"hf_{name}"] = bench_hf(name, args)
+            save(args.json)
 
     print("\n== summary (same device call) ==")
     print(f"copy bandwidth {bw:.0f} GB/s; {RESULTS['meta']['device']}")
-    for name in SHAPES:
-        t, h = RESULTS.get(f"tandem_{name}", {}), RESULTS.get(f"hf_{name}", {})
+    for key in [k for k in RESULTS if k.startswith("tandem_")]:
+        name = key.removeprefix("tandem_")
+        t, h = RESULTS[key], RESULTS.get(f"hf_{name.split('_')[0]}", {})
         if "b1_tok_s" in t:
             line = (f"{name} batch-1: tandem {t['b1_tok_s']:.1f} tok/s, floor {t['b1_floor_tok_s']:.1f}"
                     f" ({t['b1_fraction']:.1%})")  # fmt: skip

@@ -340,7 +340,13 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
+            hybrid=self._hybrid_stats(),
         )
+
+    def _hybrid_stats(self):
+        # Only the CPU-pool expert backend keeps hybrid counters (models/layers/cpu_experts.py).
+        stats = getattr(getattr(self.model, "expert_backend", None), "stats", None)
+        return stats() if callable(stats) else None
 
 
 def _activation_reserve(mc) -> int:

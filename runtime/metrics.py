@@ -10,7 +10,12 @@ import bisect
 import math
 from collections.abc import Iterable, Sequence
 
+from typing import TYPE_CHECKING
+
 from runtime.types import EngineStats
+
+if TYPE_CHECKING:
+    from models.layers.cpu_experts import HybridMoeStats
 
 PREFIX = "tandem:"
 
@@ -143,9 +148,41 @@ def render_metrics(
                        stats.generation_tokens_total),
         render_counter(p + "request_rejected_total", "Requests refused because the queue was full.",
                        metrics.num_rejected),
+        render_counter(p + "num_steps_total", "Engine steps run.", stats.num_steps),
         metrics.finished.render(),
         metrics.ttft.render(),
         metrics.itl.render(),
         metrics.e2e.render(),
     ]
+    if stats.hybrid is not None:
+        parts.append(render_hybrid_moe(stats.hybrid))
     return "".join(parts)
+
+
+def render_hybrid_moe(h: HybridMoeStats) -> str:
+    """The CPU expert pool's counters. Waiting time per step is the rate of
+    `moe_pool_wait_seconds_total` over the rate of `num_steps_total`."""
+    p = PREFIX
+    routed = p + "moe_expert_routed_total"
+    lines = [f"# HELP {routed} Tokens routed to each expert.", f"# TYPE {routed} counter"]
+    for layer, counts in sorted(h.routing_counts.items()):
+        for expert, n in enumerate(counts):
+            lines.append(f"{routed}{_labels({'layer': str(layer), 'expert': str(expert)})} {_fmt(n)}")
+    return "".join([
+        render_counter(p + "moe_pool_wait_seconds_total",
+                       "Seconds the forward waited for the CPU expert pool.", h.pool_wait_seconds),
+        render_counter(p + "moe_pool_seconds_total", "Seconds from pool submit to its result.",
+                       h.pool_seconds),
+        render_counter(p + "moe_layer_calls_total", "MoE layer forwards through the CPU pool.",
+                       h.layer_calls),
+        render_counter(p + "moe_device_to_host_bytes_total", "Bytes copied GPU -> pinned host.",
+                       h.d2h_bytes),
+        render_counter(p + "moe_host_to_device_bytes_total", "Bytes copied pinned host -> GPU.",
+                       h.h2d_bytes),
+        render_gauge(p + "moe_pool_threads", "Threads of the CPU expert pool.", h.pool_threads),
+        render_counter(p + "moe_pool_busy_seconds_total", "Pool thread-seconds spent computing.",
+                       h.pool_busy_seconds),
+        render_gauge(p + "moe_pool_utilisation", "Fraction of pool thread time spent computing.",
+                     h.pool_utilisation),
+        "\n".join(lines) + "\n",
+    ])

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from models.layers.cpu_experts import HybridMoeStats
     from runtime.request import Request
 
 
@@ -119,3 +120,4 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
+    hybrid: HybridMoeStats | None = None  # experts on the CPU pool: its cumulative counters

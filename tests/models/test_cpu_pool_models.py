@@ -221,6 +221,13 @@ def test_engine_greedy_equals_torch_backend(tmp_path: Path, monkeypatch) -> None
         assert got == ref
     stats = backend.stats()
     assert stats.pool_threads == 1 and stats.pool_busy_seconds > 0
+    from runtime.metrics import render_hybrid_moe
+
+    engine_stats = llm.engine.stats()
+    assert engine_stats.hybrid is not None and engine_stats.hybrid.layer_calls > 0
+    text = render_hybrid_moe(engine_stats.hybrid)
+    assert 'tandem:moe_expert_routed_total{expert="0",layer="0"}' in text
+    assert "tandem:moe_pool_wait_seconds_total" in text and "tandem:moe_pool_utilisation" in text
     first_round = sum(len(p) + 11 for p in prompts)  # the 12th token is sampled, never run
     routed = [sum(c) for c in stats.routing_counts.values()]  # round 2 hits the prefix cache
     assert routed[0] == routed[1] and 2 * first_round < routed[0] < 4 * first_round

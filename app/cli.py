@@ -9,19 +9,7 @@ import argparse
 import logging
 import sys
 
-
-def _add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="an HF model directory, a .gguf file, or 'smollm2-135m-instruct' (default)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--cpu-experts", default=None, help="'all' or N: experts per layer on the CPU pool")
-    p.add_argument("--gpu-experts", type=int, default=None, help="experts per layer kept on the GPU")
-    p.add_argument("--cpu-threads", type=int, default=None, help="threads of the CPU expert pool")
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+from app.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
@@ -37,14 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts and print one completion per prompt")
-    _add_model_arguments(gen)
+    add_engine_arguments(gen)
     _add_sampling_arguments(gen, temperature=0.0, max_tokens=128)
     gen.add_argument("--chat", action="store_true", help="treat each prompt as a user message")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
-    _add_model_arguments(chat)
+    add_engine_arguments(chat)
     _add_sampling_arguments(chat, temperature=0.7, max_tokens=512)
     chat.add_argument("--system", default=None, help="system message")
 
@@ -64,19 +52,9 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _make_llm(args: argparse.Namespace):
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
     from runtime.llm import LLM
 
-    cfg = EngineConfig(
-        model=ModelSpec(
-            model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-            cpu_experts=args.cpu_experts, gpu_experts=args.gpu_experts, cpu_threads=args.cpu_threads,
-            expert_backend="cpu_pool" if args.cpu_experts else "auto",
-        ),
-        cache=CacheConfig(),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
-    )
-    return LLM(engine_config=cfg)
+    return LLM(engine_config=engine_config_from_args(args))
 
 
 def _sampling(args: argparse.Namespace):

@@ -20,8 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from app.config import ServerConfig
+from app.engine_args import add_engine_arguments, engine_config_from_args
 from app.server import create_app
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from runtime.loop import EngineLoop
 
 logger = logging.getLogger("app.serve")
@@ -30,42 +30,18 @@ API_KEY_ENV = "TANDEM_API_KEY"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    sched, cache = SchedulerConfig(), CacheConfig()
-    parser.add_argument("--model", default=None,
-                        help="an HF model directory, a .gguf file or a known name (default model "
-                             "when omitted)")
+    add_engine_arguments(parser)
     parser.add_argument("--served-model-name", default=None,
                         help="the model id clients see (default: the engine's model name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help=f"require 'Authorization: Bearer KEY' (repeatable; also ${API_KEY_ENV})")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--load-format", default="auto",
-                        choices=["auto", "safetensors", "gguf", "dummy"])
-    parser.add_argument("--cpu-experts", default=None,
-                        help="'all' or N: MoE experts per layer on the CPU expert pool")
-    parser.add_argument("--gpu-experts", type=int, default=None,
-                        help="MoE experts per layer kept on the GPU (the most routed ones)")
-    parser.add_argument("--cpu-threads", type=int, default=None,
-                        help="threads of the CPU expert pool (default: cpus - 1)")
-    parser.add_argument("--cpu-expert-format", default="bf16", choices=["bf16", "int8", "int4"],
-                        help="weight format of the experts in the CPU pool")
-    parser.add_argument("--max-model-len", type=int, default=sched.max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=sched.max_num_batched_tokens)
-    parser.add_argument("--block-size", type=int, default=cache.block_size)
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="fix the number of KV blocks (default: sized from memory)")
     parser.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
                         help="sequences that may wait beyond those running; more get 429")
     parser.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                         help="seconds to drain in-flight requests on SIGTERM before aborting")
     parser.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
-    if not any("--verbose" in a.option_strings for a in parser._actions):
-        parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
 def server_config_from_args(args: argparse.Namespace,
@@ -74,19 +50,7 @@ def server_config_from_args(args: argparse.Namespace,
     keys = list(getattr(args, "api_key", None) or [])
     if environ.get(API_KEY_ENV):
         keys.append(environ[API_KEY_ENV])
-    engine = EngineConfig(
-        model=ModelSpec(model=args.model, dtype=args.dtype,
-                        device=getattr(args, "device", "auto"),
-                        load_format=getattr(args, "load_format", "auto"),
-                        cpu_experts=getattr(args, "cpu_experts", None),
-                        gpu_experts=getattr(args, "gpu_experts", None),
-                        cpu_threads=getattr(args, "cpu_threads", None),
-                        cpu_expert_format=getattr(args, "cpu_expert_format", "bf16")),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len),
-    )
+    engine = engine_config_from_args(args)
     return ServerConfig(engine=engine, host=args.host, port=args.port,
                         api_keys=tuple(dict.fromkeys(keys)),
                         served_model_name=args.served_model_name, max_queue=args.max_queue,

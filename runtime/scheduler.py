@@ -10,6 +10,16 @@ Step contract (vLLM v1 style): `schedule()` gives running requests their next to
 request when KV blocks run out, then admits waiting requests by policy while the budget,
 `max_num_seqs` and blocks last. `update()` applies that step's results. A request finished or
 aborted between the two has its results ignored.
+
+Async (overlap) mode, opt-in with `async_mode=True`: the engine schedules step N+1 before it
+has applied step N. `schedule()` then advances `num_computed_tokens` at once, and a request
+whose step-N token is still in flight is scheduled to decode it as a placeholder (position
+`num_tokens`, whose id only the device knows; KV is allocated for it as for any token).
+`update()` fills in the real tokens. Stop tokens are therefore seen one step late: the extra
+token of a request that finished in step N is discarded when step N+1 is applied. Length
+limits (max_tokens, max_model_len) are known ahead, so no request is scheduled past them.
+A request preempted or ended with a step in flight has that step's results ignored; its KV
+writes land in blocks that later steps overwrite before they read (one stream orders them).
 """
 
 from __future__ import annotations
@@ -30,7 +40,12 @@ class RequestTooLongError(ValueError):
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        *,
+        async_mode: bool = False,
     ):
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduler_config.policy!r}")
@@ -46,6 +61,11 @@ class Scheduler:
         self._arrivals = itertools.count()  # add order, FCFS tiebreak
         self._fronts = itertools.count(1)  # FCFS: each re-queued preemptee goes before all
         self.num_preemptions_total = 0
+        self.async_mode = async_mode
+        # Async mode only, per running request: tokens whose results update() has applied
+        # (the start of its next seq to apply) and sampled tokens still in flight (0 or 1).
+        self._num_applied: dict[str, int] = {}
+        self._num_in_flight: dict[str, int] = {}
 
     # ------------------------------------------------------------- queries
     @property
@@ -128,6 +148,8 @@ class Scheduler:
             self._waiting = [e for e in self._waiting if e[1] != request_id]
             heapq.heapify(self._waiting)
         del self._keys[request_id]
+        self._num_applied.pop(request_id, None)
+        self._num_in_flight.pop(request_id, None)
         request.status = status
         self.block_pool.free(request)
         return request
@@ -137,7 +159,13 @@ class Scheduler:
 
     # ------------------------------------------------------------- schedule
     def _chunk(self, request: Request, budget: int) -> int:
-        num = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_known = request.num_tokens
+        if self.async_mode:
+            in_flight = self._num_in_flight.get(request.request_id, 0)
+            if in_flight and self._reaches_length_limit(request, in_flight):
+                return 0  # its last token is in flight: nothing more to compute
+            num_known += in_flight
+        num = min(num_known - request.num_computed_tokens, budget)
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0 and num > 1:
             num = min(num, threshold)
@@ -147,6 +175,8 @@ class Scheduler:
         self.running.remove(request)
         self.block_pool.free(request)
         request.num_computed_tokens = 0
+        self._num_applied.pop(request.request_id, None)
+        self._num_in_flight.pop(request.request_id, None)  # its in-flight token is discarded
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -212,15 +242,30 @@ class Scheduler:
             preempted_ids=tuple(preempted),
         )
 
-    @staticmethod
-    def _scheduled(request: Request, num_new: int) -> ScheduledSeq:
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
-        return ScheduledSeq(
-            request=request,
-            start_pos=start,
-            num_tokens=num_new,
-            sample=start + num_new == request.num_tokens,
-        )
+        if not self.async_mode:
+            return ScheduledSeq(
+                request=request,
+                start_pos=start,
+                num_tokens=num_new,
+                sample=start + num_new == request.num_tokens,
+            )
+        rid = request.request_id
+        in_flight = self._num_in_flight.get(rid, 0)
+        sample = start + num_new == request.num_tokens + in_flight
+        self._num_applied.setdefault(rid, start)
+        request.num_computed_tokens = start + num_new
+        if sample:
+            self._num_in_flight[rid] = in_flight + 1
+        return ScheduledSeq(request=request, start_pos=start, num_tokens=num_new, sample=sample)
+
+    def _reaches_length_limit(self, request: Request, num_in_flight: int) -> bool:
+        """Whether `num_in_flight` more tokens end the request by max_tokens/max_model_len."""
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None and request.num_output_tokens + num_in_flight >= max_tokens:
+            return True
+        return request.num_tokens + num_in_flight >= self.config.max_model_len
 
     # ------------------------------------------------------------- update
     def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
@@ -234,6 +279,8 @@ class Scheduler:
             raise ValueError(
                 f"{len(sampled_token_ids)} sampled ids for {num_samples} sampling seqs"
             )
+        if self.async_mode:
+            return self._update_async(output, sampled_token_ids)
         finished: list[Request] = []
         samples = iter(sampled_token_ids)
         for seq in output.seqs:
@@ -254,6 +301,40 @@ class Scheduler:
             status = self._check_stop(request, token_id)
             if status is not None:
                 self.finish_request(request.request_id, status)
+                finished.append(request)
+        return finished
+
+    def _update_async(
+        self, output: SchedulerOutput, sampled_token_ids: list[int]
+    ) -> list[Request]:
+        finished: list[Request] = []
+        samples = iter(sampled_token_ids)
+        for seq in output.seqs:
+            token_id = next(samples) if seq.sample else None
+            request = seq.request
+            rid = request.request_id
+            if (
+                self._requests.get(rid) is not request
+                or request.status != RequestStatus.RUNNING
+                or self._num_applied.get(rid) != seq.start_pos
+            ):
+                continue  # ended or preempted since: a late finish's extra token is dropped
+            end = seq.start_pos + seq.num_tokens
+            if end == request.num_computed_tokens:
+                del self._num_applied[rid]  # nothing of it in flight any more
+            else:
+                self._num_applied[rid] = end
+            if token_id is not None:
+                self._num_in_flight[rid] -= 1
+                if not self._num_in_flight[rid]:
+                    del self._num_in_flight[rid]
+                request.append_token(token_id)
+            self.block_pool.cache_full_blocks(request)
+            if token_id is None:
+                continue
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(rid, status)
                 finished.append(request)
         return finished
 

@@ -2,6 +2,13 @@
 
 Synchronous and single-threaded by contract: the async `EngineLoop` calls `step()` from one
 worker thread and applies `add_request` / `abort_request` only between steps.
+
+Overlap (on CUDA by default, `CudaRunnerOptions.overlap`): one `step()` schedules and
+launches step N+1, then waits for step N and applies it, so the GPU always has the next step
+queued while the host applies the last. The scheduler runs in async mode (see its module);
+tokens step N+1 consumes before step N is applied are resolved on the device by the runner.
+A step whose sampling reads the output history (penalties, min_tokens, logprobs) waits for
+the step in flight first. `has_unfinished_requests` stays true while a step is in flight.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from runtime.model_runner import ModelRunner
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.scheduler import Scheduler
-from runtime.types import EngineStats, RequestDelta, TokenLogprob
+from runtime.types import EngineStats, RequestDelta, SamplerOutput, SchedulerOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,14 @@ class _Tracked:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose results the scheduler has not applied yet."""
+
+    sched: SchedulerOutput
+    handle: object  # the runner's launch handle
+
+
 class Engine:
     def __init__(
         self,
@@ -72,10 +87,12 @@ class Engine:
         model_config=None,
         tokenizer=None,
         runner_options=None,
+        overlap: bool | None = None,
     ) -> None:
         """Loads the model named by `config.model`, or takes a prebuilt `model_module` (tests,
         tools) with its `model_config` and optional `tokenizer`. `runner_options`
-        (runtime.cuda_runner.CudaRunnerOptions) tune the CUDA runner; default: from the env."""
+        (runtime.cuda_runner.CudaRunnerOptions) tune the CUDA runner; default: from the env.
+        `overlap`: overlap scheduling; None takes `runner_options.overlap` on CUDA, off on CPU."""
         from models.loader import load_model
 
         self.config = config
@@ -139,9 +156,17 @@ class Engine:
         )
         from dataclasses import replace
 
+        if self.device.type == "cuda":
+            from runtime.cuda_runner import CudaRunnerOptions
+
+            runner_options = runner_options or CudaRunnerOptions.from_env()
+            if overlap is None:
+                overlap = runner_options.overlap
+        self.overlap = bool(overlap)
         self.scheduler = Scheduler(
-            replace(sched_cfg, max_model_len=self.max_model_len), config.cache, self.layout.num_blocks
-        )
+            replace(sched_cfg, max_model_len=self.max_model_len), config.cache,
+            self.layout.num_blocks, async_mode=self.overlap,
+        )  # fmt: skip
         attn_backend = getattr(model, "attn_backend", None)
         if self.device.type == "cuda":
             from runtime.cuda_runner import CudaModelRunner
@@ -166,6 +191,7 @@ class Engine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._num_steps = 0
+        self._in_flight: _InFlight | None = None
 
     # -- sizing -------------------------------------------------------------------------------
 
@@ -270,12 +296,14 @@ class Engine:
         )
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._tracked) or bool(self._aborted)
+        return bool(self._tracked) or bool(self._aborted) or self._in_flight is not None
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
         deltas, self._aborted = self._aborted, []
+        if self.overlap:
+            return deltas + self._step_overlapped()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return deltas
@@ -290,6 +318,52 @@ class Engine:
                 if tracked is not None and req.params.logprobs:
                     tracked.pending_logprobs.append(lp)
         for req in sampled:
+            delta = self._make_delta(req)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _step_overlapped(self) -> list[RequestDelta]:
+        """schedule N+1 → launch N+1 → finish N → update N; drains when nothing is scheduled."""
+        deltas: list[RequestDelta] = []
+        sched = self.scheduler.schedule()
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and (sched.is_empty or self.runner.needs_sync(sched)):
+            deltas += self._apply(prev)
+            prev = None
+            # Requests that step finished are no longer run: their blocks are gone.
+            live = tuple(s for s in sched.seqs if not s.request.is_finished)
+            if len(live) != len(sched.seqs):
+                sched = SchedulerOutput(
+                    seqs=live,
+                    num_batched_tokens=sum(s.num_tokens for s in live),
+                    preempted_ids=sched.preempted_ids,
+                )
+        if not sched.is_empty:
+            self._in_flight = _InFlight(sched, self.runner.launch(sched))
+        if prev is not None:
+            deltas += self._apply(prev)
+        return deltas
+
+    def _apply(self, step: _InFlight) -> list[RequestDelta]:
+        out: SamplerOutput = self.runner.finish(step.handle)
+        sampled = [s.request for s in step.sched.seqs if s.sample]
+        before = [r.num_output_tokens for r in sampled]
+        self.scheduler.update(step.sched, out.token_ids)
+        self._num_steps += 1
+        # A token is taken only where update() appended it: a late finish's extra token, or
+        # one of a request preempted or ended while its step ran, is dropped.
+        taken = [r.num_output_tokens > n for r, n in zip(sampled, before, strict=True)]
+        self._generation_tokens_total += sum(taken)
+        if out.logprobs is not None:
+            for req, ok, lp in zip(sampled, taken, out.logprobs, strict=True):
+                tracked = self._tracked.get(req.request_id)
+                if ok and tracked is not None and req.params.logprobs:
+                    tracked.pending_logprobs.append(lp)
+        deltas = []
+        for req, ok in zip(sampled, taken, strict=True):
+            if not ok and not req.is_finished:
+                continue
             delta = self._make_delta(req)
             if delta is not None:
                 deltas.append(delta)

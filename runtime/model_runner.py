@@ -38,6 +38,9 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.sampler = Sampler(device)
         self._generators: dict[str, torch.Generator] = {}
+        # Overlap: each request's token sampled by the last launch, for the one placeholder
+        # input a step may schedule before that token is applied (the CPU's "future map").
+        self._future_tokens: dict[str, int] = {}
 
     # -- per-request state -----------------------------------------------------------------
 
@@ -53,6 +56,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._future_tokens.pop(request_id, None)
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -68,7 +72,11 @@ class ModelRunner:
         for s in sched.seqs:
             req = s.request
             start, end = s.start_pos, s.start_pos + s.num_tokens
-            input_ids.extend(req.token_ids[start:end])
+            ids = req.token_ids[start:end]
+            if len(ids) < s.num_tokens:  # overlap: the token the step in flight samples
+                assert s.num_tokens == 1 and start == req.num_tokens, (start, req.num_tokens)
+                ids = [self._future_tokens[req.request_id]]
+            input_ids.extend(ids)
             positions.extend(range(start, end))
             blocks = req.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
@@ -124,3 +132,30 @@ class ModelRunner:
             for s in sampling
         ]
         return self.sampler(logits, rows)
+
+    # -- overlap: launch now, finish later ----------------------------------------------------
+
+    def needs_sync(self, sched: SchedulerOutput) -> bool:
+        """Whether `sched` must launch only after every earlier step is applied: its sampling
+        reads the output history (penalties, min_tokens), which lacks tokens in flight."""
+        return any(
+            s.sample
+            and (
+                s.request.params.has_penalties
+                or s.request.num_output_tokens < s.request.params.min_tokens
+            )
+            for s in sched.seqs
+        )
+
+    def launch(self, sched: SchedulerOutput) -> SamplerOutput:
+        """Start one step and return a handle for `finish`. Here the step runs at once (the
+        engine's worker thread is the CPU's "stream"); the handle is its result."""
+        out = self.execute(sched)
+        sampling = [s for s in sched.seqs if s.sample]
+        for s, token_id in zip(sampling, out.token_ids, strict=True):
+            self._future_tokens[s.request.request_id] = token_id
+        return out
+
+    def finish(self, handle: SamplerOutput) -> SamplerOutput:
+        """The sampled ids of a launched step, in the order of its sampling seqs."""
+        return handle

@@ -6,7 +6,15 @@ copies them non-blocking into static device buffers on its own stream, runs the 
 (graph replay for a decode-only batch that fits a bucket, eager otherwise), samples on the
 device and copies only the sampled ids back, to pinned memory, awaited with a CUDA event.
 Everything the step reads stays on that one stream, so stream order alone keeps buffer reuse
-safe. What it falls back from (eager decode, host-side sampling, failed compiles) is logged
+safe.
+
+Overlap: `launch` enqueues a step and returns at once; `finish` waits for its sampled ids.
+Every launch also writes its sampled ids into a device "future" buffer of two halves (launch
+k uses half k % 2, one row per sampling seq). A decode input whose token the step in flight
+is still sampling is written as the placeholder -(index + 1) of that token's future row and
+resolved on the device right before the forward (inside the graph for decode buckets), so no
+host sync sits between steps. Only the previous launch's half is ever read, and stream order
+puts that read before the next launch overwrites it. What it falls back from (eager decode, host-side sampling, failed compiles) is logged
 once and counted in `fallbacks`.
 """
 
@@ -49,14 +57,20 @@ class CudaRunnerOptions:
     # graphs ("default" or "max-autotune-no-cudagraphs"); prefill/mixed steps stay eager.
     compile_mode: str | None = None
     nvtx: bool = False
+    # Overlap scheduling: the engine launches step N+1 before it applies step N.
+    overlap: bool = True
+    # Record a (start, end) timing event pair per step on the stream (benchmarks: GPU idle).
+    step_events: bool = False
 
     @classmethod
     def from_env(cls) -> CudaRunnerOptions:
+        """Also reads TANDEM_OVERLAP=0 (overlap off)."""
         mode = os.environ.get("TANDEM_COMPILE") or None
         return cls(
             cuda_graphs=os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0",
             compile_mode=None if mode in (None, "0", "none") else mode,
             nvtx=os.environ.get("TANDEM_NVTX", "0") == "1",
+            overlap=os.environ.get("TANDEM_OVERLAP", "1") != "0",
         )
 
 
@@ -100,6 +114,18 @@ class _Prepared:
     max_seq_len: int
     query_lens: list[int]
     seq_lens: list[int]
+    has_placeholders: bool = False
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its sampled ids land in `out` (pinned) when `done` fires; a step that
+    sampled on the host carries its `result` already."""
+
+    num_logits: int
+    out: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    result: SamplerOutput | None = None
 
 
 @dataclass
@@ -148,8 +174,18 @@ class CudaModelRunner(ModelRunner):
         self._dev = _StepBuffers.allocate(max_tokens, max_seqs, self.max_blocks, device)
         # Graph replays select rows 0..bs-1; eager steps overwrite `_dev.logits_indices`.
         self._graph_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
-        self._out_host = torch.empty(max_seqs, dtype=torch.int64, pin_memory=True)
-        self._done = torch.cuda.Event()
+        self._max_seqs = max_seqs
+        # Two of each: launch k+1 fills one while step k's copy back may still be pending.
+        self._out_host = [
+            torch.empty(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
+        ]
+        self._done = [torch.cuda.Event() for _ in range(2)]
+        self._future = torch.zeros(2 * max_seqs, dtype=torch.int64, device=device)  # int64, cuda
+        self._num_launches = 0
+        # request id -> (launch number, future row) of the token its last launch sampled
+        self._future_rows: dict[str, tuple[int, int]] = {}
+        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self.record_step_events = self.options.step_events
         self.sampler = CudaSampler(device, max_seqs)
         self.counters = RunnerCounters()
         self._graphs: dict[int, _Graph] = {}
@@ -243,9 +279,11 @@ class CudaModelRunner(ModelRunner):
                     self._fallback("compile_failed", f"bucket {bs}: {type(e).__name__}: {e}")
                     fn = self._forward_logits
                     fn(ids, pos, batch)
+                self._resolve_placeholders(ids)
             self.stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool, stream=self.stream):
+                self._resolve_placeholders(ids)
                 logits = fn(ids, pos, batch)
             self._graphs[bs] = _Graph(graph, logits)
         self.stream.synchronize()
@@ -264,6 +302,21 @@ class CudaModelRunner(ModelRunner):
         if hasattr(cfg, "fail_on_recompile_limit_hit"):
             cfg.fail_on_recompile_limit_hit = True
         return torch.compile(self._forward_logits, mode=self.options.compile_mode)
+
+    def _resolve_placeholders(self, ids: torch.Tensor) -> None:
+        """ids `[n]` int64, cuda, in place: each -(row + 1) becomes the future buffer's row."""
+        rows = (-ids - 1).clamp_(min=0)
+        ids.copy_(torch.where(ids < 0, self._future[rows], ids))
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self._future_rows.pop(request_id, None)
+
+    def _placeholder(self, request_id: str) -> int:
+        launch, row = self._future_rows[request_id]
+        # Only the previous launch's half is intact; anything older is a scheduling bug.
+        assert launch == self._num_launches - 1, (request_id, launch, self._num_launches)
+        return -(row + 1)
 
     def _bucket(self, num_seqs: int) -> int | None:
         for bs in self.graph_sizes:
@@ -286,17 +339,23 @@ class CudaModelRunner(ModelRunner):
         t = 0
         num_logits = 0
         max_nb = 1
+        has_placeholders = False
         for i, s in enumerate(sched.seqs):
             req = s.request
             start, end, n = s.start_pos, s.start_pos + s.num_tokens, s.num_tokens
             nb = -(-end // bs)
             block_ids = req.block_ids
             if n == 1:  # decode: scalar writes beat numpy temporaries
-                ids_h[t] = req.token_ids[start]
+                if start < len(req.token_ids):
+                    ids_h[t] = req.token_ids[start]
+                else:  # overlap: the token the step in flight samples, read on the device
+                    ids_h[t] = self._placeholder(req.request_id)
+                    has_placeholders = True
                 pos_h[t] = start
                 slot_h[t] = block_ids[start // bs] * bs + start % bs
                 bt_h[i, :nb] = block_ids[:nb]
             else:
+                assert end <= len(req.token_ids), "a placeholder in a multi-token chunk"
                 ids_h[t : t + n] = req.token_ids[start:end]
                 pos = np.arange(start, end, dtype=np.int64)
                 pos_h[t : t + n] = pos
@@ -331,6 +390,10 @@ class CudaModelRunner(ModelRunner):
             rows = tokens = graph_bs
         d = self._dev
         with torch.cuda.stream(self.stream):
+            if self.record_step_events:
+                start_ev = torch.cuda.Event(enable_timing=True)
+                start_ev.record(self.stream)
+                self._step_start = (start_ev, graph_bs is not None)
             d.input_ids[:tokens].copy_(h.input_ids[:tokens], non_blocking=True)
             d.positions[:tokens].copy_(h.positions[:tokens], non_blocking=True)
             d.slot_mapping[:tokens].copy_(h.slot_mapping[:tokens], non_blocking=True)
@@ -351,6 +414,7 @@ class CudaModelRunner(ModelRunner):
             max_seq_len=max(seq_lens),
             query_lens=query_lens,
             seq_lens=seq_lens,
+            has_placeholders=has_placeholders,
         )
 
     def _forward(self, p: _Prepared) -> torch.Tensor:
@@ -375,31 +439,79 @@ class CudaModelRunner(ModelRunner):
             max_seq_len=p.max_seq_len,
         )
         self.counters.eager_steps += 1
+        if p.has_placeholders:
+            self._resolve_placeholders(d.input_ids[: p.num_tokens])
         if p.num_logits == 0:
             self.model(d.input_ids[: p.num_tokens], d.positions[: p.num_tokens], batch)
             return torch.empty(0, device=self.device)
         return self._forward_logits(d.input_ids[: p.num_tokens], d.positions[: p.num_tokens], batch)
 
+    def needs_sync(self, sched: SchedulerOutput) -> bool:
+        """The host sampler path (penalties, min_tokens, logprobs) reads the output history."""
+        return any(
+            s.sample
+            and (
+                s.request.params.has_penalties
+                or s.request.params.logprobs
+                or s.request.num_output_tokens < s.request.params.min_tokens
+            )
+            for s in sched.seqs
+        )
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Enqueue one step (inputs, forward, sampling, copy back) and return at once."""
         with self._nvtx("prepare"):
             p = self._prepare(sched)
+        turn = self._num_launches % 2
+        self._num_launches += 1
         with torch.cuda.stream(self.stream):
             with self._nvtx("forward"):
                 logits = self._forward(p)
+            handle = StepHandle(num_logits=p.num_logits)
             if p.num_logits == 0:
-                return SamplerOutput(token_ids=[])
+                handle.result = SamplerOutput(token_ids=[])
+                self._record_step_end()
+                return handle
             with self._nvtx("sample"):
                 rows = self._sample_rows(sched)
                 if self.sampler.needs_host_path(rows):
                     self._fallback("host_sampler", "penalties, min_tokens or logprobs")
-                    return self.sampler(logits, rows)  # reads back on the host (syncs)
-                ids = self.sampler.sample_async(logits, rows)  # [num_logits] int64, device
-                out = self._out_host[: p.num_logits]
-                out.copy_(ids, non_blocking=True)
-                self._done.record(self.stream)
-        self._done.synchronize()
-        return SamplerOutput(token_ids=out.tolist())
+                    handle.result = self.sampler(logits, rows)  # reads back on the host (syncs)
+                    ids = torch.tensor(handle.result.token_ids, dtype=torch.int64)
+                    ids = ids.pin_memory().to(self.device, non_blocking=True)
+                else:
+                    ids = self.sampler.sample_async(logits, rows)  # [num_logits] int64, device
+                base = turn * self._max_seqs
+                self._future[base : base + p.num_logits].copy_(ids)
+                sampling = (s for s in sched.seqs if s.sample)
+                for row, s in enumerate(sampling):
+                    self._future_rows[s.request.request_id] = (self._num_launches - 1, base + row)
+                if handle.result is None:
+                    handle.out = self._out_host[turn][: p.num_logits]
+                    handle.out.copy_(ids, non_blocking=True)
+                    handle.done = self._done[turn]
+                    handle.done.record(self.stream)
+            self._record_step_end()
+        return handle
+
+    def finish(self, handle: StepHandle) -> SamplerOutput:
+        """Wait for a launched step (blocks the calling thread only) -> its sampled ids."""
+        if handle.result is not None:
+            return handle.result
+        assert handle.done is not None and handle.out is not None
+        handle.done.synchronize()
+        return SamplerOutput(token_ids=handle.out.tolist())
+
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        return self.finish(self.launch(sched))
+
+    def _record_step_end(self) -> None:
+        if self.record_step_events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            start, is_graph = self._step_start
+            self.step_events.append((start, end, is_graph))
 
     def _sample_rows(self, sched: SchedulerOutput) -> list[SampleRow]:
         return [

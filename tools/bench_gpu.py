@@ -154,15 +154,23 @@ def bench_tandem(name: str, bw: float, args, compile_mode: str | None) -> dict:
         )
         assert len(out[0].token_ids) == n_new
 
+    def set_overlap(on: bool) -> None:  # only while idle: the scheduler holds no step
+        assert not eng.has_unfinished_requests()
+        eng.overlap = eng.scheduler.async_mode = on
+
     run(8)  # warm-up: prefill shapes, cupy kernels
-    t1 = min(timed(lambda: run(1)) for _ in range(2))
-    tn = min(timed(lambda: run(NEW + 1)) for _ in range(2))
-    rate = NEW / (tn - t1)
-    floor = bw * 1e9 / read
-    res["b1_tok_s"], res["b1_floor_tok_s"], res["b1_fraction"] = rate, floor, rate / floor
-    res["b1_step_ms"] = 1e3 / rate
-    say(f"tandem {name} batch-1 decode: {rate:.1f} tok/s ({1e3 / rate:.2f} ms/token), floor "
-        f"{floor:.1f} tok/s -> {rate / floor:.1%} of floor")  # fmt: skip
+    for mode in args.overlap_modes:
+        set_overlap(mode == "on")
+        run(8)
+        t1 = min(timed(lambda: run(1)) for _ in range(2))
+        tn = min(timed(lambda: run(NEW + 1)) for _ in range(2))
+        rate = NEW / (tn - t1)
+        floor = bw * 1e9 / read
+        r = res.setdefault(mode, {})
+        r["b1_tok_s"], r["b1_floor_tok_s"], r["b1_fraction"] = rate, floor, rate / floor
+        r["b1_step_ms"] = 1e3 / rate
+        say(f"tandem {name} overlap {mode} batch-1 decode: {rate:.1f} tok/s ({1e3 / rate:.2f} "
+            f"ms/token), floor {floor:.1f} tok/s -> {rate / floor:.1%} of floor")  # fmt: skip
     g = eng.runner._graphs.get(1)
     if g is not None:  # GPU time of one batch-1 decode step alone: the rest is host overhead
         with torch.cuda.stream(eng.runner.stream):
@@ -176,23 +184,52 @@ def bench_tandem(name: str, bw: float, args, compile_mode: str | None) -> dict:
         say(f"tandem {name} batch-1 graph replay alone: {res['b1_graph_ms']:.2f} ms/step "
             f"({1e3 / res['b1_graph_ms']:.0f} steps/s)")  # fmt: skip
 
+    for mode in args.overlap_modes:  # GPU idle per decode step at batch 64 (CUDA events)
+        set_overlap(mode == "on")
+        runner = eng.runner
+        runner.step_events.clear()
+        runner.record_step_events = True
+        llm.generate(random_prompts(64, PROMPT, 5), SamplingParams(max_tokens=128, **greedy))
+        runner.record_step_events = False
+        torch.cuda.synchronize()
+        ev = runner.step_events
+        gaps, busy = [], []
+        for (_, prev_end, _), (start, end, is_graph) in zip(ev, ev[1:], strict=False):
+            if is_graph:
+                gaps.append(prev_end.elapsed_time(start))
+                busy.append(start.elapsed_time(end))
+        runner.step_events.clear()
+        runner = ev = None  # the engine must be freeable for the next shape
+        gaps.sort()
+        idle = sum(gaps) / (sum(gaps) + sum(busy))
+        r = res.setdefault(mode, {})
+        r["b64_idle_fraction"], r["b64_step_ms"] = idle, (sum(gaps) + sum(busy)) / len(gaps)
+        r["b64_gap_ms_p50"], r["b64_gap_ms_max"] = gaps[len(gaps) // 2], gaps[-1]
+        say(f"tandem {name} overlap {mode} batch-64 decode: GPU idle {idle:.1%} of each step "
+            f"({len(gaps)} graph steps, {r['b64_step_ms']:.2f} ms/step, gap p50 "
+            f"{r['b64_gap_ms_p50'] * 1e3:.0f} us, max {r['b64_gap_ms_max'] * 1e3:.0f} us)")
+
     prompts = random_prompts(TP_REQS, TP_IN, 7)
     params = SamplingParams(max_tokens=TP_OUT, **greedy)
     llm.generate(random_prompts(8, TP_IN, 8), SamplingParams(max_tokens=4, **greedy))  # warm-up
-    steps0 = eng.stats().num_steps
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    el = time.perf_counter() - t
-    n_out = sum(len(o.token_ids) for o in outs)
-    assert n_out == TP_REQS * TP_OUT, n_out
-    res["tp_tok_s"], res["tp_s"] = n_out / el, el
-    res["tp_steps"] = eng.stats().num_steps - steps0
+    for mode in args.overlap_modes:
+        set_overlap(mode == "on")
+        steps0 = eng.stats().num_steps
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        el = time.perf_counter() - t
+        n_out = sum(len(o.token_ids) for o in outs)
+        assert n_out == TP_REQS * TP_OUT, n_out
+        r = res.setdefault(mode, {})
+        r["tp_tok_s"], r["tp_s"] = n_out / el, el
+        r["tp_steps"] = eng.stats().num_steps - steps0
+        say(f"tandem {name} overlap {mode} {TP_REQS}x({TP_IN} in, {TP_OUT} out): "
+            f"{n_out / el:.0f} output tok/s ({el:.2f}s, {r['tp_steps']} steps)")  # fmt: skip
     c = eng.runner.counters
     res["counters"] = {"graph_steps": c.graph_steps, "eager_steps": c.eager_steps,
                        "fallbacks": dict(c.fallbacks)}  # fmt: skip
-    say(f"tandem {name} {TP_REQS}x({TP_IN} in, {TP_OUT} out): {n_out / el:.0f} output tok/s "
-        f"({el:.2f}s, {res['tp_steps']} steps); counters {res['counters']}")  # fmt: skip
-    llm = eng = model = None  # free the device for the next engine
+    say(f"tandem {name} counters {res['counters']}")
+    llm = eng = model = g = None  # free the device for the next engine
     torch._dynamo.reset()  # compiled code holds the model
     gc.collect()
     torch.cuda.empty_cache()
@@ -309,12 +346,15 @@ def main() -> int:
         default="none,default",
         help="comma list of torch.compile modes for Tandem's decode graphs; none: eager",
     )
+    ap.add_argument("--overlap-modes", default="off,on",
+                    help="comma list of off/on: overlap scheduling, each on the same engine")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--deadline-s", type=float, default=330.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.skip_hf = [s for s in args.skip_hf.split(",") if s]
+    args.overlap_modes = [m for m in args.overlap_modes.split(",") if m]
     import transformers
 
     props = torch.cuda.get_device_properties(0)
@@ -352,21 +392,27 @@ def main() -> int:
     print(f"copy bandwidth {bw:.0f} GB/s; {RESULTS['meta']['device']}")
     for key in [k for k in RESULTS if k.startswith("tandem_")]:
         name = key.removeprefix("tandem_")
-        t, h = RESULTS[key], RESULTS.get(f"hf_{name.split('_')[0]}", {})
-        if "b1_tok_s" in t:
-            line = (f"{name} batch-1: tandem {t['b1_tok_s']:.1f} tok/s, floor {t['b1_floor_tok_s']:.1f}"
-                    f" ({t['b1_fraction']:.1%})")  # fmt: skip
-            for k, label in (("hf_static_compile_b1_tok_s", "HF static+compile"),
-                             ("hf_dynamic_b1_tok_s", "HF dynamic")):  # fmt: skip
-                if k in h:
-                    line += f"; {label} {h[k]:.1f} (x{t['b1_tok_s'] / h[k]:.2f})"
-            print(line)
-        if "tp_tok_s" in t:
-            line = f"{name} {TP_REQS}x({TP_IN},{TP_OUT}): tandem {t['tp_tok_s']:.0f} out tok/s"
-            if "hf_tp_tok_s" in h:
-                line += (f"; HF {h.get('hf_tp_tok_s_how', '')} {h['hf_tp_tok_s']:.0f}"
-                         f" (x{t['tp_tok_s'] / h['hf_tp_tok_s']:.1f})")  # fmt: skip
-            print(line)
+        h = RESULTS.get(f"hf_{name.split('_')[0]}", {})
+        for mode in args.overlap_modes:
+            t = RESULTS[key].get(mode, {})
+            tag = f"{name} overlap {mode}"
+            if "b1_tok_s" in t:
+                line = (f"{tag} batch-1: tandem {t['b1_tok_s']:.1f} tok/s, floor "
+                        f"{t['b1_floor_tok_s']:.1f} ({t['b1_fraction']:.1%})")  # fmt: skip
+                for k, label in (("hf_static_compile_b1_tok_s", "HF static+compile"),
+                                 ("hf_dynamic_b1_tok_s", "HF dynamic")):  # fmt: skip
+                    if k in h:
+                        line += f"; {label} {h[k]:.1f} (x{t['b1_tok_s'] / h[k]:.2f})"
+                print(line)
+            if "b64_idle_fraction" in t:
+                print(f"{tag} batch-64 decode: GPU idle {t['b64_idle_fraction']:.1%} per step "
+                      f"({t['b64_step_ms']:.2f} ms/step)")  # fmt: skip
+            if "tp_tok_s" in t:
+                line = f"{tag} {TP_REQS}x({TP_IN},{TP_OUT}): tandem {t['tp_tok_s']:.0f} out tok/s"
+                if "hf_tp_tok_s" in h:
+                    line += (f"; HF {h.get('hf_tp_tok_s_how', '')} {h['hf_tp_tok_s']:.0f}"
+                             f" (x{t['tp_tok_s'] / h['hf_tp_tok_s']:.1f})")  # fmt: skip
+                print(line)
     save(args.json)
     return 0
 

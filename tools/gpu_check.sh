@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device check for the CUDA serving path: the GPU tests (full-model parity of the cupy backend
 # against the torch backend and HF transformers; the CUDA runner: graphs, no host syncs, seeded
-# sampling, KV sizing), then tools/bench_gpu.py (Tandem vs HF in the same process).
+# sampling, KV sizing; overlapped greedy == synchronous), then tools/bench_gpu.py (Tandem vs HF in the same process).
 # Run on the device machine from the repository root; logs and JSON go to $OUT.
 #   bash tools/gpu_check.sh [bench_gpu.py arguments...]
 # Env: TANDEM_GPU_TESTS (test files; "none" skips), TEST_TIMEOUT, BENCH_TIMEOUT (seconds).
@@ -15,7 +15,7 @@ date -u +%FT%TZ | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/device.txt"
 python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-tests=${TANDEM_GPU_TESTS:-"tests/models/test_cuda_parity.py tests/runtime/test_cuda_runner.py"}
+tests=${TANDEM_GPU_TESTS:-"tests/models/test_cuda_parity.py tests/runtime/test_cuda_runner.py tests/runtime/test_overlap_gpu.py"}
 test_rc=0
 if [ "$tests" != "none" ]; then
   t0=$(date +%s)

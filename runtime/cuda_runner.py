@@ -192,9 +192,18 @@ class CudaModelRunner(ModelRunner):
         self._graph_pool = None
         self._decode_fn = self._forward_logits
         uses_cupy = getattr(attn_backend, "name", None) == "cupy"
+        # The CPU expert pool waits on the host inside the forward: nothing to capture there.
+        experts_capturable = getattr(
+            getattr(model, "expert_backend", None), "supports_cuda_graphs", True
+        )
         if self.options.cuda_graphs and not uses_cupy:
             self._fallback(
                 "graphs_need_cupy_backend", "CUDA graphs need the cupy attention backend"
+            )
+        elif self.options.cuda_graphs and not experts_capturable:
+            self._fallback(
+                "graphs_not_capturable_experts",
+                "the expert backend (CPU pool) waits on the host; decode runs eagerly",
             )
         elif self.options.cuda_graphs and self.graph_sizes:
             t0 = time.perf_counter()

@@ -4,10 +4,13 @@
 #include <pybind11/stl.h>
 
 #include "isa.h"
+#include "linear.h"
 #include "moe.h"
 
 namespace py = pybind11;
 using tandem_cpu::ExpertPool;
+using tandem_cpu::LinearArgs;
+using tandem_cpu::LinearPool;
 
 PYBIND11_MODULE(_tandem_cpu, m) {
   m.doc() = "Tandem CPU expert pool (C++17)";
@@ -59,4 +62,30 @@ PYBIND11_MODULE(_tandem_cpu, m) {
         }
         return out;
       });
+  py::class_<LinearPool>(m, "LinearPool")
+      .def(py::init<int, const std::string&>(), py::arg("num_threads"), py::arg("isa"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run",
+          [](LinearPool& p, int fmt, uintptr_t w, size_t w_row_bytes, uintptr_t scales, int group,
+             int N, int K, int Kp, uintptr_t x, bool x_bf16, int M, uintptr_t bias, uintptr_t y,
+             bool y_bf16) {
+            LinearArgs a;
+            a.fmt = fmt;
+            a.w = (const uint8_t*)w;
+            a.w_row_bytes = w_row_bytes;
+            a.scales = (const float*)scales;
+            a.group = group;
+            a.N = N;
+            a.K = K;
+            a.Kp = Kp;
+            a.M = M;
+            a.bias = (const float*)bias;
+            a.y = (void*)y;
+            a.y_bf16 = y_bf16;
+            p.run(a, (const void*)x, x_bf16);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("isa", &LinearPool::isa)
+      .def_property_readonly("num_threads", &LinearPool::num_threads);
 }

@@ -43,6 +43,8 @@ CORE_UNITS = [
     ("workers.cpp", [], None),
     ("moe.cpp", [], None),
     ("kernels_scalar.cpp", [], None),
+    ("linear.cpp", [], None),
+    ("linear_scalar.cpp", [], None),
     ("bindings.cpp", [], None),
 ]
 X86_UNITS = [
@@ -50,7 +52,12 @@ X86_UNITS = [
     ("kernels_avx512.cpp", AVX512_FLAGS, "TANDEM_HAVE_AVX512"),
     ("kernels_amx.cpp", AMX_FLAGS, "TANDEM_HAVE_AMX"),
 ]
-HEADERS = ["kernels.h", "isa.h", "workers.h", "moe.h"]
+# Dense-linear kernels of an ISA: built with its flags, only when its expert unit was built.
+LINEAR_UNITS = {
+    "TANDEM_HAVE_AVX2": ("linear_avx2.cpp", AVX2_FLAGS),
+    "TANDEM_HAVE_AVX512": ("linear_avx512.cpp", AVX512_FLAGS),
+}
+HEADERS = ["kernels.h", "isa.h", "workers.h", "moe.h", "linear.h"]
 
 
 class CpuExtensionError(RuntimeError):
@@ -92,7 +99,8 @@ def _include_dirs() -> list[str]:
 
 def _build_key(cxx: str) -> str:
     h = hashlib.sha256()
-    for name in [u[0] for u in CORE_UNITS + X86_UNITS] + HEADERS + ["build.py"]:
+    linear = [u[0] for u in LINEAR_UNITS.values()]
+    for name in [u[0] for u in CORE_UNITS + X86_UNITS] + linear + HEADERS + ["build.py"]:
         h.update(name.encode())
         h.update((SRC_DIR / name).read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -143,6 +151,14 @@ def _build(cxx: str, target: Path) -> list[str]:
                             obj,
                         ]
                     )
+                    if define in LINEAR_UNITS:
+                        lsrc, lflags = LINEAR_UNITS[define]
+                        lobj = os.path.join(tmp, lsrc + ".o")
+                        _run(
+                            [cxx, *BASE_FLAGS, *lflags, *includes, "-c", str(SRC_DIR / lsrc)]
+                            + ["-o", lobj]
+                        )
+                        objects.append(lobj)
                 except CpuExtensionError as e:
                     skipped.append(f"{src}: {str(e).splitlines()[-1][:200]}")
                     continue

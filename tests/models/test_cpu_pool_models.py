@@ -348,3 +348,43 @@ def test_gguf_experts_into_pool(qtype: str, tmp_path: Path) -> None:
         torch.testing.assert_close(w2, quantize(down, fmt, group), rtol=1e-6, atol=1e-7)
     rel = float((w13 - src13).norm() / src13.norm())
     assert rel < (0.02 if qtype == "Q8_0" else 0.12), rel
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_with_cpu_experts_serves_eagerly_with_and_without_overlap(
+    tmp_path: Path,
+) -> None:
+    """The whole engine on CUDA (bf16, cupy attention) with every expert on the CPU pool:
+    decode graphs are skipped (the pool waits on the host) and counted, and the overlapped
+    engine's greedy output equals the synchronous one's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    # head_dim 64: the cupy attention backend (and so decode graphs) would apply but for the pool
+    cfg = hf.MixtralConfig(vocab_size=128, hidden_size=256, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=8, num_experts_per_tok=2, initializer_range=0.05)
+    torch.manual_seed(0)
+    hf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    ec = EngineConfig(
+        model=ModelSpec(model=str(tmp_path), device="cuda", dtype="bfloat16", cpu_experts="all",
+                        cpu_threads=4),
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64),
+    )
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (3, 30, 7, 19, 44)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(engine_config=ec, overlap=overlap)
+        assert getattr(llm.engine.model.attn_backend, "name", None) == "cupy"
+        assert llm.engine.runner.counters.fallbacks["graphs_not_capturable_experts"] == 1
+        outs[overlap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert all(len(t) == 10 for t in outs[overlap])
+        assert llm.engine.stats().hybrid.layer_calls > 0
+        llm.engine.model.expert_backend.close()
+    assert outs[True] == outs[False]

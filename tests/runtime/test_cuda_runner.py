@@ -45,7 +45,7 @@ def model():
 
 
 def make_llm(model, *, graphs: bool = True, num_blocks: int | None = 512, util: float = 0.9,
-             max_num_seqs: int = 32, budget: int = 256) -> LLM:  # fmt: skip
+             max_num_seqs: int = 32, budget: int = 256, overlap: bool = True) -> LLM:  # fmt: skip
     from runtime.cuda_runner import CudaRunnerOptions
 
     ec = EngineConfig(
@@ -59,7 +59,7 @@ def make_llm(model, *, graphs: bool = True, num_blocks: int | None = 512, util: 
         engine_config=ec,
         model_module=model,
         model_config=small_config(),
-        runner_options=CudaRunnerOptions(cuda_graphs=graphs),
+        runner_options=CudaRunnerOptions(cuda_graphs=graphs, overlap=overlap),
     )
 
 
@@ -94,7 +94,8 @@ def test_graph_decode_equals_eager(model) -> None:
 
 
 def test_launch_never_syncs_the_host(model) -> None:
-    llm = make_llm(model)
+    # Drives schedule -> runner -> update by hand, the synchronous order: no step in flight.
+    llm = make_llm(model, overlap=False)
     eng = llm.engine
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(

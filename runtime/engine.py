@@ -18,11 +18,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from models.batch import KVCache
-from runtime.config import CacheLayout, EngineConfig
+from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.engine_setup import (
+    load_engine_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    size_kv_cache,
+)
 from runtime.model_runner import ModelRunner
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams, SamplingParamsError
@@ -30,36 +35,6 @@ from runtime.scheduler import Scheduler
 from runtime.types import EngineStats, RequestDelta, SamplerOutput, SchedulerOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_CPU_KV_BYTES = 1 << 30
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AVX-512 BF16 or AMX: bf16 matmuls run at least as fast as fp32 on half the bytes."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # Decode is memory-bound: bf16 halves the bytes read per token. On a CPU without
-        # native bf16 dot products the conversions cost more than they save, so keep fp32.
-        if device.type == "cuda" or cpu_has_fast_bf16():
-            return torch.bfloat16
-        return torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
 
 
 @dataclass
@@ -93,8 +68,6 @@ class Engine:
         tools) with its `model_config` and optional `tokenizer`. `runner_options`
         (runtime.cuda_runner.CudaRunnerOptions) tune the CUDA runner; default: from the env.
         `overlap`: overlap scheduling; None takes `runner_options.overlap` on CUDA, off on CPU."""
-        from models.loader import load_model
-
         self.config = config
         spec = config.model
         self.device = resolve_device(spec.device)
@@ -103,39 +76,14 @@ class Engine:
         model_path: Path | None = None
         model = model_module
         if model is None:
-            from models.hub import resolve_model
-
-            if spec.load_format == "dummy" and model_config is not None:
-                model_path = None
-            else:
-                model_path = resolve_model(spec.model)
-            attn = spec.attention_backend
-            if attn == "auto":
-                attn = _auto_attention_backend(self.device, self.dtype, model_config, model_path)
-            experts = spec.expert_backend if spec.expert_backend != "auto" else "torch"
-            if spec.expert_backend == "auto" and spec.cpu_experts is not None:
-                experts = "cpu_pool"
-            expert_options = None
-            if experts == "cpu_pool":
-                expert_options = {"fmt": spec.cpu_expert_format, "num_threads": spec.cpu_threads,
-                                  "cpu_experts": spec.cpu_experts or "all",
-                                  "gpu_experts": spec.gpu_experts}
-            model, model_config = load_model(
-                model_path,
-                dtype=self.dtype,
-                device=self.device,
-                load_format=spec.load_format,
-                attn_backend=attn,
-                expert_backend=experts,
-                seed=spec.seed,
-                config=model_config,
-                expert_options=expert_options,
+            model, model_config, model_path = load_engine_model(
+                spec, self.device, self.dtype, model_config
             )
         assert model_config is not None
         self.model = model
         self.model_config = model_config
         if tokenizer is None and model_path is not None:
-            tokenizer = _load_tokenizer(model_path)
+            tokenizer = load_tokenizer(model_path)
         self.tokenizer = tokenizer
         self.model_name = spec.model or "smollm2-135m-instruct"
         if model_path is not None and spec.model:
@@ -144,7 +92,9 @@ class Engine:
 
         sched_cfg = config.scheduler
         self.max_model_len = min(sched_cfg.max_model_len, model_config.max_position_embeddings)
-        self.layout = self._size_kv_cache()
+        self.layout = size_kv_cache(
+            config, model, model_config, self.dtype, self.device, self.max_model_len
+        )
         self.kv_cache = KVCache.allocate(
             model_config.num_hidden_layers,
             self.layout.num_blocks,
@@ -192,52 +142,6 @@ class Engine:
         self._generation_tokens_total = 0
         self._num_steps = 0
         self._in_flight: _InFlight | None = None
-
-    # -- sizing -------------------------------------------------------------------------------
-
-    def _size_kv_cache(self) -> CacheLayout:
-        cfg, mc = self.config.cache, self.model_config
-        per_block = KVCache.bytes_per_block(
-            mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, self.dtype
-        )
-        min_blocks = -(-self.max_model_len // cfg.block_size) + 1
-        if cfg.num_blocks is not None:
-            num_blocks = cfg.num_blocks
-        elif self.device.type == "cuda":
-            reserve = self._profile_activation_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cfg.gpu_memory_utilization) - used - reserve
-            num_blocks = max(budget // per_block, 0)
-        else:
-            budget = cfg.cpu_kv_bytes or _DEFAULT_CPU_KV_BYTES
-            num_blocks = max(budget // per_block, 2 * min_blocks)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"KV cache too small: {num_blocks} blocks of {cfg.block_size} tokens cannot hold "
-                f"one sequence of max_model_len={self.max_model_len}; lower --max-model-len or "
-                f"raise the KV budget"
-            )
-        log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, cfg.block_size,
-                 num_blocks * per_block / 2**20)
-        return CacheLayout(num_blocks=int(num_blocks), block_size=cfg.block_size, bytes_per_block=per_block)
-
-    def _profile_activation_bytes(self) -> int:
-        from runtime.cuda_runner import profile_activation_bytes
-
-        sc = self.config.scheduler
-        try:
-            reserve = profile_activation_bytes(
-                self.model, self.model_config, self.dtype, self.device,
-                sc.max_num_batched_tokens, sc.max_num_seqs, self.config.cache.block_size,
-            )  # fmt: skip
-        except torch.OutOfMemoryError:
-            raise
-        except Exception:  # a model the profile cannot drive: keep the coarse bound, loudly
-            log.exception("activation profiling failed; reserving a coarse bound instead")
-            return _activation_reserve(self.model_config)
-        log.info("profiled peak activation + graph reserve: %.0f MiB", reserve / 2**20)
-        return reserve
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -421,38 +325,3 @@ class Engine:
         # Only the CPU-pool expert backend keeps hybrid counters (models/layers/cpu_experts.py).
         stats = getattr(getattr(self.model, "expert_backend", None), "stats", None)
         return stats() if callable(stats) else None
-
-
-def _activation_reserve(mc) -> int:
-    # A coarse bound until the runner profiles a real peak: logits of a full token budget plus
-    # a few hidden-sized buffers per token.
-    return 2 * 1024**3
-
-
-def _auto_attention_backend(device, dtype, model_config, model_path) -> str:
-    """"cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
-    if device.type != "cuda":
-        return "torch"
-    from models.cupy_backend import cupy_backend_supports
-
-    mc = model_config
-    if mc is None and model_path is not None and Path(model_path).is_dir():
-        from models.config import ModelConfig
-
-        try:
-            mc = ModelConfig.from_pretrained(model_path)
-        except Exception:  # the loader reports a bad config with a better error
-            mc = None
-    head_dim = mc.head_dim if mc is not None else 128
-    return "cupy" if cupy_backend_supports(head_dim, dtype, device) else "torch"
-
-
-def _load_tokenizer(model_path: Path):
-    from models.tokenizer import Tokenizer
-
-    if model_path.suffix == ".gguf":
-        return Tokenizer.from_gguf(model_path)
-    if (model_path / "tokenizer.json").exists() or (model_path / "tokenizer_config.json").exists():
-        return Tokenizer.from_pretrained(model_path)
-    log.warning("no tokenizer found in %s: token ids only", model_path)
-    return None

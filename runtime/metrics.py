@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Sequence
-
 from typing import TYPE_CHECKING
 
 from runtime.types import EngineStats

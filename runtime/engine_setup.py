@@ -1,0 +1,186 @@
+"""What the engine decides once, at start-up: device and dtype, attention and expert
+backends, the model and tokenizer to load, and how many KV blocks fit.
+
+Kept apart from `runtime/engine.py`, which owns the per-step loop and request bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from models.batch import KVCache
+from runtime.config import CacheLayout, EngineConfig, ModelSpec
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX-512 BF16 or AMX: bf16 matmuls run at least as fast as fp32 on half the bytes."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # Decode is memory-bound: bf16 halves the bytes read per token. On a CPU without
+        # native bf16 dot products the conversions cost more than they save, so keep fp32.
+        if device.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_engine_model(
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_config: ModelConfig | None,
+) -> tuple[torch.nn.Module, ModelConfig, Path | None]:
+    """Resolve `spec.model` (fetching the default model on first use) and load it with the
+    backends this device and dtype call for. Returns the model, its config and its path
+    (None for dummy weights of a given config)."""
+    from models.hub import resolve_model
+    from models.loader import load_model
+
+    model_path = None
+    if not (spec.load_format == "dummy" and model_config is not None):
+        model_path = resolve_model(spec.model)
+    attn = spec.attention_backend
+    if attn == "auto":
+        attn = _auto_attention_backend(device, dtype, model_config, model_path)
+    experts = spec.expert_backend if spec.expert_backend != "auto" else "torch"
+    if spec.expert_backend == "auto" and spec.cpu_experts is not None:
+        experts = "cpu_pool"
+    expert_options: dict[str, Any] | None = None
+    if experts == "cpu_pool":
+        expert_options = {"fmt": spec.cpu_expert_format, "num_threads": spec.cpu_threads,
+                          "cpu_experts": spec.cpu_experts or "all",
+                          "gpu_experts": spec.gpu_experts}
+    model, model_config = load_model(
+        model_path,
+        dtype=dtype,
+        device=device,
+        load_format=spec.load_format,
+        attn_backend=attn,
+        expert_backend=experts,
+        seed=spec.seed,
+        config=model_config,
+        expert_options=expert_options,
+    )
+    return model, model_config, model_path
+
+
+def load_tokenizer(model_path: Path):
+    from models.tokenizer import Tokenizer
+
+    if model_path.suffix == ".gguf":
+        return Tokenizer.from_gguf(model_path)
+    if (model_path / "tokenizer.json").exists() or (model_path / "tokenizer_config.json").exists():
+        return Tokenizer.from_pretrained(model_path)
+    log.warning("no tokenizer found in %s: token ids only", model_path)
+    return None
+
+
+def size_kv_cache(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> CacheLayout:
+    """KV blocks from an explicit count, from free GPU memory after weights and a profiled
+    peak (`gpu_memory_utilization`), or from the CPU byte budget."""
+    cfg, mc = config.cache, model_config
+    per_block = KVCache.bytes_per_block(
+        mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, dtype
+    )
+    min_blocks = -(-max_model_len // cfg.block_size) + 1
+    if cfg.num_blocks is not None:
+        num_blocks = cfg.num_blocks
+    elif device.type == "cuda":
+        reserve = _profile_activation_bytes(config, model, model_config, dtype, device)
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cfg.gpu_memory_utilization) - used - reserve
+        num_blocks = max(budget // per_block, 0)
+    else:
+        budget = cfg.cpu_kv_bytes or _DEFAULT_CPU_KV_BYTES
+        num_blocks = max(budget // per_block, 2 * min_blocks)
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"KV cache too small: {num_blocks} blocks of {cfg.block_size} tokens cannot hold "
+            f"one sequence of max_model_len={max_model_len}; lower --max-model-len or "
+            f"raise the KV budget"
+        )
+    log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, cfg.block_size,
+             num_blocks * per_block / 2**20)
+    return CacheLayout(num_blocks=int(num_blocks), block_size=cfg.block_size, bytes_per_block=per_block)
+
+
+def _profile_activation_bytes(config, model, model_config, dtype, device) -> int:
+    from runtime.cuda_runner import profile_activation_bytes
+
+    sc = config.scheduler
+    try:
+        reserve = profile_activation_bytes(
+            model, model_config, dtype, device,
+            sc.max_num_batched_tokens, sc.max_num_seqs, config.cache.block_size,
+        )  # fmt: skip
+    except torch.OutOfMemoryError:
+        raise
+    except Exception:  # a model the profile cannot drive: keep the coarse bound, loudly
+        log.exception("activation profiling failed; reserving a coarse bound instead")
+        return _activation_reserve(model_config)
+    log.info("profiled peak activation + graph reserve: %.0f MiB", reserve / 2**20)
+    return reserve
+
+
+def _activation_reserve(mc) -> int:
+    # A coarse bound until the runner profiles a real peak: logits of a full token budget plus
+    # a few hidden-sized buffers per token.
+    return 2 * 1024**3
+
+
+def _auto_attention_backend(device, dtype, model_config, model_path) -> str:
+    """"cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
+    if device.type != "cuda":
+        return "torch"
+    from models.cupy_backend import cupy_backend_supports
+
+    mc = model_config
+    if mc is None and model_path is not None:
+        try:
+            if Path(model_path).is_dir():
+                from models.config import ModelConfig
+
+                mc = ModelConfig.from_pretrained(model_path)
+            elif Path(model_path).suffix == ".gguf":
+                from models.loader.gguf import gguf_model_config
+
+                mc = gguf_model_config(model_path)
+        except Exception:  # the loader reports a bad config with a better error
+            mc = None
+    head_dim = mc.head_dim if mc is not None else 128
+    return "cupy" if cupy_backend_supports(head_dim, dtype, device) else "torch"

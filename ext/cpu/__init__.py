@@ -2,10 +2,15 @@
 worker threads, built just in time. See ext/cpu/pool.py for the contract."""
 
 from .build import CpuExtensionError, load_extension
+from .cache import EXPERT_CACHE_ENV, ExpertCache, default_cache_root, source_identity
 from .pool import ISA_ENV, CpuExpertPool, supported_isas
 from .reference import moe_reference, quantize
 
 __all__ = [
+    "EXPERT_CACHE_ENV",
+    "ExpertCache",
+    "default_cache_root",
+    "source_identity",
     "ISA_ENV",
     "CpuExpertPool",
     "CpuExtensionError",

@@ -16,8 +16,8 @@ PYBIND11_MODULE(_tandem_cpu, m) {
   m.doc() = "Tandem CPU expert pool (C++17)";
   m.def("supported_isas", &tandem_cpu::supported_isas);
   py::class_<ExpertPool>(m, "ExpertPool")
-      .def(py::init<int, const std::string&>(), py::arg("num_threads"), py::arg("isa"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(py::init<int, const std::string&, int>(), py::arg("num_threads"), py::arg("isa"),
+           py::arg("split_nodes") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "add_layer",
           [](ExpertPool& p, int layer, uintptr_t w13, uintptr_t w2, int src_dtype, int E, int I,
@@ -40,6 +40,8 @@ PYBIND11_MODULE(_tandem_cpu, m) {
             p.dequantize(layer, (float*)w13, (float*)w2);
           },
           py::call_guard<py::gil_scoped_release>())
+      .def("save_layer", &ExpertPool::save_layer, py::call_guard<py::gil_scoped_release>())
+      .def("load_layer", &ExpertPool::load_layer, py::call_guard<py::gil_scoped_release>())
       .def("has_layer", &ExpertPool::has_layer)
       .def("layer_shape",
            [](const ExpertPool& p, int layer) {

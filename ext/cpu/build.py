@@ -64,11 +64,16 @@ class CpuExtensionError(RuntimeError):
     """The C++ expert pool could not be built or loaded (no compiler, missing headers, errors)."""
 
 
-def cache_root() -> Path:
+def tandem_home() -> Path:
+    """$TANDEM_HOME, else ~/.cache/tandem (the same rule as models.hub.tandem_home)."""
     home = os.environ.get("TANDEM_HOME") or os.path.join(
         os.path.expanduser("~"), ".cache", "tandem"
     )
-    return Path(home) / "cpu_ext"
+    return Path(home)
+
+
+def cache_root() -> Path:
+    return tandem_home() / "cpu_ext"
 
 
 def _compiler() -> str:

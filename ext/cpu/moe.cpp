@@ -1,9 +1,15 @@
 #include "moe.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <stdexcept>
 
 #include "isa.h"
@@ -92,6 +98,115 @@ void quantize_row(int fmt, int group, const float* x, int K, uint8_t* dst, float
   }
 }
 
+
+// The geometry of a node's shard [i0, i0 + Is) of L (sizes only, no memory).
+Shard plan_shard(const Layer& L, int i0, int Is) {
+  const int fmt = L.fmt, group = L.group, Hp = L.Hp;
+  Shard s;
+  s.i0 = i0;
+  s.Is = Is;
+  s.Iv = std::max(0, std::min(Is, L.I - i0));
+  s.w13_expert = round_up(2 * (size_t)Is * row_bytes(fmt, Hp), 64);
+  s.s13_expert = round_up(2 * (size_t)Is * scales_per_row(fmt, Hp, group), 16);
+  s.w2_expert = round_up((size_t)Hp * row_bytes(fmt, Is), 64);
+  s.s2_expert = Is ? round_up((size_t)Hp * scales_per_row(fmt, Is, group), 16) : 0;
+  s.mapped_bytes = (size_t)L.E * (s.w13_expert + s.w2_expert) +
+                   (size_t)L.E * (s.s13_expert + s.s2_expert) * sizeof(float);
+  return s;
+}
+
+// Points the shard's arrays into `base`: [w13 of every expert][w2][s13][s2].
+void place_shard(Shard& s, int E, uint8_t* base) {
+  s.w13 = base;
+  s.w2 = base + (size_t)E * s.w13_expert;
+  s.s13 = (float*)(base + (size_t)E * (s.w13_expert + s.w2_expert));
+  s.s2 = s.s13 + (size_t)E * s.s13_expert;
+}
+
+// Untouched anonymous pages for a shard; whoever writes them first places them on its node.
+void alloc_shard(Shard& s, int E) {
+  if (s.mapped_bytes == 0) return;
+  void* p = mmap(nullptr, s.mapped_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                 -1, 0);
+  if (p == MAP_FAILED) throw std::runtime_error("out of memory allocating expert weights");
+#ifdef MADV_HUGEPAGE
+  madvise(p, s.mapped_bytes, MADV_HUGEPAGE);
+#endif
+  s.mapping = p;
+  place_shard(s, E, (uint8_t*)p);
+}
+
+// One expert between the one-node layout `full` (i0 = 0, Is = I padded) and a node shard `s`:
+// w13/s13 rows of the shard are a contiguous run of full's (blocks of 32 gate + 32 up rows);
+// w2/s2 rows are column slices (i0 is a multiple of 64, so of int4 packs and groups too). int8
+// w2 row scales come from the whole row, so every shard holds the same ones.
+void copy_expert(const Layer& L, const Shard& full, const Shard& s, int e, bool to_shard) {
+  if (s.Is == 0) return;
+  const int fmt = L.fmt, group = L.group, Hp = L.Hp;
+  auto cp = [to_shard](const void* f, const void* sh, size_t n) {
+    if (to_shard) std::memcpy((void*)sh, f, n);
+    else std::memcpy((void*)f, sh, n);
+  };
+  const size_t rb13 = row_bytes(fmt, Hp), spr13 = scales_per_row(fmt, Hp, group);
+  const size_t row0 = (size_t)s.i0 * 2;  // first w13 row of the shard: i0 / 32 blocks of 64
+  cp(full.w13 + e * full.w13_expert + row0 * rb13, s.w13 + e * s.w13_expert, 2 * s.Is * rb13);
+  if (spr13)
+    cp(full.s13 + e * full.s13_expert + row0 * spr13, s.s13 + e * s.s13_expert,
+       2 * s.Is * spr13 * sizeof(float));
+  const size_t rb2f = row_bytes(fmt, full.Is), rb2 = row_bytes(fmt, s.Is);
+  const size_t col0 = row_bytes(fmt, s.i0);
+  const size_t spr2f = scales_per_row(fmt, full.Is, group), spr2 = scales_per_row(fmt, s.Is, group);
+  const size_t scol0 = fmt == FMT_INT4 ? (size_t)s.i0 / group : 0;
+  for (int h = 0; h < Hp; ++h) {
+    cp(full.w2 + e * full.w2_expert + h * rb2f + col0, s.w2 + e * s.w2_expert + h * rb2, rb2);
+    if (spr2)
+      cp(full.s2 + e * full.s2_expert + h * spr2f + scol0, s.s2 + e * s.s2_expert + h * spr2,
+         spr2 * sizeof(float));
+  }
+}
+
+constexpr size_t kCacheHeaderBytes = 4096;  // data starts page-aligned
+constexpr char kCacheMagic[8] = {'T', 'N', 'D', 'M', 'X', 'P', 'C', '1'};
+
+struct CacheHeader {
+  char magic[8];
+  uint32_t version;
+  int32_t E, I, H, Hp, fmt, group, Is;
+  uint64_t w13_expert, s13_expert, w2_expert, s2_expert, data_bytes;
+  char key[160];  // NUL-terminated
+  uint64_t checksum;  // FNV-1a of the bytes above
+};
+
+uint64_t header_checksum(const CacheHeader& h) {
+  const uint8_t* p = (const uint8_t*)&h;
+  uint64_t x = 1469598103934665603ull;
+  for (size_t i = 0; i < offsetof(CacheHeader, checksum); ++i) x = (x ^ p[i]) * 1099511628211ull;
+  return x;
+}
+
+CacheHeader make_header(const Layer& L, const Shard& full, const std::string& key) {
+  CacheHeader h;
+  std::memset(&h, 0, sizeof(h));
+  if (key.size() >= sizeof(h.key)) throw std::invalid_argument("cache key too long");
+  std::memcpy(h.magic, kCacheMagic, sizeof(h.magic));
+  h.version = kLayoutVersion;
+  h.E = L.E;
+  h.I = L.I;
+  h.H = L.H;
+  h.Hp = L.Hp;
+  h.fmt = L.fmt;
+  h.group = L.group;
+  h.Is = full.Is;
+  h.w13_expert = full.w13_expert;
+  h.s13_expert = full.s13_expert;
+  h.w2_expert = full.w2_expert;
+  h.s2_expert = full.s2_expert;
+  h.data_bytes = full.mapped_bytes;
+  std::memcpy(h.key, key.data(), key.size());
+  h.checksum = header_checksum(h);
+  return h;
+}
+
 }  // namespace
 
 Layer::~Layer() {
@@ -106,9 +221,9 @@ size_t Layer::weight_bytes() const {
   return total;
 }
 
-ExpertPool::ExpertPool(int num_threads, const std::string& isa)
+ExpertPool::ExpertPool(int num_threads, const std::string& isa, int split_nodes)
     : kernels_(select_kernels(isa)) {
-  workers_ = std::make_unique<Workers>(num_threads);
+  workers_ = std::make_unique<Workers>(num_threads, split_nodes);
   scratch_.resize(workers_->size());
   scratch_failed_.assign(workers_->size(), 0);
   for (size_t i = 0; i < workers_->nodes().size(); ++i)
@@ -129,14 +244,11 @@ std::vector<int> ExpertPool::layer_ids() const {
   return out;
 }
 
-void ExpertPool::add_layer(int layer, const void* w13, const void* w2, int src_dtype, int E,
-                           int I, int H, int fmt, int group) {
+std::unique_ptr<Layer> ExpertPool::plan_layer(int E, int I, int H, int fmt, int group) const {
   if (E <= 0 || I <= 0 || H <= 0) throw std::invalid_argument("E, I and H must be positive");
   if (fmt < FMT_BF16 || fmt > FMT_INT4) throw std::invalid_argument("unknown weight format");
   if (fmt == FMT_INT4 && group != 32 && group != 64)
     throw std::invalid_argument("int4 group_size must be 32 or 64");
-  if (src_dtype < SRC_F32 || src_dtype > SRC_F16) throw std::invalid_argument("bad source dtype");
-  workers_->wait();
   auto L = std::make_unique<Layer>();
   L->E = E;
   L->H = H;
@@ -153,42 +265,125 @@ void ExpertPool::add_layer(int layer, const void* w13, const void* w2, int src_d
     int mine = (int)((int64_t)chunks * (nodes[n].first_worker + nodes[n].num_threads) /
                      total_threads) - chunk_at;
     if (n + 1 == nodes.size()) mine = chunks - chunk_at;
-    Shard s;
-    s.i0 = chunk_at * kKAlign;
-    s.Is = mine * kKAlign;
-    s.Iv = std::max(0, std::min(s.Is, I - s.i0));
+    L->shards.push_back(plan_shard(*L, chunk_at * kKAlign, mine * kKAlign));
     chunk_at += mine;
-    const int Hp = L->Hp;
-    s.w13_expert = round_up(2 * (size_t)s.Is * row_bytes(fmt, Hp), 64);
-    s.s13_expert = round_up(2 * (size_t)s.Is * scales_per_row(fmt, Hp, group), 16);
-    s.w2_expert = round_up((size_t)Hp * row_bytes(fmt, s.Is), 64);
-    s.s2_expert = s.Is ? round_up((size_t)Hp * scales_per_row(fmt, s.Is, group), 16) : 0;
-    const size_t wbytes = (size_t)E * (s.w13_expert + s.w2_expert);
-    const size_t sbytes = (size_t)E * (s.s13_expert + s.s2_expert) * sizeof(float);
-    s.mapped_bytes = wbytes + sbytes;
-    if (s.mapped_bytes > 0) {
-      // Untouched anonymous pages: the node's own workers touch them first while converting.
-      void* p = mmap(nullptr, s.mapped_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                     -1, 0);
-      if (p == MAP_FAILED) throw std::runtime_error("out of memory allocating expert weights");
-#ifdef MADV_HUGEPAGE
-      madvise(p, s.mapped_bytes, MADV_HUGEPAGE);
-#endif
-      s.mapping = p;
-      uint8_t* base = (uint8_t*)p;
-      s.w13 = base;
-      s.w2 = base + (size_t)E * s.w13_expert;
-      s.s13 = (float*)(base + wbytes);
-      s.s2 = s.s13 + (size_t)E * s.s13_expert;
-    }
-    L->shards.push_back(s);
   }
-  std::vector<std::atomic<int>> counters(2 * nodes.size());
+  return L;
+}
+
+void ExpertPool::add_layer(int layer, const void* w13, const void* w2, int src_dtype, int E,
+                           int I, int H, int fmt, int group) {
+  if (src_dtype < SRC_F32 || src_dtype > SRC_F16) throw std::invalid_argument("bad source dtype");
+  auto L = plan_layer(E, I, H, fmt, group);
+  workers_->wait();
+  // Untouched anonymous pages: the node's own workers touch them first while converting.
+  for (Shard& s : L->shards) alloc_shard(s, E);
+  std::vector<std::atomic<int>> counters(2 * L->shards.size());
   for (auto& c : counters) c.store(0);
   Layer* raw = L.get();
   workers_->start([&, raw](int w) { run_convert(w, raw, w13, w2, src_dtype, counters.data()); });
   workers_->wait();
   layers_[layer] = std::move(L);
+}
+
+void ExpertPool::save_layer(int layer_idx, const std::string& path, const std::string& key) {
+  workers_->wait();
+  const Layer& L = layer(layer_idx);
+  const Shard full = plan_shard(L, 0, (int)round_up(L.I, kKAlign));
+  CacheHeader h = make_header(L, full, key);
+  const size_t size = kCacheHeaderBytes + full.mapped_bytes;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot create " + path + ": " + std::strerror(errno));
+  // Reserve the blocks first: writing through a mapping of a sparse file on a full disk would
+  // raise SIGBUS instead of an error.
+  int err = posix_fallocate(fd, 0, (off_t)size);
+  void* p = MAP_FAILED;
+  if (err == 0) {
+    p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) err = errno;
+  }
+  if (err != 0) {
+    ::close(fd);
+    throw std::runtime_error("cannot write " + path + ": " + std::strerror(err));
+  }
+  uint8_t* base = (uint8_t*)p;
+  std::memcpy(base, &h, sizeof(h));
+  Shard dst = full;
+  place_shard(dst, L.E, base + kCacheHeaderBytes);
+  for (const Shard& s : L.shards)
+    for (int e = 0; e < L.E; ++e) copy_expert(L, dst, s, e, /*to_shard=*/false);
+  munmap(p, size);
+  err = ::fsync(fd) == 0 ? 0 : errno;
+  ::close(fd);
+  if (err != 0) throw std::runtime_error("cannot write " + path + ": " + std::strerror(err));
+}
+
+void ExpertPool::load_layer(int layer_idx, const std::string& path, bool check_key,
+                            const std::string& key, int E, int I, int H, int fmt, int group) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw std::invalid_argument("cannot open " + path + ": " + std::strerror(errno));
+  struct stat st;
+  CacheHeader h;
+  const bool readable = fstat(fd, &st) == 0 && (size_t)st.st_size >= kCacheHeaderBytes &&
+                        pread(fd, &h, sizeof(h), 0) == (ssize_t)sizeof(h);
+  auto fail = [&](const std::string& why) {
+    ::close(fd);
+    throw std::invalid_argument(path + ": " + why);
+  };
+  if (!readable) fail("shorter than its header");
+  if (std::memcmp(h.magic, kCacheMagic, sizeof(h.magic)) != 0) fail("not an expert cache file");
+  if (h.checksum != header_checksum(h)) fail("header checksum mismatch (corrupted)");
+  if (h.version != kLayoutVersion)
+    fail("layout version " + std::to_string(h.version) + ", expected " +
+         std::to_string(kLayoutVersion));
+  if ((E >= 0 && h.E != E) || (I >= 0 && h.I != I) || (H >= 0 && h.H != H))
+    fail("shape mismatch");
+  if ((fmt >= 0 && h.fmt != fmt) || (group >= 0 && h.fmt == FMT_INT4 && h.group != group))
+    fail("format mismatch");
+  const std::string file_key(h.key, strnlen(h.key, sizeof(h.key)));
+  if (file_key.size() == sizeof(h.key)) fail("bad header: unterminated key");
+  if (check_key && file_key != key) fail("key mismatch");
+  std::unique_ptr<Layer> L;
+  try {
+    L = plan_layer(h.E, h.I, h.H, h.fmt, h.group);
+  } catch (const std::invalid_argument& e) {
+    fail(std::string("bad header: ") + e.what());
+  }
+  const Shard full = plan_shard(*L, 0, (int)round_up(L->I, kKAlign));
+  const CacheHeader want = make_header(*L, full, file_key);
+  if (std::memcmp(&want, &h, sizeof(h)) != 0) fail("layout mismatch");
+  const size_t size = kCacheHeaderBytes + full.mapped_bytes;
+  if ((size_t)st.st_size != size)
+    fail("size " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size));
+  void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) throw std::runtime_error("cannot map " + path + ": " + std::strerror(errno));
+  Shard src = full;
+  place_shard(src, L->E, (uint8_t*)p + kCacheHeaderBytes);
+  workers_->wait();
+  if (L->shards.size() == 1) {  // the file is the layout: map it, pages come in on first use
+    src.mapping = p;
+    src.mapped_bytes = size;
+    L->shards[0] = src;
+  } else {
+    try {
+      for (Shard& s : L->shards) alloc_shard(s, L->E);
+    } catch (...) {
+      munmap(p, size);
+      throw;
+    }
+    std::vector<std::atomic<int>> counters(L->shards.size());
+    for (auto& c : counters) c.store(0);
+    Layer* raw = L.get();
+    workers_->start([&, raw](int w) {
+      const int ni = workers_->node_of(w);
+      for (int e; (e = counters[ni].fetch_add(1)) < raw->E;)
+        copy_expert(*raw, src, raw->shards[ni], e, /*to_shard=*/true);
+    });
+    workers_->wait();
+    munmap(p, size);
+  }
+  layers_[layer_idx] = std::move(L);
 }
 
 void ExpertPool::run_convert(int worker, Layer* L, const void* w13, const void* w2, int dtype,

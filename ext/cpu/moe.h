@@ -36,9 +36,13 @@ struct Layer {
   size_t weight_bytes() const;  // converted weights + scales, all shards
 };
 
+// Version of the converted layout that save_layer writes; bump when Shard's layout changes.
+constexpr uint32_t kLayoutVersion = 1;
+
 class ExpertPool {
  public:
-  ExpertPool(int num_threads, const std::string& isa);
+  // split_nodes > 0 (tests): pretend the cpus form that many NUMA nodes (see Workers).
+  ExpertPool(int num_threads, const std::string& isa, int split_nodes = 0);
   ~ExpertPool();
 
   // w13 [E, 2I, H] and w2 [E, H, I], contiguous, of src_dtype. Blocks until converted.
@@ -51,6 +55,17 @@ class ExpertPool {
   void sync();  // waits for the last submit; throws runtime_error if it failed
   // Writes the weights as the kernels see them (dequantized, unpadded) into fp32 buffers.
   void dequantize(int layer, float* w13, float* w2);
+  // Writes the layer's converted weights to `path`: a 4 KiB header (shapes, format, `key`,
+  // checksum), then the one-node layout whatever this pool's node split (node shards are
+  // slices of it along I). Not atomic: the caller writes a temporary file and renames it.
+  void save_layer(int layer, const std::string& path, const std::string& key);
+  // Installs a file written by save_layer as `layer`, without converting. Checks the header
+  // against the expected values (E/I/H/fmt/group < 0 and check_key false: not checked) and the
+  // file size; throws invalid_argument naming the mismatch. One node: the file is mapped
+  // read-only and paged in lazily (the page cache is shared between processes). Several: each
+  // node's workers copy their shard out of the mapping into pages they touch first.
+  void load_layer(int layer, const std::string& path, bool check_key, const std::string& key,
+                  int E, int I, int H, int fmt, int group);
 
   std::string isa() const { return kernels_.name; }
   const Workers& workers() const { return *workers_; }
@@ -67,6 +82,7 @@ class ExpertPool {
     std::vector<float> y;              // [T * k][Hp] expert outputs per (token, slot)
   };
 
+  std::unique_ptr<Layer> plan_layer(int E, int I, int H, int fmt, int group) const;
   void run_step(int worker);
   void run_convert(int worker, Layer* L, const void* w13, const void* w2, int src_dtype,
                    std::atomic<int>* counters);

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +46,10 @@ class CpuExpertPool:
     for the previous one. Use one pool per caller thread, or serialize calls.
     """
 
-    def __init__(self, num_threads: int | None = None, isa: str | None = None) -> None:
+    def __init__(
+        self, num_threads: int | None = None, isa: str | None = None, *, split_nodes: int = 0
+    ) -> None:
+        """`split_nodes` > 0 (tests): pretend the allowed cpus form that many NUMA nodes."""
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
         if isa is None:
@@ -53,10 +57,13 @@ class CpuExpertPool:
         if isa is not None and isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
         ext = load_extension()
-        self._pool = ext.ExpertPool(num_threads or 0, isa or "")  # ValueError if unavailable
+        # ValueError if unavailable
+        self._pool = ext.ExpertPool(num_threads or 0, isa or "", int(split_nodes))
         self._layers: dict[int, tuple[int, int, int, str, int]] = {}  # E, I, H, fmt, group
         self._inflight: tuple[torch.Tensor, ...] | None = None
         self._lock = threading.Lock()
+        self.layers_converted = 0  # add_layer calls (conversion work done)
+        self.layers_loaded = 0  # load_layer calls that installed a saved layer
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -104,6 +111,66 @@ class CpuExpertPool:
                 group_size if fmt == "int4" else 0,
             )
             self._layers[layer_idx] = (E, inter, H, fmt, group_size if fmt == "int4" else 0)
+            self.layers_converted += 1
+
+    def save_layer(self, layer_idx: int, path: str | Path, key: str = "") -> None:
+        """Writes the layer's converted weights (the pool's own layout: packed rows + scales,
+        after a 4 KiB header holding shapes, format, `key` and a checksum) to `path`, atomically:
+        a temporary file in the same directory, fsynced, then renamed over `path`."""
+        pool = self._live()
+        self._layer(layer_idx)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with self._lock:
+                self._inflight = None
+                pool.save_layer(layer_idx, str(tmp), key)  # RuntimeError on an OS error
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def load_layer(
+        self,
+        layer_idx: int,
+        path: str | Path,
+        *,
+        key: str | None = None,
+        shape: tuple[int, int, int] | None = None,  # (E, I, H) expected
+        fmt: str | None = None,
+        group_size: int | None = None,
+    ) -> None:
+        """Installs a layer written by `save_layer` instead of converting one (replacing any
+        layer of the same index). With one NUMA node the file is memory-mapped read-only and
+        paged in on first use; with several, each node's workers copy their shard into local
+        memory. Raises ValueError (nothing installed) when the file is missing, short,
+        corrupted, or its key / shape / format differ from the ones given."""
+        pool = self._live()
+        if not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
+        if fmt is not None and fmt not in _FORMATS:
+            raise ValueError(f"fmt must be one of {tuple(_FORMATS)}, got {fmt!r}")
+        E, inter, H = shape if shape is not None else (-1, -1, -1)
+        with self._lock:
+            self._inflight = None
+            pool.load_layer(
+                layer_idx,
+                str(path),
+                key is not None,
+                key or "",
+                E,
+                inter,
+                H,
+                _FORMATS[fmt] if fmt is not None else -1,
+                group_size if group_size is not None else -1,
+            )
+            E, inter, H, fmt_code, group = pool.layer_shape(layer_idx)
+            self._layers[layer_idx] = (E, inter, H, _FORMAT_NAMES[fmt_code], group)
+            self.layers_loaded += 1
+
+    def layer_format(self, layer_idx: int) -> tuple[str, int]:
+        """(format, int4 group size or 0) of an added layer."""
+        _, _, _, fmt, group = self._layer(layer_idx)
+        return fmt, group
 
     def dequantize(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's weights as the kernels use them: (w13 [E, 2I, H], w2 [E, H, I]) fp32."""

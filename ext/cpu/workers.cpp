@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <set>
@@ -52,8 +53,21 @@ std::vector<int> allowed_cpus() {
 }
 
 // NUMA nodes from sysfs, restricted to the cpus this process may use; one node if unknown.
-std::vector<NodeInfo> discover_nodes() {
+// split_nodes > 0 (tests): the allowed cpus cut into that many contiguous pseudo-nodes instead.
+std::vector<NodeInfo> discover_nodes(int split_nodes) {
   const std::vector<int> allowed = allowed_cpus();
+  if (split_nodes > 0) {
+    std::vector<NodeInfo> nodes;
+    const int n = std::min<int>(split_nodes, (int)allowed.size());
+    for (int i = 0; i < n; ++i) {
+      NodeInfo node;
+      node.node_id = i;
+      for (size_t c = allowed.size() * i / n; c < allowed.size() * (i + 1) / n; ++c)
+        node.cpus.push_back(allowed[c]);
+      nodes.push_back(node);
+    }
+    return nodes;
+  }
   const std::set<int> allowed_set(allowed.begin(), allowed.end());
   std::vector<NodeInfo> nodes;
   if (DIR* dir = opendir("/sys/devices/system/node")) {
@@ -95,8 +109,8 @@ void spin_until(const std::atomic<int>& counter, int target) {
   }
 }
 
-Workers::Workers(int num_threads) {
-  std::vector<NodeInfo> all = discover_nodes();
+Workers::Workers(int num_threads, int split_nodes) {
+  std::vector<NodeInfo> all = discover_nodes(split_nodes);
   int total_cpus = 0;
   for (const auto& n : all) total_cpus += (int)n.cpus.size();
   if (num_threads <= 0) num_threads = total_cpus > 1 ? total_cpus - 1 : 1;

@@ -1,0 +1,120 @@
+"""`ExpertCache`: converted expert layers saved once and memory-mapped on later starts.
+
+Owns the cache directory, the keys and the fall-back policy (a bad or stale file is reported
+with a warning and the caller converts instead). Reads TANDEM_EXPERT_CACHE, here and nowhere
+else. Knows nothing about models: callers pass the source's identity and the layer's tensors.
+
+Layout: <root>/<model key>/layer_<i>.bin, one file per layer (CpuExpertPool.save_layer's
+format). The model key hashes the source identity (path, size and mtime of the checkpoint's
+files), the requested format and group size and LAYOUT_VERSION; each file's header carries a
+per-layer key that also covers the layer's shapes and a sampled fingerprint of its weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .build import tandem_home
+from .pool import CpuExpertPool
+
+EXPERT_CACHE_ENV = "TANDEM_EXPERT_CACHE"  # "0" disables; a path overrides the directory
+LAYOUT_VERSION = 1  # bump with ext/cpu/moe.h kLayoutVersion
+_FINGERPRINT_SAMPLES = 1 << 16  # elements sampled per tensor
+
+logger = logging.getLogger(__name__)
+
+
+def default_cache_root() -> Path | None:
+    """The cache directory, or None when disabled (TANDEM_EXPERT_CACHE=0) or not writable.
+    TANDEM_EXPERT_CACHE may also name a directory; default $TANDEM_HOME/expert_cache."""
+    value = os.environ.get(EXPERT_CACHE_ENV, "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        return None
+    if value.lower() in ("", "1", "on", "true", "yes"):
+        root = tandem_home() / "expert_cache"
+    else:
+        root = Path(value).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return root if os.access(root, os.W_OK | os.X_OK) else None
+
+
+def source_identity(path: str | Path) -> str:
+    """Path, size and mtime of a checkpoint file, or of every file in a checkpoint directory."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    parts = [str(path)]
+    for f in files:
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)
+
+
+def weights_fingerprint(*tensors: torch.Tensor) -> str:
+    """A cheap hash of shapes, dtypes and ~64K evenly spaced elements of each tensor: tells
+    different checkpoints (or random seeds) apart without reading every byte."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // _FINGERPRINT_SAMPLES) | 1  # odd: no lock-step with rows
+        sample = flat[::step].contiguous().cpu()
+        h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()
+
+
+class ExpertCache:
+    """One model's converted layers under `root`. `load` returns False (after a warning when a
+    file was there but unusable) so the caller converts and then calls `save`."""
+
+    def __init__(self, root: Path, source: str, fmt: str, group_size: int) -> None:
+        self.fmt, self.group_size = fmt, group_size
+        self.model_key = _digest("tandem-expert-cache", LAYOUT_VERSION, source, fmt, group_size)
+        self.dir = Path(root) / self.model_key[:24]
+        self.hits = self.misses = self.writes = 0
+
+    def layer_path(self, layer_idx: int) -> Path:
+        return self.dir / f"layer_{layer_idx}.bin"
+
+    def layer_key(self, layer_idx: int, w13: torch.Tensor, w2: torch.Tensor) -> str:
+        """The key a layer's file must carry: model key, index, shapes, weights' fingerprint."""
+        fp = weights_fingerprint(w13, w2)
+        return _digest(self.model_key, layer_idx, tuple(w13.shape), tuple(w2.shape), fp)
+
+    def load(
+        self, pool: CpuExpertPool, layer_idx: int, key: str, shape: tuple[int, int, int]
+    ) -> bool:
+        path = self.layer_path(layer_idx)
+        if not path.exists():
+            self.misses += 1
+            return False
+        fmt = None if self.fmt == "auto" else self.fmt  # auto: the key covers the choice
+        group = self.group_size if fmt == "int4" else None
+        try:
+            pool.load_layer(layer_idx, path, key=key, shape=shape, fmt=fmt, group_size=group)
+        except (ValueError, RuntimeError) as e:
+            logger.warning("expert cache: %s unusable (%s); converting instead", path, e)
+            self.misses += 1
+            return False
+        self.hits += 1
+        return True
+
+    def save(self, pool: CpuExpertPool, layer_idx: int, key: str) -> None:
+        """Best effort: a failure (disk full, permissions) is a warning, never an error."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            pool.save_layer(layer_idx, self.layer_path(layer_idx), key)
+            self.writes += 1
+        except (OSError, RuntimeError, ValueError) as e:
+            logger.warning("expert cache: could not save layer %d (%s)", layer_idx, e)

@@ -31,7 +31,7 @@ from torch import nn
 from models.layers.experts import register_expert_backend
 
 if TYPE_CHECKING:
-    from ext.cpu import CpuExpertPool
+    from ext.cpu import CpuExpertPool, ExpertCache
 
 FORMATS = ("bf16", "int8", "int4", "auto")  # auto: from the GGUF type (bf16 otherwise)
 
@@ -153,7 +153,12 @@ class CpuPoolExpertBackend:
 
     Options: fmt ("bf16" | "int8" | "int4"), group_size (int4), num_threads and isa (pool),
     cpu_experts ("all" | N) and gpu_experts (N) per layer, rebalance_after_tokens (after this
-    many routed tokens, re-place each layer's hottest experts on the GPU once; 0 = never).
+    many routed tokens, re-place each layer's hottest experts on the GPU once; 0 = never),
+    expert_cache (None: on when the cache directory is writable and TANDEM_EXPERT_CACHE is not
+    0, see ext/cpu/cache.py; False: off; True or a directory: on) and cache_source (the
+    checkpoint path; a GGUF's comes from load_model; without one the cache is keyed by a
+    sampled fingerprint of the weights). With the cache on, each layer is loaded from its saved
+    converted file when the key matches, else converted and saved.
     """
 
     name = "cpu_pool"
@@ -170,6 +175,8 @@ class CpuPoolExpertBackend:
         gpu_experts: int | None = None,
         rebalance_after_tokens: int = 4096,
         pool: CpuExpertPool | None = None,
+        expert_cache: bool | str | Path | None = None,
+        cache_source: str | Path | None = None,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
@@ -189,6 +196,9 @@ class CpuPoolExpertBackend:
         self._rebalanced = False
         self._lock = threading.Lock()
         self.gguf_source: Path | None = None  # set by load_model for a .gguf checkpoint
+        self.cache_source = Path(cache_source) if cache_source is not None else None
+        self._cache_option = expert_cache
+        self._cache: ExpertCache | None = None
 
     # -- load --------------------------------------------------------------------------------
 
@@ -218,13 +228,20 @@ class CpuPoolExpertBackend:
         layer, w13, w2 = block.layer_idx, block.w13, block.w2
         E = w13.shape[0]
         device = block.gate.weight.device
-        if self.gguf_source is not None:  # from the file's own blocks, decoded to fp32
-            from models.loader.gguf_experts import load_gguf_experts
+        cache = self._expert_cache(w13, w2)
+        key = cache.layer_key(layer, w13, w2) if cache is not None else ""
+        shape = (E, w13.shape[1] // 2, w13.shape[2])
+        if cache is None or not cache.load(self.pool, layer, key, shape):
+            if self.gguf_source is not None:  # from the file's own blocks, decoded to fp32
+                from models.loader.gguf_experts import load_gguf_experts
 
-            load_gguf_experts(self.gguf_source, self.pool, self.fmt, [layer])
-        else:
-            fmt = "bf16" if self.fmt == "auto" else self.fmt
-            self.pool.add_layer(layer, w13.detach().cpu(), w2.detach().cpu(), fmt, self.group_size)
+                load_gguf_experts(self.gguf_source, self.pool, self.fmt, [layer])
+            else:
+                fmt = "bf16" if self.fmt == "auto" else self.fmt
+                w13_h, w2_h = w13.detach().cpu(), w2.detach().cpu()
+                self.pool.add_layer(layer, w13_h, w2_h, fmt, self.group_size)
+            if cache is not None:
+                cache.save(self.pool, layer, key)
         self._num_experts[layer] = E
         self._counts[layer] = torch.zeros(E, dtype=torch.int64, device=device)
         gpu = num_gpu_experts(E, self.cpu_experts, self.gpu_experts)
@@ -235,6 +252,29 @@ class CpuPoolExpertBackend:
         empty2 = torch.empty(E, w2.shape[1], 0, dtype=w2.dtype, device=w2.device)
         block.w13 = nn.Parameter(empty13, requires_grad=False)
         block.w2 = nn.Parameter(empty2, requires_grad=False)
+
+    def _expert_cache(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertCache | None:
+        """The cache of this model, made at the first layer (None when off or unwritable)."""
+        if self._cache is not None or self._cache_option is False:
+            return self._cache
+        from ext.cpu import ExpertCache, default_cache_root, source_identity
+        from ext.cpu.cache import weights_fingerprint
+
+        if self._cache_option is None or self._cache_option is True:
+            root = default_cache_root()
+        else:
+            root = Path(self._cache_option)
+        if root is None:
+            self._cache_option = False
+            return None
+        src = self.gguf_source or self.cache_source
+        source = (
+            f"file:{source_identity(src)}"
+            if src is not None
+            else f"weights:{weights_fingerprint(w13, w2)}"
+        )
+        self._cache = ExpertCache(root, source, self.fmt, self.group_size)
+        return self._cache
 
     def _place(
         self,

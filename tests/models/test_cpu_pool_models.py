@@ -388,3 +388,42 @@ def test_engine_on_cuda_with_cpu_experts_serves_eagerly_with_and_without_overlap
         assert llm.engine.stats().hybrid.layer_calls > 0
         llm.engine.model.expert_backend.close()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_second_start_loads_converted_experts_from_the_cache(
+    fmt: str, tmp_path: Path, monkeypatch
+) -> None:
+    """The first LLM converts each MoE layer and saves it under $TANDEM_HOME/expert_cache; the
+    second maps the saved layers (no conversion) and generates the same greedy tokens. A
+    corrupted file falls back to converting; TANDEM_EXPERT_CACHE=0 turns the cache off."""
+    from runtime.sampling_params import SamplingParams
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TANDEM_EXPERT_CACHE", raising=False)
+    model_dir = tmp_path / "model"
+    _save("qwen3_moe", model_dir)  # layer 0 dense, layer 1 MoE
+    prompts = [[5, 9, 17, 3], list(range(1, 30))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def start() -> tuple[list[list[int]], CpuPoolExpertBackend]:
+        llm = _llm(model_dir, cpu_experts="all", cpu_threads=1, cpu_expert_format=fmt)
+        backend = llm.engine.model.expert_backend
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        backend.close()
+        return tokens, backend
+
+    first, b1 = start()
+    assert (b1.pool.layers_converted, b1.pool.layers_loaded) == (1, 0)
+    files = list((tmp_path / "home" / "expert_cache").glob("*/layer_1.bin"))
+    assert len(files) == 1
+    second, b2 = start()
+    assert (b2.pool.layers_converted, b2.pool.layers_loaded) == (0, 1)
+    assert second == first
+    files[0].write_bytes(files[0].read_bytes()[:-7])  # short: converted again, then re-saved
+    third, b3 = start()
+    assert (b3.pool.layers_converted, b3.pool.layers_loaded) == (1, 0) and third == first
+    assert start()[1].pool.layers_loaded == 1
+    monkeypatch.setenv("TANDEM_EXPERT_CACHE", "0")
+    off, b5 = start()
+    assert (b5.pool.layers_converted, b5.pool.layers_loaded) == (1, 0) and off == first

@@ -76,7 +76,9 @@ def load_engine_model(
     if experts == "cpu_pool":
         expert_options = {"fmt": spec.cpu_expert_format, "num_threads": spec.cpu_threads,
                           "cpu_experts": spec.cpu_experts or "all",
-                          "gpu_experts": spec.gpu_experts}
+                          "gpu_experts": spec.gpu_experts,
+                          # keys the expert cache by checkpoint path, size and mtime
+                          "cache_source": str(model_path) if model_path is not None else None}
     model, model_config = load_model(
         model_path,
         dtype=dtype,

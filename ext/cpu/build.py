@@ -57,7 +57,7 @@ LINEAR_UNITS = {
     "TANDEM_HAVE_AVX2": ("linear_avx2.cpp", AVX2_FLAGS),
     "TANDEM_HAVE_AVX512": ("linear_avx512.cpp", AVX512_FLAGS),
 }
-HEADERS = ["kernels.h", "isa.h", "workers.h", "moe.h", "linear.h"]
+HEADERS = ["kernels.h", "isa.h", "workers.h", "moe.h", "linear.h", "simd_avx512.h"]
 
 
 class CpuExtensionError(RuntimeError):

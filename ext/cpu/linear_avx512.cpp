@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "linear.h"
+#include "simd_avx512.h"
 
 namespace tandem_cpu {
 namespace {
@@ -49,15 +50,9 @@ inline __m512bh load32(const uint8_t* row, int c, __m512i table) {
   if (FMT == FMT_BF16) {
     return (__m512bh)_mm512_loadu_si512((const void*)(row + c * 64));
   } else if (FMT == FMT_INT8) {
-    const __m256i b = _mm256_loadu_si256((const __m256i*)(row + c * 32));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return int8x32_to_bf16(row + c * 32);
   } else {
-    // Chunk c: low (c even) or high (c odd) nibbles of the 32 bytes of 64-chunk c / 2.
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row + (c / 2) * 32)));
-    const __m512i q = (c & 1) ? _mm512_srli_epi16(v, 4) : _mm512_and_si512(v, _mm512_set1_epi16(15));
-    return (__m512bh)_mm512_permutexvar_epi16(q, table);
+    return (__m512bh)_mm512_permutexvar_epi16(int4x32_nibbles(row, c), table);
   }
 }
 

@@ -9,7 +9,7 @@
         --result-json sweep.json --health-probe
 
 Every request streams (`stream_options.include_usage`), so token counts come from the
-server's usage chunk and inter-token latency from SSE chunk arrival times. Per request:
+server's usage chunk (or, from a server that sends none, the number of text chunks) and inter-token latency from SSE chunk arrival times. Per request:
 TTFT (first chunk carrying text), ITL (gaps between text-carrying chunks; a chunk may carry
 several tokens when the server coalesces), TPOT ((e2e - TTFT) / (output tokens - 1)) and
 end-to-end latency. The run reports mean / median / p99 of each, request and output-token
@@ -152,6 +152,7 @@ class RequestResult:
     error: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    text_chunks: int = 0  # chunks that carried text: the token count where a server sends no usage
     ttft: float = 0.0  # s
     e2e: float = 0.0  # s
     itl: list[float] = field(default_factory=list)  # s, gaps between text-carrying chunks
@@ -203,6 +204,7 @@ async def send(http: aiohttp.ClientSession, base_url: str, model: str, req: Benc
                     text = choice.get("text") if "text" in choice else \
                         (choice.get("delta") or {}).get("content")
                     if text:
+                        result.text_chunks += 1
                         if last is None:
                             result.ttft = now - start
                         else:
@@ -212,6 +214,9 @@ async def send(http: aiohttp.ClientSession, base_url: str, model: str, req: Benc
         result.error = f"{type(exc).__name__}: {exc}"
     if not result.ok and not result.error:
         result.error = "stream ended without text or [DONE]"
+    if result.ok and not result.output_tokens:
+        # A server without stream usage (llama.cpp's, say) streams one token per chunk.
+        result.output_tokens = result.text_chunks
     return result
 
 

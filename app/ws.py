@@ -35,6 +35,8 @@ class WSSession:
         self.state = state
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.generations: dict[str, Generation] = {}
+        # cancelled before their generation started: aborted as soon as it exists
+        self.pending_cancel: set[str] = set()
         self._send_lock = asyncio.Lock()
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -63,12 +65,14 @@ class WSSession:
                                                       param="id"))
         elif kind == "cancel":
             gen = self.generations.get(client_id)
-            if gen is None:
+            if gen is not None:
+                self.state.engine_loop.abort(gen.id)
+            elif client_id in self.tasks:  # still being admitted: abort once it is
+                self.pending_cancel.add(client_id)
+            else:
                 await self.send_error(client_id, APIError(
                     404, f"No running request with id {client_id!r}", param="id",
                     code="not_found"))
-            else:
-                self.state.engine_loop.abort(gen.id)
         elif kind in _KINDS:
             if client_id in self.tasks:
                 await self.send_error(client_id, APIError(
@@ -91,6 +95,8 @@ class WSSession:
         try:
             gen = await start_generation(self.state, kind, body)
             self.generations[client_id] = gen
+            if client_id in self.pending_cancel:
+                self.state.engine_loop.abort(gen.id)
             async for chunk in gen.chunks():
                 await self.send({"type": "delta", "id": client_id, "chunk": chunk})
             await self.send({"type": "done", "id": client_id, "usage": gen.usage()})
@@ -109,6 +115,7 @@ class WSSession:
             if gen is not None:
                 gen.close()
             self.generations.pop(client_id, None)
+            self.pending_cancel.discard(client_id)
             self.tasks.pop(client_id, None)
 
     async def close(self) -> None:

@@ -54,6 +54,20 @@ async def test_two_requests_one_cancelled(make_harness: MakeHarness) -> None:
     assert len(h.engine.aborted) == 1
 
 
+async def test_cancel_sent_right_after_the_request_aborts_it(make_harness: MakeHarness) -> None:
+    # The cancel arrives while the request is still being admitted: it must not be lost.
+    h = await make_harness(FakeEngine(step_delay=0.002))
+    async with h.client.ws_connect("/v1/ws") as ws:
+        await ws.send_json({"type": "completions", "id": "x",
+                            "body": {"prompt": "a", "max_tokens": 200}})
+        await ws.send_json({"type": "cancel", "id": "x"})
+        got = (await receive_until_done(ws, {"x"}))["x"]
+    assert got[-1]["type"] == "done", got[-1]
+    assert got[-2]["chunk"]["choices"][0]["finish_reason"] == "abort"
+    assert got[-1]["usage"]["completion_tokens"] < 200
+    assert len(h.engine.aborted) == 1
+
+
 async def test_protocol_errors(make_harness: MakeHarness) -> None:
     h = await make_harness()
     async with h.client.ws_connect("/v1/ws") as ws:

@@ -7,6 +7,7 @@ Formats: "safetensors" (HF directory or file), "gguf" (models/loader/gguf.py, im
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,22 +22,41 @@ from models.loader.dummy import init_dummy_weights
 from models.loader.safetensors import iter_safetensors_weights
 from models.registry import get_model_class
 
+log = logging.getLogger(__name__)
+
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Dense linears of bf16 CPU models through ext/cpu's small-M kernel (models/layers/cpu_linear.py):
 # "0" off, or the weight format "bf16" | "int8" | "int4". Read here and nowhere else.
 CPU_LINEAR_ENV = "TANDEM_CPU_LINEAR"
-# Off by default: 1.5x at batch 1, but no gain at 16 concurrent (M > 4 goes to torch), and the
-# rule for turning it on is faster at both (docs/BENCHMARKS.md "Offline decode (CPU)").
-CPU_LINEAR_DEFAULT = "0"
+# "auto" (the default): bf16 weights through the kernel where the CPU has AVX-512 BF16 or AMX
+# and the extension builds, else torch, with a warning. Measured 1.3-1.5x batch-1 decode and
+# no loss at 16 concurrent (M > 4 goes to torch): docs/BENCHMARKS.md "Offline decode (CPU)".
+CPU_LINEAR_DEFAULT = "auto"
 
 
 def cpu_linear_format() -> str | None:
     value = os.environ.get(CPU_LINEAR_ENV, CPU_LINEAR_DEFAULT).strip().lower()
     if value in ("", "0", "off", "none"):
         return None
-    if value not in ("bf16", "int8", "int4"):
-        raise ValueError(f"{CPU_LINEAR_ENV} must be 0, bf16, int8 or int4, got {value!r}")
+    if value not in ("auto", "bf16", "int8", "int4"):
+        raise ValueError(f"{CPU_LINEAR_ENV} must be auto, 0, bf16, int8 or int4, got {value!r}")
     return value
+
+
+def _apply_cpu_linear(model: nn.Module, fmt: str) -> None:
+    from models.layers.cpu_linear import use_cpu_linear
+
+    if fmt != "auto":  # asked for by name: a failure is an error
+        use_cpu_linear(model, fmt)
+        return
+    try:
+        from ext.cpu import supported_isas
+
+        if not {"avx512", "amx"} & set(supported_isas()):
+            return  # without native bf16 dot products torch's GEMM is as good
+        use_cpu_linear(model, "bf16")
+    except Exception as exc:  # an optimisation only: serve with torch's linear instead
+        log.warning("fast CPU linear unavailable (%s: %s); using torch", type(exc).__name__, exc)
 
 
 def resolve_load_format(model_path: str | Path, load_format: str) -> str:
@@ -133,7 +153,5 @@ def load_model(
         attach(model)  # e.g. cpu_pool: experts into the pool, torch copies freed
     linear_fmt = cpu_linear_format()
     if linear_fmt is not None and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        from models.layers.cpu_linear import use_cpu_linear
-
-        use_cpu_linear(model, linear_fmt)
+        _apply_cpu_linear(model, linear_fmt)
     return model, config

@@ -95,3 +95,35 @@ def test_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_LINEAR", "yes")
     with pytest.raises(ValueError):
         cpu_linear_format()
+
+
+def _num_fast(model) -> int:
+    return sum(isinstance(m, CpuDenseLinear) for m in model.modules())
+
+
+def test_default_is_auto_and_swaps_bf16_cpu_models_only(monkeypatch) -> None:
+    from ext.cpu import supported_isas
+    from models.loader import cpu_linear_format
+
+    monkeypatch.delenv("TANDEM_CPU_LINEAR", raising=False)
+    assert cpu_linear_format() == "auto"
+    path = resolve_model(None)
+    bf16, config = load_model(path, dtype=torch.bfloat16, device="cpu")
+    fast_cpu = bool({"avx512", "amx"} & set(supported_isas()))
+    assert _num_fast(bf16) == (4 * config.num_hidden_layers + 1 if fast_cpu else 0)  # + lm_head
+    fp32, _ = load_model(path, dtype=torch.float32, device="cpu")
+    assert _num_fast(fp32) == 0  # float32 stays on torch: exact parity with HF
+
+
+def test_auto_falls_back_to_torch_with_a_warning(monkeypatch, caplog) -> None:
+    import ext.cpu
+
+    def broken() -> list[str]:
+        raise RuntimeError("no compiler")
+
+    monkeypatch.delenv("TANDEM_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(ext.cpu, "supported_isas", broken)
+    with caplog.at_level("WARNING"):
+        model, _ = load_model(resolve_model(None), dtype=torch.bfloat16, device="cpu")
+    assert _num_fast(model) == 0
+    assert "fast CPU linear unavailable" in caplog.text and "no compiler" in caplog.text

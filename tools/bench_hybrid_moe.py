@@ -54,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-all", action="store_true", help="also run every expert on the GPU")
     p.add_argument("--floor-gbps", type=float, default=68.0)
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--attention-backend",
+        default="torch",
+        choices=["torch", "cupy"],
+        help="torch (the figures in docs/BENCHMARKS.md) or the CuPy paged kernels",
+    )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -228,7 +234,8 @@ def shared_layer(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
     t0 = time.perf_counter()
     opts = {"fmt": fmt, "num_threads": a.threads, "cpu_experts": "all"}
-    model = build_model(cfg, dtype=dtype, device=a.device, expert_backend="cpu_pool",
+    model = build_model(cfg, dtype=dtype, device=a.device, attn_backend=a.attention_backend,
+                        expert_backend="cpu_pool",
                         expert_options=opts)  # fmt: skip
     backend = model.expert_backend
     for block in model.modules():
@@ -260,7 +267,9 @@ def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
 
 def run_gpu_all(cfg, a, dtype) -> dict:
     t0 = time.perf_counter()
-    model = build_model(cfg, dtype=dtype, device=a.device, expert_backend="torch")
+    model = build_model(
+        cfg, dtype=dtype, device=a.device, attn_backend=a.attention_backend, expert_backend="torch"
+    )
     init_dummy_weights(model)
     load_s = time.perf_counter() - t0
     runner = Runner(model, cfg, a.device, dtype, num_blocks(a))

@@ -36,9 +36,14 @@ def make_auth_middleware(api_keys: Sequence[str]) -> Middleware:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not key_matches(token.strip(), keys):
             return error_response(
-                APIError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'",
-                         type_="invalid_request_error", code="invalid_api_key"),
-                headers={"WWW-Authenticate": "Bearer"})
+                APIError(
+                    401,
+                    "Invalid or missing API key; send 'Authorization: Bearer <key>'",
+                    type_="invalid_request_error",
+                    code="invalid_api_key",
+                ),
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return await handler(request)
 
     return auth_middleware

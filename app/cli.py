@@ -12,7 +12,9 @@ import sys
 from app.engine_args import add_engine_arguments, engine_config_from_args
 
 
-def _add_sampling_arguments(p: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
+def _add_sampling_arguments(
+    p: argparse.ArgumentParser, temperature: float, max_tokens: int
+) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -61,8 +63,11 @@ def _sampling(args: argparse.Namespace):
     from runtime.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
     )
 
 
@@ -87,7 +92,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
-        print("Tandem chat. /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+        print(
+            "Tandem chat. /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr
+        )
 
     def stream(delta) -> None:
         sys.stdout.write(delta.new_text)

@@ -13,48 +13,86 @@ from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sched, cache = SchedulerConfig(), CacheConfig()
-    parser.add_argument("--model", default=None,
-                        help="an HF model directory, a .gguf file, or a known name "
-                             "(default: smollm2-135m-instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto: bf16 on CUDA and on CPUs with native bf16, else float32")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="an HF model directory, a .gguf file, or a known name "
+        "(default: smollm2-135m-instruct)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bf16 on CUDA and on CPUs with native bf16, else float32",
+    )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--load-format", default="auto",
-                        choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument(
+        "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"]
+    )
     parser.add_argument("--max-model-len", type=int, default=sched.max_model_len)
     parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=sched.max_num_batched_tokens,
-                        help="token budget of one step, shared by decodes and prefill chunks")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=sched.max_num_batched_tokens,
+        help="token budget of one step, shared by decodes and prefill chunks",
+    )
     parser.add_argument("--block-size", type=int, default=cache.block_size)
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="fix the number of KV blocks (default: sized from memory)")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        default=cache.gpu_memory_utilization)
-    parser.add_argument("--cpu-experts", default=None,
-                        help="'all' or N: MoE experts per layer on the CPU expert pool")
-    parser.add_argument("--gpu-experts", type=int, default=None,
-                        help="MoE experts per layer kept on the GPU (the most routed ones)")
-    parser.add_argument("--cpu-threads", type=int, default=None,
-                        help="threads of the CPU expert pool (default: cpus - 1)")
-    parser.add_argument("--cpu-expert-format", default="bf16", choices=["bf16", "int8", "int4"],
-                        help="weight format of the experts in the CPU pool")
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="fix the number of KV blocks (default: sized from memory)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=cache.gpu_memory_utilization
+    )
+    parser.add_argument(
+        "--cpu-experts",
+        default=None,
+        help="'all' or N: MoE experts per layer on the CPU expert pool",
+    )
+    parser.add_argument(
+        "--gpu-experts",
+        type=int,
+        default=None,
+        help="MoE experts per layer kept on the GPU (the most routed ones)",
+    )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="threads of the CPU expert pool (default: cpus - 1)",
+    )
+    parser.add_argument(
+        "--cpu-expert-format",
+        default="bf16",
+        choices=["bf16", "int8", "int4"],
+        help="weight format of the experts in the CPU pool",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelSpec(
-            model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-            cpu_experts=args.cpu_experts, gpu_experts=args.gpu_experts,
-            cpu_threads=args.cpu_threads, cpu_expert_format=args.cpu_expert_format,
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            load_format=args.load_format,
+            cpu_experts=args.cpu_experts,
+            gpu_experts=args.gpu_experts,
+            cpu_threads=args.cpu_threads,
+            cpu_expert_format=args.cpu_expert_format,
         ),
         cache=CacheConfig(
-            block_size=args.block_size, num_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            num_blocks=args.num_kv_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
         ),
     )

@@ -31,8 +31,15 @@ _TYPES = {
 class APIError(Exception):
     """An error answered to the client; `param` names the offending request field."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -44,15 +51,18 @@ class APIError(Exception):
         return error_dict(self.message, self.type, self.param, self.code)
 
 
-def error_dict(message: str, type_: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_dict(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None
-                  ) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, headers=headers,
-                        content_type="application/json")
+def json_response(
+    obj: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(obj), status=status, headers=headers, content_type="application/json"
+    )
 
 
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> web.Response:
@@ -66,13 +76,18 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request) -> web.Re
         err = APIError(404, f"Unknown route: {request.method} {request.path}", code="not_found")
     elif status == 405:
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
-        err = APIError(405, f"Method {request.method} not allowed for {request.path}"
-                       + (f"; allowed: {allowed}" if allowed else ""), code="method_not_allowed")
+        err = APIError(
+            405,
+            f"Method {request.method} not allowed for {request.path}"
+            + (f"; allowed: {allowed}" if allowed else ""),
+            code="method_not_allowed",
+        )
         if allowed:
             headers["Allow"] = allowed
     elif status == 413:
-        err = APIError(413, f"Request body too large: {exc.text or ''}".strip(),
-                       code="request_too_large")
+        err = APIError(
+            413, f"Request body too large: {exc.text or ''}".strip(), code="request_too_large"
+        )
     else:
         err = APIError(status, exc.reason or exc.text or "error", code=None)
     return error_response(err, headers)

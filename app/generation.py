@@ -35,8 +35,7 @@ from runtime.types import RequestDelta
 def check_admitting(state: ServerState) -> None:
     loop = state.engine_loop
     if loop.dead:
-        raise APIError(503, "The engine has failed; the server cannot generate",
-                       code="engine_dead")
+        raise APIError(503, "The engine has failed; the server cannot generate", code="engine_dead")
     if loop.draining:
         raise APIError(503, "The server is shutting down", code="server_draining")
 
@@ -64,8 +63,13 @@ async def start_generation(state: ServerState, kind: Kind, body: dict[str, Any])
 class Generation:
     """A submitted request: iterate `chunks()` (streaming) or await `collect()`."""
 
-    def __init__(self, state: ServerState, request: GenerationRequest, stream: RequestStream,
-                 meta: ResponseMeta) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        request: GenerationRequest,
+        stream: RequestStream,
+        meta: ResponseMeta,
+    ) -> None:
         self.request = request
         self.stream = stream
         self.meta = meta
@@ -77,8 +81,7 @@ class Generation:
         return self.meta.id
 
     def usage(self) -> dict[str, int]:
-        return usage_dict(sum(self.stream.prompt_lens),
-                          sum(len(c.token_ids) for c in self.choices))
+        return usage_dict(sum(self.stream.prompt_lens), sum(len(c.token_ids) for c in self.choices))
 
     def usage_chunk(self) -> dict[str, Any]:
         return usage_chunk(self.meta, self.usage())
@@ -97,8 +100,9 @@ class Generation:
         async for batch in self.stream:
             for cd in batch:
                 self._absorb(self.choices[cd.index], cd.delta)
-        return full_response(self.meta, self.choices, self.usage(), self._token_text,
-                             self.request.params.logprobs)
+        return full_response(
+            self.meta, self.choices, self.usage(), self._token_text, self.request.params.logprobs
+        )
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """OpenAI stream chunks, one choice per chunk, in engine order. Not the usage chunk."""
@@ -111,20 +115,52 @@ class Generation:
                 if self.meta.kind == "chat":
                     if not c.role_sent:
                         c.role_sent = True
-                        yield chunk(self.meta, {"index": c.index,
-                                                "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}, usage)
+                        yield chunk(
+                            self.meta,
+                            {
+                                "index": c.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            },
+                            usage,
+                        )
                     if d.new_text or (want_lp and d.logprobs):
                         lp = chat_logprobs(d.logprobs, self._token_text) if want_lp else None
-                        yield chunk(self.meta, {"index": c.index, "delta": {"content": d.new_text},
-                                                "logprobs": lp, "finish_reason": None}, usage)
+                        yield chunk(
+                            self.meta,
+                            {
+                                "index": c.index,
+                                "delta": {"content": d.new_text},
+                                "logprobs": lp,
+                                "finish_reason": None,
+                            },
+                            usage,
+                        )
                     if d.finished:
-                        yield chunk(self.meta, {"index": c.index, "delta": {}, "logprobs": None,
-                                                "finish_reason": d.finish_reason}, usage)
+                        yield chunk(
+                            self.meta,
+                            {
+                                "index": c.index,
+                                "delta": {},
+                                "logprobs": None,
+                                "finish_reason": d.finish_reason,
+                            },
+                            usage,
+                        )
                 elif d.new_text or d.finished or (want_lp and d.logprobs):
                     lp = None
                     if want_lp:
-                        lp, c.text_offset = completion_logprobs(d.logprobs, self._token_text,
-                                                                c.text_offset)
-                    yield chunk(self.meta, {"index": c.index, "text": d.new_text, "logprobs": lp,
-                                            "finish_reason": d.finish_reason}, usage)
+                        lp, c.text_offset = completion_logprobs(
+                            d.logprobs, self._token_text, c.text_offset
+                        )
+                    yield chunk(
+                        self.meta,
+                        {
+                            "index": c.index,
+                            "text": d.new_text,
+                            "logprobs": lp,
+                            "finish_reason": d.finish_reason,
+                        },
+                        usage,
+                    )

@@ -24,10 +24,17 @@ def _int(lo: int | None = None, hi: int | None = None) -> dict[str, Any]:
     return s
 
 
-_STOP = {"nullable": True, "oneOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
-]}
+_STOP = {
+    "nullable": True,
+    "oneOf": [
+        {"type": "string", "minLength": 1},
+        {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "maxItems": MAX_STOP_STRINGS,
+        },
+    ],
+}
 
 _COMMON: dict[str, Any] = {
     "model": {"type": "string"},
@@ -35,8 +42,12 @@ _COMMON: dict[str, Any] = {
     "n": _int(1, MAX_N),
     "stop": _STOP,
     "stream": {"type": "boolean", "nullable": True},
-    "stream_options": {"type": "object", "nullable": True, "additionalProperties": False,
-                       "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {
+        "type": "object",
+        "nullable": True,
+        "additionalProperties": False,
+        "properties": {"include_usage": {"type": "boolean"}},
+    },
     "temperature": _num(0, 2),
     "top_p": _num(0, 1, exclusiveMinimum=True),
     "top_k": _int(-1),
@@ -47,8 +58,11 @@ _COMMON: dict[str, Any] = {
     "repetition_penalty": _num(0, 10, exclusiveMinimum=True),
     "ignore_eos": {"type": "boolean", "nullable": True},
     "min_tokens": _int(0),
-    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
-                       "nullable": True},
+    "stop_token_ids": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0},
+        "nullable": True,
+    },
     "user": {"type": "string", "nullable": True},
 }
 
@@ -57,13 +71,22 @@ _MESSAGE = {
     "required": ["role", "content"],
     "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-        "content": {"oneOf": [
-            {"type": "string"},
-            {"type": "array", "items": {
-                "type": "object", "required": ["type", "text"],
-                "properties": {"type": {"type": "string", "enum": ["text"]},
-                               "text": {"type": "string"}}}},
-        ]},
+        "content": {
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["text"]},
+                            "text": {"type": "string"},
+                        },
+                    },
+                },
+            ]
+        },
         "name": {"type": "string"},
     },
 }
@@ -87,52 +110,89 @@ COMPLETION_REQUEST = {
     "additionalProperties": False,
     "properties": {
         **_COMMON,
-        "prompt": {"oneOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-            {"type": "array", "minItems": 1, "items": {
-                "type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
-        ]},
+        "prompt": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {"type": "integer", "minimum": 0},
+                    },
+                },
+            ]
+        },
         "logprobs": _int(0, MAX_TOP_LOGPROBS),
     },
 }
 
-_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": "string", "nullable": True},
-                   "code": {"type": "string", "nullable": True}}}}}
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": "string", "nullable": True},
+                "code": {"type": "string", "nullable": True},
+            },
+        }
+    },
+}
 
 
 # One server-sent event: `data:` holds a JSON chunk, or `[DONE]` last.
-_SSE_EVENT = {"type": "object", "required": ["data"],
-              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
 
 
 def _responses(ok: str, *errors: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"200": {"description": ok, "content": {
-        "application/json": {"schema": {"type": "object"}},
-        "text/event-stream": {"schema": _SSE_EVENT}}}}
+    out: dict[str, Any] = {
+        "200": {
+            "description": ok,
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": _SSE_EVENT},
+            },
+        }
+    }
     for status in errors:
-        out[str(status)] = {"description": "error", "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        out[str(status)] = {
+            "description": "error",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
     return out
 
 
 def _post(summary: str, schema_ref: str) -> dict[str, Any]:
-    return {"post": {
-        "summary": summary,
-        "requestBody": {"required": True, "content": {
-            "application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}}},
-        "responses": _responses("a response, or an SSE stream when stream is true",
-                                400, 401, 404, 413, 429, 503),
-    }}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}
+                },
+            },
+            "responses": _responses(
+                "a response, or an SSE stream when stream is true", 400, 401, 404, 413, 429, 503
+            ),
+        }
+    }
 
 
 def _with_model(request_schema: dict[str, Any], model_names: tuple[str, ...]) -> dict[str, Any]:
-    props = {**request_schema["properties"],
-             "model": {"type": "string", "enum": list(model_names)}}
+    props = {**request_schema["properties"], "model": {"type": "string", "enum": list(model_names)}}
     return {**request_schema, "properties": props}
 
 
@@ -141,29 +201,60 @@ def build_openapi(model_names: tuple[str, ...], secured: bool) -> dict[str, Any]
     model_name = model_names[0]
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
-        "info": {"title": "Tandem", "version": "0.1.0",
-                 "description": f"OpenAI-compatible inference server serving {model_name}."},
+        "info": {
+            "title": "Tandem",
+            "version": "0.1.0",
+            "description": f"OpenAI-compatible inference server serving {model_name}.",
+        },
         "paths": {
             "/v1/chat/completions": _post("Create a chat completion", "ChatCompletionRequest"),
             "/v1/completions": _post("Create a completion", "CompletionRequest"),
-            "/v1/models": {"get": {"summary": "List models", "responses": _responses("models", 401)}},
-            "/v1/requests/{request_id}/cancel": {"post": {
-                "summary": "Cancel a running request by its completion id",
-                "parameters": [{"name": "request_id", "in": "path", "required": True,
-                                "schema": {"type": "string"}}],
-                "responses": _responses("cancelled", 401, 404)}},
-            "/health": {"get": {"summary": "Liveness", "security": [],
-                                "responses": {**_responses("healthy"),
-                                              "503": {"description": "draining or dead"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
-                                 "responses": {"200": {"description": "Prometheus text",
-                                                       "content": {"text/plain": {
-                                                           "schema": {"type": "string"}}}}}}},
+            "/v1/models": {
+                "get": {"summary": "List models", "responses": _responses("models", 401)}
+            },
+            "/v1/requests/{request_id}/cancel": {
+                "post": {
+                    "summary": "Cancel a running request by its completion id",
+                    "parameters": [
+                        {
+                            "name": "request_id",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": _responses("cancelled", 401, 404),
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "Liveness",
+                    "security": [],
+                    "responses": {
+                        **_responses("healthy"),
+                        "503": {"description": "draining or dead"},
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
         },
         "components": {
-            "schemas": {"ChatCompletionRequest": _with_model(CHAT_REQUEST, model_names),
-                        "CompletionRequest": _with_model(COMPLETION_REQUEST, model_names),
-                        "Error": _ERROR},
+            "schemas": {
+                "ChatCompletionRequest": _with_model(CHAT_REQUEST, model_names),
+                "CompletionRequest": _with_model(COMPLETION_REQUEST, model_names),
+                "Error": _ERROR,
+            },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -19,11 +19,30 @@ Kind = Literal["chat", "completion"]
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_SEQUENCES = 128  # prompts x n
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-                    "stop_token_ids", "skip_special_tokens")
-_COMMON = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "priority",
-           *_SAMPLING_FIELDS}
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "skip_special_tokens",
+)
+_COMMON = {
+    "model",
+    "max_tokens",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "priority",
+    *_SAMPLING_FIELDS,
+}
 # accepted and checked for type, but they change nothing here
 _IGNORED: dict[str, tuple[tuple[type, ...], str]] = {
     "user": ((str,), "a string"),
@@ -32,8 +51,9 @@ _IGNORED: dict[str, tuple[tuple[type, ...], str]] = {
     "service_tier": ((str,), "a string"),
     "parallel_tool_calls": ((bool,), "a boolean"),
 }
-_CHAT_FIELDS = _COMMON | set(_IGNORED) | {"messages", "max_completion_tokens", "logprobs",
-                                     "top_logprobs"}
+_CHAT_FIELDS = (
+    _COMMON | set(_IGNORED) | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+)
 _COMPLETION_FIELDS = _COMMON | set(_IGNORED) | {"prompt", "logprobs"}
 
 # field -> predicate saying the value is harmless (a default) and may be accepted
@@ -85,11 +105,19 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     for name, value in body.items():
         if name in _UNSUPPORTED:
             if not _UNSUPPORTED[name](value):
-                raise APIError(400, f"'{name}' is not supported by this server", param=name,
-                               code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"'{name}' is not supported by this server",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         elif name not in allowed:
-            raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
-                           code="unknown_parameter")
+            raise APIError(
+                400,
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
+                code="unknown_parameter",
+            )
         elif name in _IGNORED:
             _opt(body, name, *_IGNORED[name])
 
@@ -113,26 +141,38 @@ def _messages_to_prompt(messages: Any, tokenizer: Any) -> list[int]:
             raise _bad(where, f"'{where}' must be an object")
         role = m.get("role")
         if role not in _CHAT_ROLES:
-            raise _bad(f"{where}.role", f"'{where}.role' must be one of "
-                       f"{sorted(_CHAT_ROLES)}, got {role!r}")
+            raise _bad(
+                f"{where}.role",
+                f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
+            )
         if m.get("tool_calls") or m.get("function_call"):
-            raise APIError(400, "tool calls are not supported", param=f"{where}.tool_calls",
-                           code="unsupported_parameter")
+            raise APIError(
+                400,
+                "tool calls are not supported",
+                param=f"{where}.tool_calls",
+                code="unsupported_parameter",
+            )
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise _bad(f"{where}.content[{j}]", "only {'type': 'text', 'text': str} "
-                               "content parts are supported")
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise _bad(
+                        f"{where}.content[{j}]",
+                        "only {'type': 'text', 'text': str} content parts are supported",
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         if not isinstance(content, str):
-            raise _bad(f"{where}.content", f"'{where}.content' must be a string or a list "
-                       "of text parts")
+            raise _bad(
+                f"{where}.content", f"'{where}.content' must be a string or a list of text parts"
+            )
         norm.append({"role": "system" if role == "developer" else role, "content": content})
     try:
         text = tokenizer.apply_chat_template(norm, add_generation_prompt=True)
@@ -143,8 +183,9 @@ def _messages_to_prompt(messages: Any, tokenizer: Any) -> list[int]:
 
 def _prompt_to_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
     def token_list(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                           for t in x)
+        return isinstance(x, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x
+        )
 
     if isinstance(prompt, str):
         prompts = [tokenizer.encode(prompt, add_special_tokens=False)]
@@ -155,8 +196,11 @@ def _prompt_to_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
     elif isinstance(prompt, list) and prompt and all(token_list(p) for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
-        raise _bad("prompt", "'prompt' must be a string, a list of strings, a list of token "
-                   "ids or a list of token id lists (non-empty)")
+        raise _bad(
+            "prompt",
+            "'prompt' must be a string, a list of strings, a list of token "
+            "ids or a list of token id lists (non-empty)",
+        )
     if len(prompts) > MAX_PROMPTS:
         raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     vocab = getattr(tokenizer, "vocab_size", None)
@@ -168,16 +212,25 @@ def _prompt_to_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
-def parse_generation(kind: Kind, body: dict[str, Any], tokenizer: Any,
-                     max_model_len: int, model_names: tuple[str, ...]) -> GenerationRequest:
+def parse_generation(
+    kind: Kind,
+    body: dict[str, Any],
+    tokenizer: Any,
+    max_model_len: int,
+    model_names: tuple[str, ...],
+) -> GenerationRequest:
     """Validate one chat or completions body and tokenize its prompt(s)."""
     _check_fields(body, _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS)
     model = _opt(body, "model", (str,), "a string")
     if model is None:  # absent or null: the served model
         model = model_names[0]
     if model not in model_names:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                       f"'{model_names[0]}'", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{model_names[0]}'",
+            param="model",
+            code="model_not_found",
+        )
     stream = bool(_opt(body, "stream", (bool,), "a boolean"))
     options = _opt(body, "stream_options", (dict,), "an object") or {}
     include_usage = options.get("include_usage", False)
@@ -227,13 +280,17 @@ def parse_generation(kind: Kind, body: dict[str, Any], tokenizer: Any,
     except (TypeError, ValueError) as exc:
         raise _bad("body", f"invalid sampling parameters: {exc}") from None
     if len(prompts) * params.n > MAX_SEQUENCES:
-        raise _bad("n", f"prompts x n must be at most {MAX_SEQUENCES}, got "
-                   f"{len(prompts) * params.n}")
+        raise _bad(
+            "n", f"prompts x n must be at most {MAX_SEQUENCES}, got {len(prompts) * params.n}"
+        )
     if longest + params.max_tokens > max_model_len:
         raise APIError(
-            400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {longest + params.max_tokens} tokens ({longest} in the "
             f"{'messages' if kind == 'chat' else 'prompt'}, {params.max_tokens} for the "
             "completion). Please reduce the length of the prompt or of max_tokens.",
-            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+            param="messages" if kind == "chat" else "prompt",
+            code="context_length_exceeded",
+        )
     return GenerationRequest(kind, model, prompts, params, stream, include_usage, priority)

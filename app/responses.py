@@ -35,8 +35,11 @@ class ResponseMeta:
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def chat_logprobs(items: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
@@ -51,8 +54,9 @@ def chat_logprobs(items: Sequence[TokenLogprob], token_text: TokenText) -> dict[
     return {"content": content}
 
 
-def completion_logprobs(items: Sequence[TokenLogprob], token_text: TokenText,
-                        start_offset: int) -> tuple[dict[str, Any], int]:
+def completion_logprobs(
+    items: Sequence[TokenLogprob], token_text: TokenText, start_offset: int
+) -> tuple[dict[str, Any], int]:
     """Legacy completions shape; returns it and the text offset after the last token."""
     tokens: list[str] = []
     token_logprobs: list[float] = []
@@ -66,8 +70,15 @@ def completion_logprobs(items: Sequence[TokenLogprob], token_text: TokenText,
         tops.append({token_text.get(tid)[0]: value for tid, value in lp.top})
         offsets.append(offset)
         offset += len(text)
-    return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-             "text_offset": offsets}, offset)
+    return (
+        {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        },
+        offset,
+    )
 
 
 def chunk(meta: ResponseMeta, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
@@ -94,21 +105,29 @@ def usage_chunk(meta: ResponseMeta, usage: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def full_response(meta: ResponseMeta, choices: Sequence[ChoiceState], usage: dict[str, int],
-                  token_text: TokenText, want_logprobs: bool) -> dict[str, Any]:
+def full_response(
+    meta: ResponseMeta,
+    choices: Sequence[ChoiceState],
+    usage: dict[str, int],
+    token_text: TokenText,
+    want_logprobs: bool,
+) -> dict[str, Any]:
     out_choices = []
     for c in choices:
         if meta.kind == "chat":
-            out_choices.append({
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs, token_text) if want_logprobs else None,
-                "finish_reason": c.finish_reason,
-            })
+            out_choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c.logprobs, token_text) if want_logprobs else None,
+                    "finish_reason": c.finish_reason,
+                }
+            )
         else:
             lp = completion_logprobs(c.logprobs, token_text, 0)[0] if want_logprobs else None
-            out_choices.append({"index": c.index, "text": c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason})
+            out_choices.append(
+                {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            )
     return {
         "id": meta.id,
         "object": "chat.completion" if meta.kind == "chat" else "text_completion",

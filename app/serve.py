@@ -31,31 +31,53 @@ API_KEY_ENV = "TANDEM_API_KEY"
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model id clients see (default: the engine's model name)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients see (default: the engine's model name)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                        help=f"require 'Authorization: Bearer KEY' (repeatable; also ${API_KEY_ENV})")
-    parser.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
-                        help="sequences that may wait beyond those running; more get 429")
-    parser.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
-                        help="seconds to drain in-flight requests on SIGTERM before aborting")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' (repeatable; also ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=ServerConfig.max_queue,
+        help="sequences that may wait beyond those running; more get 429",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=ServerConfig.shutdown_timeout,
+        help="seconds to drain in-flight requests on SIGTERM before aborting",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
 
 
-def server_config_from_args(args: argparse.Namespace,
-                            environ: Mapping[str, str] = os.environ) -> ServerConfig:
+def server_config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> ServerConfig:
     """The one place argv values and the environment become configuration."""
     keys = list(getattr(args, "api_key", None) or [])
     if environ.get(API_KEY_ENV):
         keys.append(environ[API_KEY_ENV])
     engine = engine_config_from_args(args)
-    return ServerConfig(engine=engine, host=args.host, port=args.port,
-                        api_keys=tuple(dict.fromkeys(keys)),
-                        served_model_name=args.served_model_name, max_queue=args.max_queue,
-                        shutdown_timeout=args.shutdown_timeout,
-                        max_body_bytes=getattr(args, "max_body_bytes", ServerConfig.max_body_bytes))
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        api_keys=tuple(dict.fromkeys(keys)),
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        shutdown_timeout=args.shutdown_timeout,
+        max_body_bytes=getattr(args, "max_body_bytes", ServerConfig.max_body_bytes),
+    )
 
 
 @dataclass
@@ -73,10 +95,15 @@ class RunningServer:
 
 async def start_server(config: ServerConfig, engine: Any) -> RunningServer:
     """Start listening on config.host:config.port (0 picks a free port) around `engine`."""
-    engine_loop = EngineLoop(engine, max_queue=config.max_queue,
-                             max_running=config.engine.scheduler.max_num_seqs)
-    runner = web.AppRunner(create_app(config, engine_loop), handler_cancellation=True,
-                           shutdown_timeout=5.0, access_log=None)
+    engine_loop = EngineLoop(
+        engine, max_queue=config.max_queue, max_running=config.engine.scheduler.max_num_seqs
+    )
+    runner = web.AppRunner(
+        create_app(config, engine_loop),
+        handler_cancellation=True,
+        shutdown_timeout=5.0,
+        access_log=None,
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -90,8 +117,13 @@ async def serve_until_signal(config: ServerConfig, engine: Any) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logger.warning("serving %s on http://%s:%d (auth %s)", engine.model_name, config.host,
-                   server.port, "on" if config.api_keys else "off")
+    logger.warning(
+        "serving %s on http://%s:%d (auth %s)",
+        engine.model_name,
+        config.host,
+        server.port,
+        "on" if config.api_keys else "off",
+    )
     await stop.wait()
     logger.warning("shutting down: draining for up to %.1fs", config.shutdown_timeout)
     server.engine_loop.begin_drain()
@@ -110,8 +142,11 @@ def _asyncio_run(coro: Any) -> int:
 
 def run_server(args: argparse.Namespace) -> int:
     """Entry point of `tandem serve`: load the engine, serve until SIGTERM, exit 0."""
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     config = server_config_from_args(args)
     from runtime.engine import Engine  # lazy: the app layer itself never imports torch
 

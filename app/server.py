@@ -47,18 +47,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    return json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created,
-        "owned_by": "tandem", "root": state.engine_loop.model_name,
-        "max_model_len": state.engine_loop.max_model_len}]})
+    return json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "tandem",
+                    "root": state.engine_loop.model_name,
+                    "max_model_len": state.engine_loop.max_model_len,
+                }
+            ],
+        }
+    )
 
 
 async def cancel_request(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     request_id = request.match_info["request_id"]
     if not state.engine_loop.abort(request_id):
-        raise APIError(404, f"No running request with id {request_id!r}", param="request_id",
-                       code="not_found")
+        raise APIError(
+            404, f"No running request with id {request_id!r}", param="request_id", code="not_found"
+        )
     return json_response({"id": request_id, "object": "request.cancelled", "cancelled": True})
 
 
@@ -73,15 +85,20 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     text = request.app[STATE_KEY].engine_loop.render_metrics()
-    return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    return web.Response(
+        text=text,
+        content_type="text/plain",
+        charset="utf-8",
+        headers={"X-Prometheus-Format": "0.0.4"},
+    )
 
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    return web.Response(body=orjson.dumps(build_openapi(state.model_names,
-                                                        bool(state.config.api_keys))),
-                        content_type="application/json")
+    return web.Response(
+        body=orjson.dumps(build_openapi(state.model_names, bool(state.config.api_keys))),
+        content_type="application/json",
+    )
 
 
 async def _engine_loop_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -47,8 +47,9 @@ async def stream_sse(request: web.Request, generation: Generation) -> web.Stream
             raise
         except Exception as exc:  # headers are gone: report in-band
             logger.exception("error while streaming %s", generation.id)
-            await response.write(sse_frame(error_dict(f"internal error: {exc}",
-                                                      "internal_server_error")))
+            await response.write(
+                sse_frame(error_dict(f"internal error: {exc}", "internal_server_error"))
+            )
         await response.write(DONE_FRAME)
         await response.write_eof()
     except (ConnectionResetError, OSError):

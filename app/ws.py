@@ -53,16 +53,18 @@ class WSSession:
         try:
             msg = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            await self.send_error(None, APIError(400, f"Invalid JSON message: {exc}",
-                                                 code="invalid_json"))
+            await self.send_error(
+                None, APIError(400, f"Invalid JSON message: {exc}", code="invalid_json")
+            )
             return
         if not isinstance(msg, dict):
             await self.send_error(None, APIError(400, "A message must be a JSON object"))
             return
         client_id, kind = msg.get("id"), msg.get("type")
         if not isinstance(client_id, str) or not client_id:
-            await self.send_error(client_id, APIError(400, "'id' must be a non-empty string",
-                                                      param="id"))
+            await self.send_error(
+                client_id, APIError(400, "'id' must be a non-empty string", param="id")
+            )
         elif kind == "cancel":
             gen = self.generations.get(client_id)
             if gen is not None:
@@ -70,25 +72,42 @@ class WSSession:
             elif client_id in self.tasks:  # still being admitted: abort once it is
                 self.pending_cancel.add(client_id)
             else:
-                await self.send_error(client_id, APIError(
-                    404, f"No running request with id {client_id!r}", param="id",
-                    code="not_found"))
+                await self.send_error(
+                    client_id,
+                    APIError(
+                        404,
+                        f"No running request with id {client_id!r}",
+                        param="id",
+                        code="not_found",
+                    ),
+                )
         elif kind in _KINDS:
             if client_id in self.tasks:
-                await self.send_error(client_id, APIError(
-                    400, f"A request with id {client_id!r} is already running", param="id"))
+                await self.send_error(
+                    client_id,
+                    APIError(
+                        400, f"A request with id {client_id!r} is already running", param="id"
+                    ),
+                )
                 return
             body = msg.get("body")
             if not isinstance(body, dict):
-                await self.send_error(client_id, APIError(400, "'body' must be an object",
-                                                          param="body"))
+                await self.send_error(
+                    client_id, APIError(400, "'body' must be an object", param="body")
+                )
                 return
             task = asyncio.create_task(self._run(client_id, _KINDS[kind], body))
             self.tasks[client_id] = task
         else:
-            await self.send_error(client_id, APIError(
-                400, f"Unknown message type {kind!r}; expected chat.completions, completions "
-                "or cancel", param="type"))
+            await self.send_error(
+                client_id,
+                APIError(
+                    400,
+                    f"Unknown message type {kind!r}; expected chat.completions, completions "
+                    "or cancel",
+                    param="type",
+                ),
+            )
 
     async def _run(self, client_id: str, kind: Kind, body: dict[str, Any]) -> None:
         gen: Generation | None = None
@@ -109,8 +128,13 @@ class WSSession:
         except Exception as exc:
             logger.exception("websocket request %s failed", client_id)
             with contextlib.suppress(ConnectionResetError, OSError):
-                await self.send({"type": "error", "id": client_id,
-                                 "error": error_dict(str(exc), "internal_server_error")["error"]})
+                await self.send(
+                    {
+                        "type": "error",
+                        "id": client_id,
+                        "error": error_dict(str(exc), "internal_server_error")["error"],
+                    }
+                )
         finally:
             if gen is not None:
                 gen.close()
@@ -128,8 +152,9 @@ class WSSession:
 
 async def ws_handler(request: web.Request) -> web.WebSocketResponse:
     state = request.app[STATE_KEY]
-    ws = web.WebSocketResponse(heartbeat=state.config.ws_heartbeat_s,
-                               max_msg_size=state.config.max_body_bytes)
+    ws = web.WebSocketResponse(
+        heartbeat=state.config.ws_heartbeat_s, max_msg_size=state.config.max_body_bytes
+    )
     await ws.prepare(request)
     state.websockets.add(ws)
     session = WSSession(ws, state)

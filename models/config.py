@@ -122,9 +122,7 @@ class ModelConfig:
                 else 0
             ),
             shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0) or 0,
-            norm_topk_prob=bool(
-                d.get("norm_topk_prob", arch != "Qwen2MoeForCausalLM")
-            ),
+            norm_topk_prob=bool(d.get("norm_topk_prob", arch != "Qwen2MoeForCausalLM")),
             decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(d.get("mlp_only_layers", ()) or ()),
             bos_token_id=d.get("bos_token_id"),

@@ -36,7 +36,8 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": cfg.hidden_act,
         "attention_bias": cfg.attention_bias,
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1
+        "eos_token_id": list(cfg.eos_token_ids)
+        if len(cfg.eos_token_ids) > 1
         else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None),
     }
     if cfg.rope_scaling:

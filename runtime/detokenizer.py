@@ -57,7 +57,9 @@ class IncrementalDetokenizer:
             prefix = self._tok.decode(
                 self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
             )
-            full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+            full = self._tok.decode(
+                self._ids[self._prefix_offset :], skip_special_tokens=self._skip
+            )
             self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset = len(self._ids)
         return self._take(final=True)

@@ -88,7 +88,9 @@ class Engine:
         self.model_name = spec.model or "smollm2-135m-instruct"
         if model_path is not None and spec.model:
             self.model_name = Path(spec.model).name if Path(spec.model).exists() else spec.model
-        log.info("model loaded in %.2fs on %s (%s)", time.perf_counter() - t0, self.device, self.dtype)
+        log.info(
+            "model loaded in %.2fs on %s (%s)", time.perf_counter() - t0, self.device, self.dtype
+        )
 
         sched_cfg = config.scheduler
         self.max_model_len = min(sched_cfg.max_model_len, model_config.max_position_embeddings)
@@ -162,7 +164,9 @@ class Engine:
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise SamplingParamsError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise SamplingParamsError(
+                "prompt", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -74,11 +74,14 @@ def load_engine_model(
         experts = "cpu_pool"
     expert_options: dict[str, Any] | None = None
     if experts == "cpu_pool":
-        expert_options = {"fmt": spec.cpu_expert_format, "num_threads": spec.cpu_threads,
-                          "cpu_experts": spec.cpu_experts or "all",
-                          "gpu_experts": spec.gpu_experts,
-                          # keys the expert cache by checkpoint path, size and mtime
-                          "cache_source": str(model_path) if model_path is not None else None}
+        expert_options = {
+            "fmt": spec.cpu_expert_format,
+            "num_threads": spec.cpu_threads,
+            "cpu_experts": spec.cpu_experts or "all",
+            "gpu_experts": spec.gpu_experts,
+            # keys the expert cache by checkpoint path, size and mtime
+            "cache_source": str(model_path) if model_path is not None else None,
+        }
     model, model_config = load_model(
         model_path,
         dtype=dtype,
@@ -136,9 +139,15 @@ def size_kv_cache(
             f"one sequence of max_model_len={max_model_len}; lower --max-model-len or "
             f"raise the KV budget"
         )
-    log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, cfg.block_size,
-             num_blocks * per_block / 2**20)
-    return CacheLayout(num_blocks=int(num_blocks), block_size=cfg.block_size, bytes_per_block=per_block)
+    log.info(
+        "KV cache: %d blocks x %d tokens (%.1f MiB)",
+        num_blocks,
+        cfg.block_size,
+        num_blocks * per_block / 2**20,
+    )
+    return CacheLayout(
+        num_blocks=int(num_blocks), block_size=cfg.block_size, bytes_per_block=per_block
+    )
 
 
 def _profile_activation_bytes(config, model, model_config, dtype, device) -> int:
@@ -166,7 +175,7 @@ def _activation_reserve(mc) -> int:
 
 
 def _auto_attention_backend(device, dtype, model_config, model_path) -> str:
-    """"cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
+    """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
     if device.type != "cuda":
         return "torch"
     from models.cupy_backend import cupy_backend_supports

@@ -73,8 +73,13 @@ class LLM:
                 ids, text = list(prompt), None
             ro = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids)
             for i, child in enumerate(expand_n(params)):
-                co = CompletionOutput(index=i, text="", token_ids=[], finish_reason=None,
-                                      logprobs=[] if child.logprobs else None)
+                co = CompletionOutput(
+                    index=i,
+                    text="",
+                    token_ids=[],
+                    finish_reason=None,
+                    logprobs=[] if child.logprobs else None,
+                )
                 ro.outputs.append(co)
                 child_id = f"{ro.request_id}-{i}"
                 children[child_id] = (ro, co)

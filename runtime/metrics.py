@@ -19,12 +19,73 @@ if TYPE_CHECKING:
 PREFIX = "tandem:"
 
 # Latency buckets in seconds, from sub-millisecond decode steps to multi-minute requests.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
-               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 
 
 def _fmt(value: float) -> str:
@@ -38,6 +99,7 @@ def _fmt(value: float) -> str:
 def _labels(labels: dict[str, str] | None) -> str:
     if not labels:
         return ""
+
     def esc(v: str) -> str:
         return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -109,14 +171,26 @@ class ServingMetrics:
     """Latency histograms and request counters the engine loop records as deltas arrive."""
 
     def __init__(self) -> None:
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time from request arrival to its first output token.", TTFT_BUCKETS)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Time between consecutive output tokens of one sequence.", ITL_BUCKETS)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Time from request arrival to its last output.", E2E_BUCKETS)
-        self.finished = LabeledCounter(PREFIX + "request_success_total",
-                                       "Finished sequences by finish reason.", "finished_reason")
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from request arrival to its first output token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens of one sequence.",
+            ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from request arrival to its last output.",
+            E2E_BUCKETS,
+        )
+        self.finished = LabeledCounter(
+            PREFIX + "request_success_total",
+            "Finished sequences by finish reason.",
+            "finished_reason",
+        )
         self.num_rejected = 0  # admission refusals (queue full)
 
 
@@ -130,23 +204,47 @@ def render_metrics(
     """Prometheus text for one snapshot of engine counters plus the loop's histograms."""
     p = PREFIX
     parts = [
-        render_gauge(p + "num_requests_running", "Sequences running in the engine.", stats.num_running),
-        render_gauge(p + "num_requests_waiting", "Sequences waiting in the engine.", stats.num_waiting),
-        render_gauge(p + "num_requests_admitted", "Sequences admitted and not finished.", num_admitted),
-        render_gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0-1).",
-                     stats.kv_cache_usage),
-        render_gauge(p + "engine_healthy", "1 while the engine is alive and admitting.", int(healthy)),
-        render_counter(p + "prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
-                       stats.prefix_cache_hits),
-        render_counter(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-                       stats.prefix_cache_queries),
-        render_counter(p + "num_preemptions_total", "Preemptions of running requests.",
-                       stats.num_preemptions),
-        render_counter(p + "prompt_tokens_total", "Prompt tokens processed.", stats.prompt_tokens_total),
-        render_counter(p + "generation_tokens_total", "Output tokens generated.",
-                       stats.generation_tokens_total),
-        render_counter(p + "request_rejected_total", "Requests refused because the queue was full.",
-                       metrics.num_rejected),
+        render_gauge(
+            p + "num_requests_running", "Sequences running in the engine.", stats.num_running
+        ),
+        render_gauge(
+            p + "num_requests_waiting", "Sequences waiting in the engine.", stats.num_waiting
+        ),
+        render_gauge(
+            p + "num_requests_admitted", "Sequences admitted and not finished.", num_admitted
+        ),
+        render_gauge(
+            p + "kv_cache_usage_perc",
+            "Fraction of KV blocks held by live requests (0-1).",
+            stats.kv_cache_usage,
+        ),
+        render_gauge(
+            p + "engine_healthy", "1 while the engine is alive and admitting.", int(healthy)
+        ),
+        render_counter(
+            p + "prefix_cache_hits_total",
+            "Prompt tokens served from the prefix cache.",
+            stats.prefix_cache_hits,
+        ),
+        render_counter(
+            p + "prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        ),
+        render_counter(
+            p + "num_preemptions_total", "Preemptions of running requests.", stats.num_preemptions
+        ),
+        render_counter(
+            p + "prompt_tokens_total", "Prompt tokens processed.", stats.prompt_tokens_total
+        ),
+        render_counter(
+            p + "generation_tokens_total", "Output tokens generated.", stats.generation_tokens_total
+        ),
+        render_counter(
+            p + "request_rejected_total",
+            "Requests refused because the queue was full.",
+            metrics.num_rejected,
+        ),
         render_counter(p + "num_steps_total", "Engine steps run.", stats.num_steps),
         metrics.finished.render(),
         metrics.ttft.render(),
@@ -166,22 +264,47 @@ def render_hybrid_moe(h: HybridMoeStats) -> str:
     lines = [f"# HELP {routed} Tokens routed to each expert.", f"# TYPE {routed} counter"]
     for layer, counts in sorted(h.routing_counts.items()):
         for expert, n in enumerate(counts):
-            lines.append(f"{routed}{_labels({'layer': str(layer), 'expert': str(expert)})} {_fmt(n)}")
-    return "".join([
-        render_counter(p + "moe_pool_wait_seconds_total",
-                       "Seconds the forward waited for the CPU expert pool.", h.pool_wait_seconds),
-        render_counter(p + "moe_pool_seconds_total", "Seconds from pool submit to its result.",
-                       h.pool_seconds),
-        render_counter(p + "moe_layer_calls_total", "MoE layer forwards through the CPU pool.",
-                       h.layer_calls),
-        render_counter(p + "moe_device_to_host_bytes_total", "Bytes copied GPU -> pinned host.",
-                       h.d2h_bytes),
-        render_counter(p + "moe_host_to_device_bytes_total", "Bytes copied pinned host -> GPU.",
-                       h.h2d_bytes),
-        render_gauge(p + "moe_pool_threads", "Threads of the CPU expert pool.", h.pool_threads),
-        render_counter(p + "moe_pool_busy_seconds_total", "Pool thread-seconds spent computing.",
-                       h.pool_busy_seconds),
-        render_gauge(p + "moe_pool_utilisation", "Fraction of pool thread time spent computing.",
-                     h.pool_utilisation),
-        "\n".join(lines) + "\n",
-    ])
+            lines.append(
+                f"{routed}{_labels({'layer': str(layer), 'expert': str(expert)})} {_fmt(n)}"
+            )
+    return "".join(
+        [
+            render_counter(
+                p + "moe_pool_wait_seconds_total",
+                "Seconds the forward waited for the CPU expert pool.",
+                h.pool_wait_seconds,
+            ),
+            render_counter(
+                p + "moe_pool_seconds_total",
+                "Seconds from pool submit to its result.",
+                h.pool_seconds,
+            ),
+            render_counter(
+                p + "moe_layer_calls_total",
+                "MoE layer forwards through the CPU pool.",
+                h.layer_calls,
+            ),
+            render_counter(
+                p + "moe_device_to_host_bytes_total",
+                "Bytes copied GPU -> pinned host.",
+                h.d2h_bytes,
+            ),
+            render_counter(
+                p + "moe_host_to_device_bytes_total",
+                "Bytes copied pinned host -> GPU.",
+                h.h2d_bytes,
+            ),
+            render_gauge(p + "moe_pool_threads", "Threads of the CPU expert pool.", h.pool_threads),
+            render_counter(
+                p + "moe_pool_busy_seconds_total",
+                "Pool thread-seconds spent computing.",
+                h.pool_busy_seconds,
+            ),
+            render_gauge(
+                p + "moe_pool_utilisation",
+                "Fraction of pool thread time spent computing.",
+                h.pool_utilisation,
+            ),
+            "\n".join(lines) + "\n",
+        ]
+    )

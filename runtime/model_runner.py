@@ -60,7 +60,9 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def build_batch(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

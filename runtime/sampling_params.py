@@ -64,42 +64,89 @@ class SamplingParams:
         def is_num(x: object) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
 
-        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-             "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        need(is_int(self.min_tokens) and self.min_tokens >= 0,
-             "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        need(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        need(
+            is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+        )
         if self.max_tokens is not None and is_int(self.min_tokens):
-            need(self.min_tokens <= self.max_tokens, "min_tokens",
-                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        need(is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
-             "temperature", f"temperature must be in [0, 100], got {self.temperature!r}")
-        need(is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
-             "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        need(is_int(self.top_k) and self.top_k >= 0,
-             "top_k", f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        need(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
-             "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        need(is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-             "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        need(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-             "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        need(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-             "repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        need(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
-             "seed", f"seed must be an integer, got {self.seed!r}")
-        need(all(isinstance(s, str) and s != "" for s in self.stop),
-             "stop", "stop must be a non-empty string or a list of non-empty strings")
-        need(len(self.stop) <= MAX_STOP_STRINGS,
-             "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
-        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids", "stop_token_ids must be non-negative integers")
+            need(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        need(
+            is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            "temperature",
+            f"temperature must be in [0, 100], got {self.temperature!r}",
+        )
+        need(
+            is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        need(
+            is_int(self.top_k) and self.top_k >= 0,
+            "top_k",
+            f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        need(
+            is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            "min_p",
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        need(
+            is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}",
+        )
+        need(
+            is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}",
+        )
+        need(
+            is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
+        )
+        need(
+            self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            "seed",
+            f"seed must be an integer, got {self.seed!r}",
+        )
+        need(
+            all(isinstance(s, str) and s != "" for s in self.stop),
+            "stop",
+            "stop must be a non-empty string or a list of non-empty strings",
+        )
+        need(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+        )
+        need(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "stop_token_ids must be non-negative integers",
+        )
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "ignore_eos must be a boolean")
-        need(is_int(self.n) and 1 <= self.n <= MAX_N,
-             "n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        need(
+            is_int(self.n) and 1 <= self.n <= MAX_N,
+            "n",
+            f"n must be an integer in [1, {MAX_N}], got {self.n!r}",
+        )
         need(isinstance(self.logprobs, bool), "logprobs", "logprobs must be a boolean")
-        need(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-             "top_logprobs",
-             f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        need(
+            is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -304,9 +304,7 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _update_async(
-        self, output: SchedulerOutput, sampled_token_ids: list[int]
-    ) -> list[Request]:
+    def _update_async(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
         finished: list[Request] = []
         samples = iter(sampled_token_ids)
         for seq in output.seqs:

@@ -51,8 +51,9 @@ def exec_form(rest: str) -> list[str]:
 
 def dockerignore_patterns() -> list[str]:
     path = ROOT / ".dockerignore"
-    return [ln.strip() for ln in path.read_text().splitlines()
-            if ln.strip() and not ln.startswith("#")]
+    return [
+        ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
 
 
 def ignored(rel: str, patterns: list[str]) -> bool:
@@ -98,8 +99,15 @@ def test_every_copy_source_exists_and_is_not_dockerignored() -> None:
             assert not ignored(src, patterns), f".dockerignore drops COPY source {src}"
             copied.add(src.rstrip("/"))
     # what `pip install -e .` and the package need is in the image
-    for needed in ("pyproject.toml", "README.md", "tools/install.sh", "app", "runtime", "models",
-                   "ext"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "tools/install.sh",
+        "app",
+        "runtime",
+        "models",
+        "ext",
+    ):
         assert needed in copied, f"{needed} is not copied"
 
 
@@ -120,8 +128,11 @@ def test_model_cache_is_a_volume_that_tandem_home_points_at(monkeypatch) -> None
     env = " ".join(args_of("ENV"))
     home = re.search(r"TANDEM_HOME=(\S+)", env)
     assert home, "TANDEM_HOME is not set"
-    volumes = [v for rest in args_of("VOLUME") for v in (
-        exec_form(rest) if rest.startswith("[") else rest.split())]
+    volumes = [
+        v
+        for rest in args_of("VOLUME")
+        for v in (exec_form(rest) if rest.startswith("[") else rest.split())
+    ]
     assert home.group(1) in volumes
     from ext.cpu.build import cache_root
     from models.hub import tandem_home
@@ -169,7 +180,7 @@ def test_expose_and_healthcheck_match_the_server() -> None:
     app = create_app(ServerConfig(), EngineLoop(FakeEngine()))
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()}
     assert ("GET", path) in routes, f"HEALTHCHECK path {path} is not a GET route"
-    probe = re.search(r'CMD (\S+)', health[0])
+    probe = re.search(r"CMD (\S+)", health[0])
     assert probe and probe.group(1) in ("python", "python3", "curl"), health[0]
     if probe.group(1).startswith("python"):  # the probe itself is valid Python
         code = re.search(r'-c "(.*)"$', health[0]).group(1)

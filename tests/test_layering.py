@@ -59,5 +59,7 @@ def test_no_upward_imports(path: Path) -> None:
 
 
 def test_the_checker_catches_an_upward_import() -> None:
-    tree = ast.parse("import os\nfrom runtime.engine import Engine\nif TYPE_CHECKING:\n    import app\n")
+    tree = ast.parse(
+        "import os\nfrom runtime.engine import Engine\nif TYPE_CHECKING:\n    import app\n"
+    )
     assert _imports(tree) == [(1, "os"), (2, "runtime")]

@@ -205,9 +205,11 @@ def bench_tandem(name: str, bw: float, args, compile_mode: str | None) -> dict:
         r = res.setdefault(mode, {})
         r["b64_idle_fraction"], r["b64_step_ms"] = idle, (sum(gaps) + sum(busy)) / len(gaps)
         r["b64_gap_ms_p50"], r["b64_gap_ms_max"] = gaps[len(gaps) // 2], gaps[-1]
-        say(f"tandem {name} overlap {mode} batch-64 decode: GPU idle {idle:.1%} of each step "
+        say(
+            f"tandem {name} overlap {mode} batch-64 decode: GPU idle {idle:.1%} of each step "
             f"({len(gaps)} graph steps, {r['b64_step_ms']:.2f} ms/step, gap p50 "
-            f"{r['b64_gap_ms_p50'] * 1e3:.0f} us, max {r['b64_gap_ms_max'] * 1e3:.0f} us)")
+            f"{r['b64_gap_ms_p50'] * 1e3:.0f} us, max {r['b64_gap_ms_max'] * 1e3:.0f} us)"
+        )
 
     prompts = random_prompts(TP_REQS, TP_IN, 7)
     params = SamplingParams(max_tokens=TP_OUT, **greedy)
@@ -346,8 +348,11 @@ def main() -> int:
         default="none,default",
         help="comma list of torch.compile modes for Tandem's decode graphs; none: eager",
     )
-    ap.add_argument("--overlap-modes", default="off,on",
-                    help="comma list of off/on: overlap scheduling, each on the same engine")
+    ap.add_argument(
+        "--overlap-modes",
+        default="off,on",
+        help="comma list of off/on: overlap scheduling, each on the same engine",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--deadline-s", type=float, default=330.0)

@@ -85,8 +85,14 @@ def bench_hf(
 
     def gen(ids: torch.Tensor, n: int) -> None:
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     one = torch.tensor([prompt_ids])
     gen(one, 4)
@@ -116,7 +122,9 @@ def bench_llama_cpp(path: Path, prompt_ids: list[int], new: int) -> float | None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -128,11 +136,19 @@ def main() -> None:
     torch.manual_seed(0)
     path = resolve_model(args.model)
     bw = read_bandwidth_gbps()
-    res: dict = {"model": str(path), "threads": torch.get_num_threads(), "read_gbps": bw,
-                 "new_tokens": args.new_tokens, "concurrency": args.concurrency, "runs": {}}
+    res: dict = {
+        "model": str(path),
+        "threads": torch.get_num_threads(),
+        "read_gbps": bw,
+        "new_tokens": args.new_tokens,
+        "concurrency": args.concurrency,
+        "runs": {},
+    }
     print(f"model {path.name}  threads {res['threads']}  read bandwidth {bw:.1f} GB/s")
-    print(f"{'engine':<26}{'batch-1 tok/s':>14}{f'{args.concurrency} concurrent':>16}"
-          f"{'floor b1':>10}{'b1/floor':>10}")
+    print(
+        f"{'engine':<26}{'batch-1 tok/s':>14}{f'{args.concurrency} concurrent':>16}"
+        f"{'floor b1':>10}{'b1/floor':>10}"
+    )
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         t = time.perf_counter()
@@ -143,25 +159,37 @@ def main() -> None:
         floor = bw * 1e9 / weight_bytes
         run = {"load_s": load_s, "weight_bytes": weight_bytes, "floor_tok_s": floor}
         run["tandem_b1"], run["tandem_agg"] = bench_tandem(
-            llm, prompt_ids, args.new_tokens, args.concurrency)
-        print(f"{'tandem ' + dtype_name:<26}{run['tandem_b1']:>14.1f}{run['tandem_agg']:>16.1f}"
-              f"{floor:>10.1f}{run['tandem_b1'] / floor:>10.2f}")
+            llm, prompt_ids, args.new_tokens, args.concurrency
+        )
+        print(
+            f"{'tandem ' + dtype_name:<26}{run['tandem_b1']:>14.1f}{run['tandem_agg']:>16.1f}"
+            f"{floor:>10.1f}{run['tandem_b1'] / floor:>10.2f}"
+        )
         if not args.no_hf:
             run["hf_b1"], run["hf_agg"] = bench_hf(
-                path, llm, prompt_ids, args.new_tokens, args.concurrency, dtype)
-            print(f"{'hf transformers ' + dtype_name:<26}{run['hf_b1']:>14.1f}{run['hf_agg']:>16.1f}"
-                  f"{floor:>10.1f}{run['hf_b1'] / floor:>10.2f}")
-            print(f"  ratio tandem/hf {dtype_name}: batch-1 {run['tandem_b1'] / run['hf_b1']:.2f}x, "
-                  f"{args.concurrency} concurrent {run['tandem_agg'] / run['hf_agg']:.2f}x")
-        print(f"  tandem {dtype_name}: {args.concurrency}-concurrent / batch-1 = "
-              f"{run['tandem_agg'] / run['tandem_b1']:.2f}x; load {load_s:.2f}s")
+                path, llm, prompt_ids, args.new_tokens, args.concurrency, dtype
+            )
+            print(
+                f"{'hf transformers ' + dtype_name:<26}{run['hf_b1']:>14.1f}{run['hf_agg']:>16.1f}"
+                f"{floor:>10.1f}{run['hf_b1'] / floor:>10.2f}"
+            )
+            print(
+                f"  ratio tandem/hf {dtype_name}: batch-1 {run['tandem_b1'] / run['hf_b1']:.2f}x, "
+                f"{args.concurrency} concurrent {run['tandem_agg'] / run['hf_agg']:.2f}x"
+            )
+        print(
+            f"  tandem {dtype_name}: {args.concurrency}-concurrent / batch-1 = "
+            f"{run['tandem_agg'] / run['tandem_b1']:.2f}x; load {load_s:.2f}s"
+        )
         res["runs"][dtype_name] = run
         del llm
     lc = bench_llama_cpp(path, prompt_ids, args.new_tokens)
     res["llama_cpp_b1"] = lc
     if lc:
         q_floor = bw * 1e9 / path.stat().st_size
-        print(f"{'llama.cpp (Q4_1 GGUF)':<26}{lc:>14.1f}{'-':>16}{q_floor:>10.1f}{lc / q_floor:>10.2f}")
+        print(
+            f"{'llama.cpp (Q4_1 GGUF)':<26}{lc:>14.1f}{'-':>16}{q_floor:>10.1f}{lc / q_floor:>10.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
 

@@ -81,8 +81,12 @@ def random_prompt(tokenizer: Any, rng: random.Random, input_len: int) -> str | l
         if len(ids) > input_len:
             ids = ids[:input_len]
         else:
-            ids = ids + [t for t in (rng.randrange(vocab) for _ in range(input_len))
-                         if t not in special][: input_len - len(ids)]
+            ids = (
+                ids
+                + [t for t in (rng.randrange(vocab) for _ in range(input_len)) if t not in special][
+                    : input_len - len(ids)
+                ]
+            )
     return ids  # could not settle on text of that length: send the ids themselves
 
 
@@ -92,36 +96,45 @@ def random_dataset(args: argparse.Namespace, rng: random.Random) -> list[BenchRe
     for _ in range(args.num_prompts):
         prompt = random_prompt(tokenizer, rng, args.input_len)
         if args.endpoint == "chat" and isinstance(prompt, str):
-            out.append(BenchRequest("chat", messages=[{"role": "user", "content": prompt}],
-                                    max_tokens=args.output_len))
+            out.append(
+                BenchRequest(
+                    "chat",
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=args.output_len,
+                )
+            )
         else:
             out.append(BenchRequest("completions", prompt=prompt, max_tokens=args.output_len))
     return out
 
 
-_WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have "
-          "this from or had by word but what some we can out other were all there when up use "
-          "your how said an each she which do their time if will way about many then them write "
-          "would like so these her long make thing see him two has look more day could go come "
-          "did number sound no most people my over know water than call first who may down side "
-          "been now find any new work part take get place made live where after back little only "
-          "round man year came show every good me give our under name very through just form "
-          "sentence great think say help low line differ turn cause much mean before move right "
-          "boy old too same tell does set three want air well also play small end put home read "
-          "hand port large spell add even land here must big high such follow act why ask men "
-          "change went light kind off need house picture try us again animal point mother world "
-          "near build self earth father head stand own page should country found answer school "
-          "grow study still learn plant cover food sun four between state keep eye never last "
-          "let thought city tree cross farm hard start might story saw far sea draw left late run "
-          "while press close night real life few north open seem together next white children "
-          "begin got walk example ease paper group always music those both mark often letter "
-          "until mile river car feet care second book carry took science eat room friend began "
-          "idea fish mountain stop once base hear horse cut sure watch color face wood main").split()
+_WORDS = (
+    "the a of to and in is it you that he was for on are with as his they be at one have "
+    "this from or had by word but what some we can out other were all there when up use "
+    "your how said an each she which do their time if will way about many then them write "
+    "would like so these her long make thing see him two has look more day could go come "
+    "did number sound no most people my over know water than call first who may down side "
+    "been now find any new work part take get place made live where after back little only "
+    "round man year came show every good me give our under name very through just form "
+    "sentence great think say help low line differ turn cause much mean before move right "
+    "boy old too same tell does set three want air well also play small end put home read "
+    "hand port large spell add even land here must big high such follow act why ask men "
+    "change went light kind off need house picture try us again animal point mother world "
+    "near build self earth father head stand own page should country found answer school "
+    "grow study still learn plant cover food sun four between state keep eye never last "
+    "let thought city tree cross farm hard start might story saw far sea draw left late run "
+    "while press close night real life few north open seem together next white children "
+    "begin got walk example ease paper group always music those both mark often letter "
+    "until mile river car feet care second book carry took science eat room friend began "
+    "idea fish mountain stop once base hear horse cut sure watch color face wood main"
+).split()
 
-SYSTEM_PROMPT = ("You are a helpful, concise assistant for a travel company. Answer questions "
-                 "about destinations, bookings and schedules. Be accurate, avoid speculation, "
-                 "say when you do not know, and keep each answer short unless asked for detail. "
-                 "Use plain text without markdown. Prices are in euros unless stated otherwise.")
+SYSTEM_PROMPT = (
+    "You are a helpful, concise assistant for a travel company. Answer questions "
+    "about destinations, bookings and schedules. Be accurate, avoid speculation, "
+    "say when you do not know, and keep each answer short unless asked for detail. "
+    "Use plain text without markdown. Prices are in euros unless stated otherwise."
+)
 
 
 def _sentence(rng: random.Random, num_words: int) -> str:
@@ -136,10 +149,22 @@ def conversation_dataset(args: argparse.Namespace, rng: random.Random) -> list[B
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
         for turn in range(rng.randint(1, 4)):
             if turn:
-                messages.append({"role": "assistant", "content": " ".join(
-                    _sentence(rng, rng.randint(6, 20)) for _ in range(rng.randint(1, 4)))})
-            messages.append({"role": "user", "content": " ".join(
-                _sentence(rng, rng.randint(4, 16)) for _ in range(rng.randint(1, 3)))})
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": " ".join(
+                            _sentence(rng, rng.randint(6, 20)) for _ in range(rng.randint(1, 4))
+                        ),
+                    }
+                )
+            messages.append(
+                {
+                    "role": "user",
+                    "content": " ".join(
+                        _sentence(rng, rng.randint(4, 16)) for _ in range(rng.randint(1, 3))
+                    ),
+                }
+            )
         lo, hi = max(1, args.output_len // 2), max(1, args.output_len * 3 // 2)
         out.append(BenchRequest("chat", messages=messages, max_tokens=rng.randint(lo, hi)))
     return out
@@ -164,11 +189,21 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-async def send(http: aiohttp.ClientSession, base_url: str, model: str, req: BenchRequest,
-               headers: dict[str, str]) -> RequestResult:
-    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}, "ignore_eos": True,
-                            "temperature": 0}
+async def send(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    req: BenchRequest,
+    headers: dict[str, str],
+) -> RequestResult:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     if req.endpoint == "chat":
         body["messages"] = req.messages
         url = f"{base_url}/v1/chat/completions"
@@ -201,8 +236,11 @@ async def send(http: aiohttp.ClientSession, base_url: str, model: str, req: Benc
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", ()):
-                    text = choice.get("text") if "text" in choice else \
-                        (choice.get("delta") or {}).get("content")
+                    text = (
+                        choice.get("text")
+                        if "text" in choice
+                        else (choice.get("delta") or {}).get("content")
+                    )
                     if text:
                         result.text_chunks += 1
                         if last is None:
@@ -221,8 +259,13 @@ async def send(http: aiohttp.ClientSession, base_url: str, model: str, req: Benc
 
 
 # ---- health probe -----------------------------------------------------------------------------
-async def probe_health(base_url: str, interval_s: float, stop: asyncio.Event,
-                       latencies: list[float], failures: list[str]) -> None:
+async def probe_health(
+    base_url: str,
+    interval_s: float,
+    stop: asyncio.Event,
+    latencies: list[float],
+    failures: list[str],
+) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         while not stop.is_set():
             t0 = time.perf_counter()
@@ -235,7 +278,9 @@ async def probe_health(base_url: str, interval_s: float, stop: asyncio.Event,
                 failures.append(type(exc).__name__)
             latencies.append(time.perf_counter() - t0)
             try:
-                await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.perf_counter() - t0)))
+                await asyncio.wait_for(
+                    stop.wait(), max(0.0, interval_s - (time.perf_counter() - t0))
+                )
             except asyncio.TimeoutError:  # noqa: UP041
                 pass
 
@@ -252,12 +297,20 @@ def percentile(values: list[float], q: float) -> float:
 def summary_ms(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "median": None, "p99": None}
-    return {"mean": 1000 * statistics.fmean(values), "median": 1000 * statistics.median(values),
-            "p99": 1000 * percentile(values, 99)}
+    return {
+        "mean": 1000 * statistics.fmean(values),
+        "median": 1000 * statistics.median(values),
+        "p99": 1000 * percentile(values, 99),
+    }
 
 
-async def run_load(args: argparse.Namespace, requests: list[BenchRequest], model: str,
-                   max_concurrency: int | None, request_rate: float) -> dict[str, Any]:
+async def run_load(
+    args: argparse.Namespace,
+    requests: list[BenchRequest],
+    model: str,
+    max_concurrency: int | None,
+    request_rate: float,
+) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed + 1)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -276,8 +329,11 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest], model
 
         probe = None
         if args.health_probe:
-            probe = asyncio.create_task(probe_health(args.base_url, args.health_interval_ms / 1000,
-                                                     stop_probe, probe_lat, probe_fail))
+            probe = asyncio.create_task(
+                probe_health(
+                    args.base_url, args.health_interval_ms / 1000, stop_probe, probe_lat, probe_fail
+                )
+            )
         start = time.perf_counter()
         tasks = []
         for req in requests:
@@ -289,22 +345,30 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest], model
         stop_probe.set()
         if probe is not None:
             await probe
-    return summarize(args, results, duration, max_concurrency, request_rate, probe_lat,
-                     probe_fail)
+    return summarize(args, results, duration, max_concurrency, request_rate, probe_lat, probe_fail)
 
 
-def summarize(args: argparse.Namespace, results: list[RequestResult], duration: float,
-              max_concurrency: int | None, request_rate: float, probe_lat: list[float],
-              probe_fail: list[str]) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace,
+    results: list[RequestResult],
+    duration: float,
+    max_concurrency: int | None,
+    request_rate: float,
+    probe_lat: list[float],
+    probe_fail: list[str],
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     tpots = [t for r in ok if (t := r.tpot) is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None
     slo_tpot = args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None
-    good = [r for r in ok
-            if (slo_ttft is None or r.ttft <= slo_ttft)
-            and (slo_tpot is None or (r.tpot or 0.0) <= slo_tpot)]
+    good = [
+        r
+        for r in ok
+        if (slo_ttft is None or r.ttft <= slo_ttft)
+        and (slo_tpot is None or (r.tpot or 0.0) <= slo_tpot)
+    ]
     report: dict[str, Any] = {
         "max_concurrency": max_concurrency,
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
@@ -319,7 +383,8 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration: 
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "goodput": len(good) / duration if (slo_ttft or slo_tpot) else None,
-        "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
         "ttft_ms": summary_ms([r.ttft for r in ok]),
         "tpot_ms": summary_ms(tpots),
         "itl_ms": summary_ms([g for r in ok for g in r.itl]),
@@ -328,10 +393,13 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration: 
     report["ttft_ms"]["p50"] = report["ttft_ms"]["median"]
     report["tpot_ms"]["p50"] = report["tpot_ms"]["median"]
     if args.health_probe:
-        report["health"] = {"samples": len(probe_lat), "failures": len(probe_fail),
-                            "p50_ms": 1000 * percentile(probe_lat, 50) if probe_lat else None,
-                            "p99_ms": 1000 * percentile(probe_lat, 99) if probe_lat else None,
-                            "max_ms": 1000 * max(probe_lat) if probe_lat else None}
+        report["health"] = {
+            "samples": len(probe_lat),
+            "failures": len(probe_fail),
+            "p50_ms": 1000 * percentile(probe_lat, 50) if probe_lat else None,
+            "p99_ms": 1000 * percentile(probe_lat, 99) if probe_lat else None,
+            "max_ms": 1000 * max(probe_lat) if probe_lat else None,
+        }
     return report
 
 
@@ -340,24 +408,30 @@ def print_report(r: dict[str, Any]) -> None:
         return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
 
     print(f"==== concurrency {f(r['max_concurrency'])}, request rate {r['request_rate']} ====")
-    print(f"  successful requests      {r['completed']} / {r['num_prompts']}"
-          + (f"  errors: {r['errors']}" if r["errors"] else ""))
+    print(
+        f"  successful requests      {r['completed']} / {r['num_prompts']}"
+        + (f"  errors: {r['errors']}" if r["errors"] else "")
+    )
     print(f"  duration                 {r['duration_s']:.2f} s")
     print(f"  input / output tokens    {r['total_input_tokens']} / {r['total_output_tokens']}")
     print(f"  request throughput       {r['request_throughput']:.2f} req/s")
     print(f"  output token throughput  {r['output_throughput']:.2f} tok/s")
     print(f"  total token throughput   {r['total_token_throughput']:.2f} tok/s")
     if r["goodput"] is not None:
-        print(f"  goodput                  {r['goodput']:.2f} req/s "
-              f"(TTFT <= {f(r['slo_ttft_ms'])} ms, TPOT <= {f(r['slo_tpot_ms'])} ms)")
+        print(
+            f"  goodput                  {r['goodput']:.2f} req/s "
+            f"(TTFT <= {f(r['slo_ttft_ms'])} ms, TPOT <= {f(r['slo_tpot_ms'])} ms)"
+        )
     print(f"  {'(ms)':<8}{'mean':>10}{'median':>10}{'p99':>10}")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = r[key]
         print(f"  {key[:-3].upper():<8}{f(s['mean']):>10}{f(s['median']):>10}{f(s['p99']):>10}")
     if "health" in r:
         h = r["health"]
-        print(f"  /health  {h['samples']} samples, p50 {f(h['p50_ms'])} ms, p99 {f(h['p99_ms'])} "
-              f"ms, max {f(h['max_ms'])} ms, {h['failures']} failures")
+        print(
+            f"  /health  {h['samples']} samples, p50 {f(h['p50_ms'])} ms, p99 {f(h['p99_ms'])} "
+            f"ms, max {f(h['max_ms'])} ms, {h['failures']} failures"
+        )
 
 
 def plot_sweep(runs: list[dict[str, Any]], path: str, title: str) -> None:
@@ -392,24 +466,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
-    p.add_argument("--tokenizer", default=None,
-                   help="for --dataset random: model dir, .gguf or name (default: --model, else "
-                        "the default model); 'none' sends token ids")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="for --dataset random: model dir, .gguf or name (default: --model, else "
+        "the default model); 'none' sends token ids",
+    )
     p.add_argument("--dataset", choices=["random", "conversation"], default="random")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="for --dataset random (conversation always uses chat)")
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="for --dataset random (conversation always uses chat)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests/s with Poisson arrivals; inf sends all at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s with Poisson arrivals; inf sends all at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--sweep-concurrency", default=None,
-                   help="comma-separated levels, e.g. 1,4,16,64: one run per level")
+    p.add_argument(
+        "--sweep-concurrency",
+        default=None,
+        help="comma-separated levels, e.g. 1,4,16,64: one run per level",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--health-probe", action="store_true",
-                   help="sample GET /health latency during the run")
+    p.add_argument(
+        "--health-probe", action="store_true", help="sample GET /health latency during the run"
+    )
     p.add_argument("--health-interval-ms", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=1, help="requests sent before measuring")
     p.add_argument("--request-timeout", type=float, default=1800.0)
@@ -421,8 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def server_model(args: argparse.Namespace) -> str:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with aiohttp.ClientSession() as http, \
-            http.get(f"{args.base_url}/v1/models", headers=headers) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{args.base_url}/v1/models", headers=headers) as resp,
+    ):
         resp.raise_for_status()
         return (await resp.json())["data"][0]["id"]
 
@@ -431,11 +522,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or await server_model(args)
     rng = random.Random(args.seed)
     dataset = random_dataset if args.dataset == "random" else conversation_dataset
-    levels = [int(x) for x in args.sweep_concurrency.split(",")] if args.sweep_concurrency \
+    levels = (
+        [int(x) for x in args.sweep_concurrency.split(",")]
+        if args.sweep_concurrency
         else [args.max_concurrency]
+    )
     if args.warmup:
-        warm = argparse.Namespace(**{**vars(args), "num_prompts": args.warmup, "output_len": 4,
-                                     "health_probe": False})
+        warm = argparse.Namespace(
+            **{**vars(args), "num_prompts": args.warmup, "output_len": 4, "health_probe": False}
+        )
         await run_load(warm, dataset(warm, rng), model, None, math.inf)
     runs = []
     for level in levels:
@@ -448,10 +543,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         runs.append(report)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
-        "machine": {"node": platform.node(), "processor": platform.processor(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
-        "base_url": args.base_url, "model": model, "dataset": args.dataset,
-        "input_len": args.input_len, "output_len": args.output_len,
+        "machine": {
+            "node": platform.node(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "base_url": args.base_url,
+        "model": model,
+        "dataset": args.dataset,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "runs": runs,
     }

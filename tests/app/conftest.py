@@ -30,9 +30,11 @@ MakeHarness = Callable[..., Awaitable[Harness]]
 async def make_harness() -> AsyncIterator[MakeHarness]:
     clients: list[TestClient] = []
 
-    async def factory(engine: FakeEngine | None = None,
-                      setup: Callable[[web.Application], None] | None = None,
-                      **config: Any) -> Harness:
+    async def factory(
+        engine: FakeEngine | None = None,
+        setup: Callable[[web.Application], None] | None = None,
+        **config: Any,
+    ) -> Harness:
         engine = engine or FakeEngine()
         cfg = ServerConfig(**config)
         loop = EngineLoop(engine, max_queue=cfg.max_queue, max_running=engine.max_num_seqs)

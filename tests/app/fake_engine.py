@@ -71,9 +71,15 @@ class FakeEngine:
     request emit EOS after that many tokens (finish 'stop'), unless ignore_eos.
     """
 
-    def __init__(self, *, max_model_len: int = 256, max_num_seqs: int = 8,
-                 step_delay: float = 0.0, eos_after: int | None = None,
-                 num_blocks: int = 64) -> None:
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 256,
+        max_num_seqs: int = 8,
+        step_delay: float = 0.0,
+        eos_after: int | None = None,
+        num_blocks: int = 64,
+    ) -> None:
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
@@ -93,8 +99,13 @@ class FakeEngine:
         self._in_step = False
 
     # ---- contract -----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
         assert not self._in_step, "add_request called during step()"
         if params.n != 1:
             raise SamplingParamsError("n", "the engine takes n == 1; expand_n first")
@@ -104,7 +115,8 @@ class FakeEngine:
         if need > self.max_model_len or len(prompt_token_ids) >= self.max_model_len:
             raise RequestTooLongError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len ({self.max_model_len})")
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
         self.added.append(request_id)
         self.waiting.append(_Req(request_id, list(prompt_token_ids), params))
 
@@ -123,11 +135,15 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         used = sum(1 + (len(r.prompt) + len(r.output)) // 16 for r in self.running)
         return EngineStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
-            num_blocks=self.num_blocks, num_free_blocks=max(0, self.num_blocks - used),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_blocks=self.num_blocks,
+            num_free_blocks=max(0, self.num_blocks - used),
             kv_cache_usage=min(1.0, used / self.num_blocks),
             prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps)
+            generation_tokens_total=self.generation_tokens_total,
+            num_steps=self.num_steps,
+        )
 
     def step(self) -> list[RequestDelta]:
         self._in_step = True
@@ -153,8 +169,12 @@ class FakeEngine:
         p = r.params
         k = len(r.output)
         offset = (p.seed or 0) % len(REPLY)
-        if self.eos_after is not None and k >= self.eos_after and not p.ignore_eos \
-                and k >= p.min_tokens:
+        if (
+            self.eos_after is not None
+            and k >= self.eos_after
+            and not p.ignore_eos
+            and k >= p.min_tokens
+        ):
             token = EOS_ID
         else:
             token = ord(REPLY[(offset + k) % len(REPLY)])
@@ -177,7 +197,7 @@ class FakeEngine:
         # Hold back text that could be the start of a stop string, like a real detokenizer.
         hold = 0 if finish else max((len(s) - 1 for s in p.stop), default=0)
         visible = max(r.emitted_len, len(r.text) - hold)
-        new_text = r.text[r.emitted_len:visible]
+        new_text = r.text[r.emitted_len : visible]
         r.emitted_len = visible
         logprobs: tuple[TokenLogprob, ...] = ()
         if p.logprobs:
@@ -186,5 +206,13 @@ class FakeEngine:
             logprobs = (TokenLogprob(token, math.log(0.5), top[: p.top_logprobs]),)
         if finish is not None:
             self.running.remove(r)
-        return RequestDelta(r.request_id, (token,), new_text, finish, stop_reason, logprobs,
-                            num_prompt_tokens=len(r.prompt), num_output_tokens=len(r.output))
+        return RequestDelta(
+            r.request_id,
+            (token,),
+            new_text,
+            finish,
+            stop_reason,
+            logprobs,
+            num_prompt_tokens=len(r.prompt),
+            num_output_tokens=len(r.output),
+        )

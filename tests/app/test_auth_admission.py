@@ -18,14 +18,20 @@ BODY = {"prompt": "a", "max_tokens": 2}
 async def test_auth_required_except_health_and_metrics(make_harness: MakeHarness) -> None:
     h = await make_harness(api_keys=("key-one", "key-two"))
     c = h.client
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"},
-                    {"Authorization": "Basic key-one"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "key-one"},
+        {"Authorization": "Basic key-one"},
+    ):
         resp = await c.post("/v1/completions", json=BODY, headers=headers)
         assert resp.status == 401
         err = (await resp.json())["error"]
         assert err["code"] == "invalid_api_key" and set(err) == {"message", "type", "param", "code"}
     for key in ("key-one", "key-two"):
-        resp = await c.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
+        resp = await c.post(
+            "/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"}
+        )
         assert resp.status == 200
     assert (await c.get("/v1/models")).status == 401
     assert (await c.get("/openapi.json")).status == 401
@@ -50,12 +56,14 @@ async def test_queue_full_429_under_burst(make_harness: MakeHarness) -> None:
     engine.gate = threading.Event()  # nothing finishes until the burst is judged
     h = await make_harness(engine, max_queue=2)  # capacity: 2 running + 2 waiting
     try:
-        tasks = [asyncio.create_task(h.client.post("/v1/completions", json=BODY))
-                 for _ in range(10)]
+        tasks = [
+            asyncio.create_task(h.client.post("/v1/completions", json=BODY)) for _ in range(10)
+        ]
         done: set[asyncio.Task] = set()
         while len(done) < 6:
-            finished, _ = await asyncio.wait(set(tasks) - done, timeout=5,
-                                             return_when=asyncio.FIRST_COMPLETED)
+            finished, _ = await asyncio.wait(
+                set(tasks) - done, timeout=5, return_when=asyncio.FIRST_COMPLETED
+            )
             assert finished, "expected six quick rejections"
             done |= finished
         rejected = [t.result() for t in done]
@@ -73,8 +81,9 @@ async def test_queue_full_429_under_burst(make_harness: MakeHarness) -> None:
 
 async def test_draining_answers_503_and_lets_running_finish(make_harness: MakeHarness) -> None:
     h = await make_harness(FakeEngine(step_delay=0.002))
-    running = await h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 50,
-                                                           "stream": True})
+    running = await h.client.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 50, "stream": True}
+    )
     await running.content.readuntil(b"\n\n")
     h.loop.begin_drain()
     health = await h.client.get("/health")
@@ -89,8 +98,9 @@ async def test_draining_answers_503_and_lets_running_finish(make_harness: MakeHa
 
 async def test_cancel_endpoint_aborts_by_completion_id(make_harness: MakeHarness) -> None:
     h = await make_harness(FakeEngine(step_delay=0.002))
-    resp = await h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 200,
-                                                        "stream": True, "n": 2})
+    resp = await h.client.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True, "n": 2}
+    )
     first = await resp.content.readuntil(b"\n\n")
     completion_id = first.split(b'"id":"')[1].split(b'"')[0].decode()
     cancel = await h.client.post(f"/v1/requests/{completion_id}/cancel")

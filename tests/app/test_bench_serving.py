@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_tool():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("bench_serving",
-                                                  ROOT / "tools" / "bench_serving.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_serving", ROOT / "tools" / "bench_serving.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
@@ -44,15 +45,36 @@ async def server() -> AsyncIterator[RunningServer]:
 
 def parse(server: RunningServer, *extra: str) -> argparse.Namespace:
     args = bench.build_parser().parse_args(
-        ["--base-url", f"http://127.0.0.1:{server.port}", "--tokenizer", "none", "--warmup", "0",
-         *extra])
+        [
+            "--base-url",
+            f"http://127.0.0.1:{server.port}",
+            "--tokenizer",
+            "none",
+            "--warmup",
+            "0",
+            *extra,
+        ]
+    )
     return args
 
 
 async def test_random_dataset_counts_are_exact(server: RunningServer) -> None:
-    args = parse(server, "--num-prompts", "12", "--input-len", "20", "--output-len", "9",
-                 "--max-concurrency", "4", "--health-probe", "--slo-ttft-ms", "60000",
-                 "--slo-tpot-ms", "60000")
+    args = parse(
+        server,
+        "--num-prompts",
+        "12",
+        "--input-len",
+        "20",
+        "--output-len",
+        "9",
+        "--max-concurrency",
+        "4",
+        "--health-probe",
+        "--slo-ttft-ms",
+        "60000",
+        "--slo-tpot-ms",
+        "60000",
+    )
     result = await bench.main_async(args)
     (run,) = result["runs"]
     assert result["model"] == "fake-model"
@@ -67,8 +89,7 @@ async def test_random_dataset_counts_are_exact(server: RunningServer) -> None:
     assert run["health"]["samples"] >= 1 and run["health"]["failures"] == 0
 
 
-async def test_tight_slo_lowers_goodput_and_send_measures_each_chunk(
-        server: RunningServer) -> None:
+async def test_tight_slo_lowers_goodput_and_send_measures_each_chunk(server: RunningServer) -> None:
     args = parse(server, "--num-prompts", "4", "--output-len", "6", "--slo-ttft-ms", "0.001")
     (run,) = (await bench.main_async(args))["runs"]
     assert run["completed"] == 4 and run["goodput"] == 0.0
@@ -82,12 +103,28 @@ async def test_tight_slo_lowers_goodput_and_send_measures_each_chunk(
     assert r.tpot is not None and r.tpot > 0
 
 
-async def test_conversation_sweep_writes_json_and_plot(server: RunningServer,
-                                                       tmp_path: Path) -> None:
+async def test_conversation_sweep_writes_json_and_plot(
+    server: RunningServer, tmp_path: Path
+) -> None:
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    argv = ["--base-url", f"http://127.0.0.1:{server.port}", "--dataset", "conversation",
-            "--num-prompts", "3", "--output-len", "6", "--sweep-concurrency", "1,4",
-            "--warmup", "0", "--result-json", str(out_json), "--plot", str(out_png)]
+    argv = [
+        "--base-url",
+        f"http://127.0.0.1:{server.port}",
+        "--dataset",
+        "conversation",
+        "--num-prompts",
+        "3",
+        "--output-len",
+        "6",
+        "--sweep-concurrency",
+        "1,4",
+        "--warmup",
+        "0",
+        "--result-json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    ]
     args = bench.build_parser().parse_args(argv)
     result = await bench.main_async(args)
     assert [r["max_concurrency"] for r in result["runs"]] == [1, 4]

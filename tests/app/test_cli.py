@@ -13,7 +13,10 @@ from runtime import LLM, SamplingParams
 def run_tandem(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "app.cli", *args],
-        capture_output=True, text=True, timeout=300, input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        input=stdin,
     )
 
 
@@ -32,18 +35,35 @@ def test_generate_prints_one_greedy_completion_per_prompt(llm):
 
 
 def test_generate_chat_applies_the_template(llm):
-    proc = run_tandem("generate", "--chat", "--max-tokens", "12", "--device", "cpu",
-                      "What is the capital of France?")
+    proc = run_tandem(
+        "generate",
+        "--chat",
+        "--max-tokens",
+        "12",
+        "--device",
+        "cpu",
+        "What is the capital of France?",
+    )
     assert proc.returncode == 0, proc.stderr
-    expected = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                        SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    expected = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=12, temperature=0.0),
+    )[0].text
     assert proc.stdout == expected + "\n"
     assert "Paris" in proc.stdout
 
 
 def test_chat_streams_answers_from_stdin_and_exits_on_eof():
-    proc = run_tandem("chat", "--max-tokens", "12", "--temperature", "0", "--device", "cpu",
-                      stdin="What is the capital of France?\n/reset\nSay hi.\n")
+    proc = run_tandem(
+        "chat",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+        stdin="What is the capital of France?\n/reset\nSay hi.\n",
+    )
     assert proc.returncode == 0, proc.stderr
     answers = [line for line in proc.stdout.split("\n") if line.strip()]
     assert len(answers) >= 2 and "Paris" in answers[0]

@@ -47,16 +47,18 @@ async def server(engine: Any) -> AsyncIterator[RunningServer]:
 
 @pytest.fixture
 def client(server: RunningServer) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY,
-                              max_retries=0, timeout=60)
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=60
+    )
 
 
 async def model_id(client: openai.AsyncOpenAI) -> str:
     return (await client.models.list()).data[0].id
 
 
-async def test_models_and_auth(server: RunningServer, client: openai.AsyncOpenAI,
-                               engine: Any) -> None:
+async def test_models_and_auth(
+    server: RunningServer, client: openai.AsyncOpenAI, engine: Any
+) -> None:
     models = await client.models.list()
     assert [m.id for m in models.data] == [engine.model_name]
     if is_real(engine):
@@ -66,13 +68,15 @@ async def test_models_and_auth(server: RunningServer, client: openai.AsyncOpenAI
         await bad.models.list()
 
 
-async def test_chat_streamed_joins_to_non_streamed(client: openai.AsyncOpenAI,
-                                                   engine: Any) -> None:
+async def test_chat_streamed_joins_to_non_streamed(client: openai.AsyncOpenAI, engine: Any) -> None:
     model = await model_id(client)
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Name three colours."}]
-    full = await client.chat.completions.create(model=model, messages=messages, max_tokens=16,
-                                                temperature=0)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colours."},
+    ]
+    full = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0
+    )
     choice = full.choices[0]
     assert choice.finish_reason in ("length", "stop") and choice.message.role == "assistant"
     assert choice.message.content
@@ -83,9 +87,14 @@ async def test_chat_streamed_joins_to_non_streamed(client: openai.AsyncOpenAI,
     if choice.finish_reason == "length":
         assert full.usage.completion_tokens == 16
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
-    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=16,
-                                                  temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, finishes, usage, ids = [], [], None, set()
     async for chunk in stream:
         ids.add(chunk.id)
@@ -99,24 +108,30 @@ async def test_chat_streamed_joins_to_non_streamed(client: openai.AsyncOpenAI,
     assert finishes == [choice.finish_reason]
     assert len(ids) == 1
     assert usage is not None
-    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens,
-                                                              full.usage.completion_tokens)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
     if not is_real(engine):
         assert choice.message.content == REPLY[:16]
 
 
-async def test_completions_streamed_join_and_prompt_list(client: openai.AsyncOpenAI,
-                                                         engine: Any) -> None:
+async def test_completions_streamed_join_and_prompt_list(
+    client: openai.AsyncOpenAI, engine: Any
+) -> None:
     model = await model_id(client)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    full = await client.completions.create(model=model, prompt=prompts, max_tokens=10,
-                                           temperature=0)
+    full = await client.completions.create(
+        model=model, prompt=prompts, max_tokens=10, temperature=0
+    )
     assert sorted(c.index for c in full.choices) == [0, 1]
     want = {c.index: c.text for c in full.choices}
     assert full.usage.prompt_tokens == sum(
-        len(engine.tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
-    stream = await client.completions.create(model=model, prompt=prompts, max_tokens=10,
-                                             temperature=0, stream=True)
+        len(engine.tokenizer.encode(p, add_special_tokens=False)) for p in prompts
+    )
+    stream = await client.completions.create(
+        model=model, prompt=prompts, max_tokens=10, temperature=0, stream=True
+    )
     texts = {0: "", 1: ""}
     async for chunk in stream:
         for c in chunk.choices:
@@ -129,13 +144,17 @@ async def test_completions_streamed_join_and_prompt_list(client: openai.AsyncOpe
 
 async def test_max_tokens_one_finishes_with_length(client: openai.AsyncOpenAI) -> None:
     model = await model_id(client)
-    comp = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=1,
-                                           temperature=0)
+    comp = await client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=1, temperature=0
+    )
     assert comp.choices[0].finish_reason == "length"
     assert comp.usage.completion_tokens == 1
     chat = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=1,
-        temperature=0)
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_completion_tokens=1,
+        temperature=0,
+    )
     assert chat.choices[0].finish_reason == "length"
     assert chat.usage.completion_tokens == 1
 
@@ -144,8 +163,9 @@ async def test_n_with_seed_reproduces(client: openai.AsyncOpenAI, engine: Any) -
     model = await model_id(client)
 
     async def sample(seed: int) -> list[str]:
-        out = await client.completions.create(model=model, prompt="Once upon a time", n=2,
-                                              seed=seed, max_tokens=12, temperature=1.0)
+        out = await client.completions.create(
+            model=model, prompt="Once upon a time", n=2, seed=seed, max_tokens=12, temperature=1.0
+        )
         assert sorted(c.index for c in out.choices) == [0, 1]
         assert out.usage.completion_tokens <= 24
         return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
@@ -155,22 +175,29 @@ async def test_n_with_seed_reproduces(client: openai.AsyncOpenAI, engine: Any) -
     if not is_real(engine):
         assert first[0] != first[1]  # choice i samples with seed + i
     chat = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Tell me a story."}], n=2, seed=3,
-        max_tokens=8, temperature=0.8)
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        n=2,
+        seed=3,
+        max_tokens=8,
+        temperature=0.8,
+    )
     assert [c.index for c in chat.choices] == [0, 1]
 
 
 async def test_stop_cuts_the_greedy_text(client: openai.AsyncOpenAI) -> None:
     model = await model_id(client)
     prompt = "The quick brown fox jumps over the lazy dog. Then the fox"
-    free = await client.completions.create(model=model, prompt=prompt, max_tokens=24,
-                                           temperature=0, extra_body={"ignore_eos": True})
+    free = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = free.choices[0].text
     assert len(text) >= 6, text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), text
-    cut = await client.completions.create(model=model, prompt=prompt, max_tokens=24,
-                                          temperature=0, stop=[stop, "@@never@@"])
+    cut = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "@@never@@"]
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.find(stop)]
     assert stop not in cut.choices[0].text
@@ -179,8 +206,13 @@ async def test_stop_cuts_the_greedy_text(client: openai.AsyncOpenAI) -> None:
 async def test_logprobs_chat_and_completions(client: openai.AsyncOpenAI, engine: Any) -> None:
     model = await model_id(client)
     chat = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=5,
-        temperature=0, logprobs=True, top_logprobs=3)
+        model=model,
+        messages=[{"role": "user", "content": "What is 2+2?"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for item in content:
@@ -190,8 +222,9 @@ async def test_logprobs_chat_and_completions(client: openai.AsyncOpenAI, engine:
         if is_real(engine):  # greedy picks the most likely token
             assert item.token == item.top_logprobs[0].token
             assert math.isclose(item.logprob, tops[0], rel_tol=1e-4, abs_tol=1e-4)
-    comp = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=4,
-                                           temperature=0, logprobs=2)
+    comp = await client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2
+    )
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == comp.usage.completion_tokens == 4
     assert "".join(lp.tokens) == comp.choices[0].text
@@ -201,10 +234,11 @@ async def test_logprobs_chat_and_completions(client: openai.AsyncOpenAI, engine:
 async def test_error_surfaces_as_openai_exception(client: openai.AsyncOpenAI) -> None:
     model = await model_id(client)
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(model=model,
-                                             messages=[{"role": "user", "content": "x"}],
-                                             temperature=5000)
+        await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], temperature=5000
+        )
     assert info.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
-        await client.chat.completions.create(model="no-such-model",
-                                             messages=[{"role": "user", "content": "x"}])
+        await client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )

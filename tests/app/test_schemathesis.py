@@ -55,7 +55,8 @@ def threaded_server() -> Iterator[ThreadedServer]:
     thread.start()
     engine = FakeEngine(max_model_len=256, max_num_seqs=8)
     running = asyncio.run_coroutine_threadsafe(
-        start_server(ServerConfig(port=0, max_queue=64), engine), loop).result(30)
+        start_server(ServerConfig(port=0, max_queue=64), engine), loop
+    ).result(30)
     server = ThreadedServer(loop, thread, running, engine)
     try:
         yield server
@@ -69,18 +70,28 @@ def threaded_server() -> Iterator[ThreadedServer]:
 def test_generated_requests_never_5xx_or_hang(threaded_server: ThreadedServer) -> None:
     base = threaded_server.base_url
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
-    strategy = (schema.as_strategy(GenerationMode.POSITIVE)
-                | schema.as_strategy(GenerationMode.NEGATIVE))
+    strategy = schema.as_strategy(GenerationMode.POSITIVE) | schema.as_strategy(
+        GenerationMode.NEGATIVE
+    )
     seen: collections.Counter[tuple[str, int]] = collections.Counter()
     session = requests.Session()
 
-    @settings(max_examples=NUM_CASES, deadline=None, database=None, derandomize=True,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=NUM_CASES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=strategy)
     def run(case: schemathesis.Case) -> None:
-        response = case.call_and_validate(base_url=base, session=session,
-                                          timeout=CALL_TIMEOUT_S,
-                                          excluded_checks=[positive_data_acceptance])
+        response = case.call_and_validate(
+            base_url=base,
+            session=session,
+            timeout=CALL_TIMEOUT_S,
+            excluded_checks=[positive_data_acceptance],
+        )
         seen[(case.operation.label, response.status_code)] += 1
         assert response.status_code < 500, response.text[:500]
         if response.status_code >= 400:

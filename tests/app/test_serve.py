@@ -24,11 +24,36 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_arguments_build_the_config() -> None:
-    args = parse(["--model", "m.gguf", "--port", "9001", "--api-key", "a", "--api-key", "b",
-                  "--max-num-seqs", "8", "--max-model-len", "1024", "--max-queue", "5",
-                  "--block-size", "32", "--num-kv-blocks", "100", "--dtype", "float32",
-                  "--max-num-batched-tokens", "512", "--served-model-name", "alias",
-                  "--shutdown-timeout", "2.5"])
+    args = parse(
+        [
+            "--model",
+            "m.gguf",
+            "--port",
+            "9001",
+            "--api-key",
+            "a",
+            "--api-key",
+            "b",
+            "--max-num-seqs",
+            "8",
+            "--max-model-len",
+            "1024",
+            "--max-queue",
+            "5",
+            "--block-size",
+            "32",
+            "--num-kv-blocks",
+            "100",
+            "--dtype",
+            "float32",
+            "--max-num-batched-tokens",
+            "512",
+            "--served-model-name",
+            "alias",
+            "--shutdown-timeout",
+            "2.5",
+        ]
+    )
     cfg = server_config_from_args(args, environ={"TANDEM_API_KEY": "c"})
     assert cfg.api_keys == ("a", "b", "c")
     assert (cfg.host, cfg.port, cfg.max_queue, cfg.shutdown_timeout) == ("127.0.0.1", 9001, 5, 2.5)
@@ -54,8 +79,12 @@ sys.exit(asyncio.run(serve_until_signal(ServerConfig(port=0, shutdown_timeout=1.
 
 async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", SERVER_SCRIPT.format(root=str(ROOT)),
-        stderr=asyncio.subprocess.PIPE, cwd=str(ROOT))
+        sys.executable,
+        "-c",
+        SERVER_SCRIPT.format(root=str(ROOT)),
+        stderr=asyncio.subprocess.PIPE,
+        cwd=str(ROOT),
+    )
     try:
         port = None
         while port is None:
@@ -65,8 +94,9 @@ async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
                 port = int(m.group(1))
         base = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as http:
-            resp = await http.post(f"{base}/v1/completions", json={
-                "prompt": "a", "max_tokens": 200, "stream": True})
+            resp = await http.post(
+                f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True}
+            )
             assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
             proc.send_signal(signal.SIGTERM)
             for _ in range(2000):  # until the signal is handled (bounded poll)
@@ -96,8 +126,15 @@ def _tandem_command() -> list[str]:
 
 async def test_tandem_serve_without_model_serves_the_default_model() -> None:
     proc = await asyncio.create_subprocess_exec(
-        *_tandem_command(), "serve", "--port", "0", "--shutdown-timeout", "2",
-        stderr=asyncio.subprocess.PIPE, cwd=str(ROOT))
+        *_tandem_command(),
+        "serve",
+        "--port",
+        "0",
+        "--shutdown-timeout",
+        "2",
+        stderr=asyncio.subprocess.PIPE,
+        cwd=str(ROOT),
+    )
     try:
         port = None
         for _ in range(200):  # log lines until the listening one (bounded)
@@ -114,9 +151,14 @@ async def test_tandem_serve_without_model_serves_the_default_model() -> None:
                 assert health.status == 200
             async with http.get(f"{base}/v1/models") as models:
                 assert [m["id"] for m in (await models.json())["data"]] == ["smollm2-135m-instruct"]
-            async with http.post(f"{base}/v1/chat/completions", json={
+            async with http.post(
+                f"{base}/v1/chat/completions",
+                json={
                     "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                    "max_tokens": 8, "temperature": 0}) as resp:
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+            ) as resp:
                 assert resp.status == 200, await resp.text()
                 body = await resp.json()
         choice = body["choices"][0]

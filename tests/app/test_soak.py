@@ -47,17 +47,23 @@ class Outcome:
 
 @pytest.fixture
 async def tiny_server() -> AsyncIterator[RunningServer]:
-    engine = make_tiny_engine(TinyTokenizer(), num_blocks=100, block_size=4, max_num_seqs=48,
-                              max_num_batched_tokens=512)
+    engine = make_tiny_engine(
+        TinyTokenizer(), num_blocks=100, block_size=4, max_num_seqs=48, max_num_batched_tokens=512
+    )
     running = await start_server(ServerConfig(port=0, max_queue=256), engine)
     yield running
     await running.shutdown(timeout=5)
 
 
 async def one_client(http: aiohttp.ClientSession, base: str, out: Outcome) -> Outcome:
-    body = {"prompt": PROMPTS[out.prompt], "max_tokens": MAX_TOKENS[out.prompt],
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": PROMPTS[out.prompt],
+        "max_tokens": MAX_TOKENS[out.prompt],
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with http.post(f"{base}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         num_chunks = 0
@@ -66,7 +72,7 @@ async def one_client(http: aiohttp.ClientSession, base: str, out: Outcome) -> Ou
             if not line:
                 continue
             assert line.startswith("data: "), line
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 out.done = True
                 break
@@ -88,9 +94,10 @@ async def soak(server: RunningServer, num_clients: int, seed: int) -> None:
     rng = random.Random(seed)
     base = f"http://127.0.0.1:{server.port}"
     leavers = set(rng.sample(range(num_clients), num_clients // 10))
-    outcomes = [Outcome(i, rng.randrange(len(PROMPTS)),
-                        rng.randint(1, 6) if i in leavers else None)
-                for i in range(num_clients)]
+    outcomes = [
+        Outcome(i, rng.randrange(len(PROMPTS)), rng.randint(1, 6) if i in leavers else None)
+        for i in range(num_clients)
+    ]
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
@@ -124,22 +131,30 @@ async def soak(server: RunningServer, num_clients: int, seed: int) -> None:
         # the server still answers, with the same greedy text as under load
         async with http.get(f"{base}/health") as health:
             assert health.status == 200
-        async with http.post(f"{base}/v1/completions", json={
-                "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS[0], "temperature": 0,
-                "ignore_eos": True}) as resp:
+        async with http.post(
+            f"{base}/v1/completions",
+            json={
+                "prompt": PROMPTS[0],
+                "max_tokens": MAX_TOKENS[0],
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        ) as resp:
             assert resp.status == 200
             full = await resp.json()
         assert full["usage"]["completion_tokens"] == MAX_TOKENS[0]
         assert full["choices"][0]["text"] == texts[0]
         async with http.get(f"{base}/metrics") as metrics:
             text = await metrics.text()
-        gauges = dict(line.split(" ", 1) for line in text.splitlines()
-                      if line and not line.startswith("#"))
+        gauges = dict(
+            line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+        )
         assert float(gauges["tandem:num_requests_running"]) == 0
         assert float(gauges["tandem:kv_cache_usage_perc"]) == 0
         # every request accounted once: leavers mostly aborted, the rest (and the probe) length
-        aborted = int(float(gauges.get('tandem:request_success_total{finished_reason="abort"}',
-                                       "0")))
+        aborted = int(
+            float(gauges.get('tandem:request_success_total{finished_reason="abort"}', "0"))
+        )
         length = int(float(gauges['tandem:request_success_total{finished_reason="length"}']))
         num_leavers = num_clients // 10
         assert 1 <= aborted <= num_leavers

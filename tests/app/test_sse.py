@@ -32,7 +32,7 @@ def parse_sse(raw: bytes) -> list[Any]:
     out: list[Any] = []
     for frame in frames[:-1]:
         assert frame.startswith(b"data: "), frame
-        payload = frame[len(b"data: "):]
+        payload = frame[len(b"data: ") :]
         out.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
     assert out.count("[DONE]") == 1
     return out[:-1]
@@ -48,8 +48,12 @@ async def test_chat_stream_framing_matches_non_stream(harness: Harness) -> None:
     assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                        "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     body["stream"] = False
     full = await (await harness.client.post("/v1/chat/completions", json=body)).json()
@@ -57,12 +61,20 @@ async def test_chat_stream_framing_matches_non_stream(harness: Harness) -> None:
 
 
 async def test_completion_stream_with_usage_chunk(harness: Harness) -> None:
-    body = {"prompt": ["ab", "c"], "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}, "logprobs": 0}
+    body = {
+        "prompt": ["ab", "c"],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": 0,
+    }
     chunks = parse_sse(await (await harness.client.post("/v1/completions", json=body)).read())
     *deltas, usage = chunks
     assert usage["choices"] == [] and usage["usage"] == {
-        "prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+        "prompt_tokens": 3,
+        "completion_tokens": 6,
+        "total_tokens": 9,
+    }
     assert all(c["usage"] is None and c["object"] == "text_completion" for c in deltas)
     for index in (0, 1):
         mine = [c["choices"][0] for c in deltas if c["choices"][0]["index"] == index]
@@ -74,8 +86,9 @@ async def test_completion_stream_with_usage_chunk(harness: Harness) -> None:
 
 async def test_error_after_headers_is_an_sse_frame(make_harness: MakeHarness) -> None:
     h = await make_harness(FakeEngine(step_delay=0.002))
-    resp = await h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 200,
-                                                         "stream": True})
+    resp = await h.client.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True}
+    )
     first = await resp.content.readuntil(b"\n\n")
     assert first.startswith(b"data: {")
     h.engine.fail_next_step = RuntimeError("device lost")
@@ -91,8 +104,9 @@ async def test_error_after_headers_is_an_sse_frame(make_harness: MakeHarness) ->
 
 async def test_disconnect_mid_stream_aborts_and_frees(make_harness: MakeHarness) -> None:
     h = await make_harness(FakeEngine(step_delay=0.002))
-    resp = await h.client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 200,
-                                                             "stream": True})
+    resp = await h.client.post(
+        "/v1/chat/completions", json={"messages": MSG, "max_tokens": 200, "stream": True}
+    )
     await resp.content.readuntil(b"\n\n")
     [request_id] = h.loop.request_ids()
     resp.close()  # drop the connection
@@ -104,8 +118,9 @@ async def test_disconnect_mid_stream_aborts_and_frees(make_harness: MakeHarness)
     assert 'tandem:request_success_total{finished_reason="abort"} 1' in metrics
 
 
-async def _raw_stream_request(host: str, port: int, body: dict[str, Any]
-                              ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _raw_stream_request(
+    host: str, port: int, body: dict[str, Any]
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """An HTTP client with tiny receive buffers that reads nothing until told to."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -113,8 +128,10 @@ async def _raw_stream_request(host: str, port: int, body: dict[str, Any]
     await asyncio.get_running_loop().sock_connect(sock, (host, port))
     reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
     payload = orjson.dumps(body)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"X-Slow: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"X-Slow: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+    )
     await writer.drain()
     return reader, writer
 
@@ -126,16 +143,19 @@ async def test_slow_reader_coalesces_without_slowing_others(make_harness: MakeHa
             sock = request.transport.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
 
-    h = await make_harness(FakeEngine(max_model_len=4096, step_delay=0.0005),
-                           setup=lambda app: app.on_response_prepare.append(shrink_send_buffer))
+    h = await make_harness(
+        FakeEngine(max_model_len=4096, step_delay=0.0005),
+        setup=lambda app: app.on_response_prepare.append(shrink_send_buffer),
+    )
     server = h.client.server
     num_tokens = 1000
     # Top-20 logprobs make each frame ~2 KB, so the slow socket's buffers fill quickly.
     slow_body = {"prompt": "a", "max_tokens": num_tokens, "stream": True, "logprobs": 20}
     reader, writer = await _raw_stream_request(server.host, server.port, slow_body)
     await wait_until(lambda: bool(h.loop.request_ids()))
-    fast = await h.client.post("/v1/completions", json={"prompt": "b", "max_tokens": num_tokens,
-                                                        "stream": True})
+    fast = await h.client.post(
+        "/v1/completions", json={"prompt": "b", "max_tokens": num_tokens, "stream": True}
+    )
     fast_chunks = parse_sse(await fast.read())
     # The fast reader got its whole stream while the slow reader had read nothing.
     assert "".join(c["choices"][0]["text"] for c in fast_chunks) == (REPLY * 40)[:num_tokens]

@@ -11,8 +11,9 @@ from tests.app.conftest import MakeHarness
 from tests.app.fake_engine import REPLY, FakeEngine
 
 
-async def receive_until_done(ws: ClientWebSocketResponse, ids: set[str]
-                             ) -> dict[str, list[dict[str, Any]]]:
+async def receive_until_done(
+    ws: ClientWebSocketResponse, ids: set[str]
+) -> dict[str, list[dict[str, Any]]]:
     """Collect messages per id until each id got a 'done' or an 'error'."""
     got: dict[str, list[dict[str, Any]]] = {i: [] for i in ids}
     open_ids = set(ids)
@@ -27,18 +28,26 @@ async def receive_until_done(ws: ClientWebSocketResponse, ids: set[str]
 async def test_two_requests_one_cancelled(make_harness: MakeHarness) -> None:
     h = await make_harness(FakeEngine(step_delay=0.002))
     async with h.client.ws_connect("/v1/ws") as ws:
-        await ws.send_json({"type": "completions", "id": "long",
-                            "body": {"prompt": "a", "max_tokens": 200}})
-        await ws.send_json({"type": "chat.completions", "id": "short",
-                            "body": {"messages": [{"role": "user", "content": "hi"}],
-                                     "max_tokens": 30}})
+        await ws.send_json(
+            {"type": "completions", "id": "long", "body": {"prompt": "a", "max_tokens": 200}}
+        )
+        await ws.send_json(
+            {
+                "type": "chat.completions",
+                "id": "short",
+                "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30},
+            }
+        )
         got: dict[str, list[dict[str, Any]]] = {"long": [], "short": []}
         while not got["long"]:  # wait for the long request's first delta, then cancel it
             msg = await asyncio.wait_for(ws.receive_json(), 5)
             got[msg["id"]].append(msg)
         await ws.send_json({"type": "cancel", "id": "long"})
-        rest = await receive_until_done(ws, {"long", "short"} - {
-            i for i, msgs in got.items() if msgs and msgs[-1]["type"] == "done"})
+        rest = await receive_until_done(
+            ws,
+            {"long", "short"}
+            - {i for i, msgs in got.items() if msgs and msgs[-1]["type"] == "done"},
+        )
         for i, msgs in rest.items():
             got[i] += msgs
 
@@ -58,8 +67,9 @@ async def test_cancel_sent_right_after_the_request_aborts_it(make_harness: MakeH
     # The cancel arrives while the request is still being admitted: it must not be lost.
     h = await make_harness(FakeEngine(step_delay=0.002))
     async with h.client.ws_connect("/v1/ws") as ws:
-        await ws.send_json({"type": "completions", "id": "x",
-                            "body": {"prompt": "a", "max_tokens": 200}})
+        await ws.send_json(
+            {"type": "completions", "id": "x", "body": {"prompt": "a", "max_tokens": 200}}
+        )
         await ws.send_json({"type": "cancel", "id": "x"})
         got = (await receive_until_done(ws, {"x"}))["x"]
     assert got[-1]["type"] == "done", got[-1]
@@ -80,26 +90,39 @@ async def test_protocol_errors(make_harness: MakeHarness) -> None:
         assert msg["type"] == "error" and msg["error"]["param"] == "type"
         await ws.send_json({"type": "cancel", "id": "nope"})
         assert (await ws.receive_json())["error"]["code"] == "not_found"
-        await ws.send_json({"type": "completions", "id": "bad",
-                            "body": {"prompt": "a", "temperature": -3}})
+        await ws.send_json(
+            {"type": "completions", "id": "bad", "body": {"prompt": "a", "temperature": -3}}
+        )
         msg = await ws.receive_json()
-        assert msg == {"type": "error", "id": "bad", "error": {
-            "message": msg["error"]["message"], "type": "invalid_request_error",
-            "param": "temperature", "code": "invalid_value"}}
+        assert msg == {
+            "type": "error",
+            "id": "bad",
+            "error": {
+                "message": msg["error"]["message"],
+                "type": "invalid_request_error",
+                "param": "temperature",
+                "code": "invalid_value",
+            },
+        }
         # The socket still works after errors.
-        await ws.send_json({"type": "completions", "id": "ok", "body": {"prompt": "a",
-                                                                        "max_tokens": 2}})
+        await ws.send_json(
+            {"type": "completions", "id": "ok", "body": {"prompt": "a", "max_tokens": 2}}
+        )
         got = await receive_until_done(ws, {"ok"})
-        assert got["ok"][-1] == {"type": "done", "id": "ok", "usage": {
-            "prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+        assert got["ok"][-1] == {
+            "type": "done",
+            "id": "ok",
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        }
 
 
 async def test_closing_socket_aborts_its_requests(make_harness: MakeHarness) -> None:
     h = await make_harness(FakeEngine(step_delay=0.002))
     ws = await h.client.ws_connect("/v1/ws")
     for i in range(2):
-        await ws.send_json({"type": "completions", "id": f"r{i}",
-                            "body": {"prompt": "a", "max_tokens": 250}})
+        await ws.send_json(
+            {"type": "completions", "id": f"r{i}", "body": {"prompt": "a", "max_tokens": 250}}
+        )
     seen: set[str] = set()
     while len(seen) < 2:
         msg = await ws.receive_json()

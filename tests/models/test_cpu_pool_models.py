@@ -364,14 +364,23 @@ def test_engine_on_cuda_with_cpu_experts_serves_eagerly_with_and_without_overlap
     from runtime.sampling_params import SamplingParams
 
     # head_dim 64: the cupy attention backend (and so decode graphs) would apply but for the pool
-    cfg = hf.MixtralConfig(vocab_size=128, hidden_size=256, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           num_local_experts=8, num_experts_per_tok=2, initializer_range=0.05)
+    cfg = hf.MixtralConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        initializer_range=0.05,
+    )
     torch.manual_seed(0)
     hf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     ec = EngineConfig(
-        model=ModelSpec(model=str(tmp_path), device="cuda", dtype="bfloat16", cpu_experts="all",
-                        cpu_threads=4),
+        model=ModelSpec(
+            model=str(tmp_path), device="cuda", dtype="bfloat16", cpu_experts="all", cpu_threads=4
+        ),
         cache=CacheConfig(block_size=16, num_blocks=64),
         scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64),
     )

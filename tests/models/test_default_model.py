@@ -47,15 +47,22 @@ def test_greedy_64_tokens_equal_hf_generate(llm, hf_model):
     for ids, out in zip(prompts, outs, strict=True):
         x = torch.tensor([ids])
         with torch.inference_mode():
-            ref = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64,
-                                    do_sample=False, pad_token_id=0)
+            ref = hf_model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=64,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert len(out.token_ids) == 64
-        assert out.token_ids == ref[0, len(ids):].tolist(), tok.decode(ids)
+        assert out.token_ids == ref[0, len(ids) :].tolist(), tok.decode(ids)
 
 
 def test_chat_answers_sensibly(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=24, temperature=0.0))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=24, temperature=0.0),
+    )[0]
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
 
@@ -63,17 +70,39 @@ def test_chat_answers_sensibly(llm):
 def test_real_model_batched_equals_one_by_one_with_preemption_and_prefix_hits():
     prompts_text = [
         "Tell me about " + topic
-        for topic in ["cats", "the moon", "Python lists", "rain", "trains", "bread", "music",
-                      "the ocean", "chess", "volcanoes", "bees", "winter", "maps", "glass",
-                      "rivers", "clocks"]
+        for topic in [
+            "cats",
+            "the moon",
+            "Python lists",
+            "rain",
+            "trains",
+            "bread",
+            "music",
+            "the ocean",
+            "chess",
+            "volcanoes",
+            "bees",
+            "winter",
+            "maps",
+            "glass",
+            "rivers",
+            "clocks",
+        ]
     ]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     # 24 blocks of 16 tokens: 16 chats of ~45 prompt + 16 new tokens (4 blocks each) cannot all fit
-    small = LLM(None, dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=24,
-                max_num_batched_tokens=256)
+    small = LLM(
+        None,
+        dtype="float32",
+        device="cpu",
+        max_model_len=256,
+        num_kv_blocks=24,
+        max_num_batched_tokens=256,
+    )
     tok = small.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
-               for t in prompts_text]
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in prompts_text
+    ]
     alone = [small.generate([p], params)[0].token_ids for p in prompts]
     small.engine.scheduler.block_pool.reset_prefix_cache()
     before = small.engine.stats()

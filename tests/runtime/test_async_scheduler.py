@@ -243,7 +243,10 @@ def test_overlapped_engine_equals_sync_engine(byte_bpe):
     ]  # fmt: skip
     params[3] = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3)
     params[5] = SamplingParams(max_tokens=9, temperature=0.0, min_tokens=4)
-    params[7] = SamplingParams(max_tokens=9, temperature=0.8, seed=11, logprobs=True, top_logprobs=2)
+    params[7] = SamplingParams(
+        max_tokens=9, temperature=0.8, seed=11, logprobs=True, top_logprobs=2
+    )
+
     def run(overlap: bool, num_blocks: int | None, params: list) -> list:
         llm = _tiny_llm(byte_bpe, overlap, num_blocks=num_blocks, budget=32)
         eng = llm.engine
@@ -268,8 +271,11 @@ def test_overlapped_engine_equals_sync_engine(byte_bpe):
     for i in range(0, len(params), 2):
         toks = probe[i][0]
         if len(toks) > 2 and params[i].temperature == 0.0 and not params[i].has_penalties:
-            params[i] = SamplingParams(max_tokens=params[i].max_tokens, temperature=0.0,
-                                       stop_token_ids=(toks[rnd.randrange(1, len(toks))],))
+            params[i] = SamplingParams(
+                max_tokens=params[i].max_tokens,
+                temperature=0.0,
+                stop_token_ids=(toks[rnd.randrange(1, len(toks))],),
+            )
     results = [run(False, None, params), run(True, None, params), run(True, 22, params)]
     assert results[1] == results[0]
     assert results[2] == results[0]

@@ -16,23 +16,38 @@ from runtime.scheduler import RequestTooLongError
 
 def tiny_config(vocab: int) -> ModelConfig:
     return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=512, eos_token_ids=(0,),
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_ids=(0,),
     )
 
 
-def make_llm(tok, *, num_blocks: int | None = None, max_num_seqs: int = 64,
-             budget: int = 2048, block_size: int = 4, seed: int = 0,
-             max_model_len: int = 256) -> LLM:
+def make_llm(
+    tok,
+    *,
+    num_blocks: int | None = None,
+    max_num_seqs: int = 64,
+    budget: int = 2048,
+    block_size: int = 4,
+    seed: int = 0,
+    max_model_len: int = 256,
+) -> LLM:
     cfg = tiny_config(tok.vocab_size)
     model = build_model(cfg, dtype=torch.float32, device="cpu")
     init_dummy_weights(model, seed=seed, std=0.5)
     ec = EngineConfig(
         model=ModelSpec(model="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  max_num_batched_tokens=budget),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget
+        ),
     )
     return LLM(engine_config=ec, model_module=model, model_config=cfg, tokenizer=tok)
 
@@ -73,8 +88,9 @@ def test_batched_equals_one_by_one_with_preemption_and_prefix_hits(byte_bpe):
 
 
 def test_text_equals_decode_of_tokens_and_finish_reasons(llm, byte_bpe):
-    outs = llm.generate(["Hello", "The quick"], SamplingParams(max_tokens=12, temperature=0.0,
-                                                                ignore_eos=True))
+    outs = llm.generate(
+        ["Hello", "The quick"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     for o in outs:
         assert o.finish_reason == "length" and len(o.token_ids) == 12
         assert o.text == byte_bpe.decode(o.token_ids)
@@ -82,25 +98,36 @@ def test_text_equals_decode_of_tokens_and_finish_reasons(llm, byte_bpe):
 
 
 def test_stop_string_ends_generation_and_is_not_emitted(llm, byte_bpe):
-    free = llm.generate(["Hello"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert len(free.text) > 6
     stop = free.text[3:6]
-    out = llm.generate(["Hello"], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop],
-                                                  ignore_eos=True))[0]
+    out = llm.generate(
+        ["Hello"], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop], ignore_eos=True)
+    )[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[: free.text.find(stop)]
     assert_idle(llm)
 
 
 def test_stop_token_ids_and_eos(llm):
-    free = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     tok = free.token_ids[4]
-    out = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                                  stop_token_ids=[tok]))[0]
+    out = llm.generate(
+        ["Hello"],
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[tok]),
+    )[0]
     assert out.finish_reason == "stop" and out.stop_reason == tok
     assert out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
-    early = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                                    stop_token_ids=[tok], min_tokens=10))[0]
+    early = llm.generate(
+        ["Hello"],
+        SamplingParams(
+            max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[tok], min_tokens=10
+        ),
+    )[0]
     assert len(early.token_ids) >= 10
 
 
@@ -114,8 +141,12 @@ def test_seeded_sampling_reproduces_and_n_choices_differ(llm):
 
 
 def test_logprobs_are_returned_per_token(llm):
-    out = llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True,
-                                                  top_logprobs=3, ignore_eos=True))[0].outputs[0]
+    out = llm.generate(
+        ["Hello"],
+        SamplingParams(
+            max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=3, ignore_eos=True
+        ),
+    )[0].outputs[0]
     assert len(out.logprobs) == 5
     for tid, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert lp.token_id == tid and lp.logprob <= 0.0 and len(lp.top) == 3

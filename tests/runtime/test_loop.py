@@ -34,8 +34,11 @@ async def collect(stream: RequestStream) -> dict[int, tuple[str, list[int], str 
     async for batch in stream:
         for cd in batch:
             text, ids, _ = out.get(cd.index, ("", [], None))
-            out[cd.index] = (text + cd.delta.new_text, ids + list(cd.delta.new_token_ids),
-                             cd.delta.finish_reason)
+            out[cd.index] = (
+                text + cd.delta.new_text,
+                ids + list(cd.delta.new_token_ids),
+                cd.delta.finish_reason,
+            )
     return out
 
 
@@ -77,7 +80,8 @@ async def test_burst_cannot_overshoot_queue() -> None:
     try:
         results = await asyncio.gather(
             *(loop.submit(f"b{i}", [[65]], SamplingParams(max_tokens=2)) for i in range(10)),
-            return_exceptions=True)
+            return_exceptions=True,
+        )
         ok = [r for r in results if isinstance(r, RequestStream)]
         full = [r for r in results if isinstance(r, QueueFullError)]
         assert len(ok) == 3 and len(full) == 7
@@ -171,12 +175,15 @@ async def test_request_stream_coalesces_per_choice_and_fails_after_pending() -> 
     stream = RequestStream("s", [3], 2, aborted.append)
     stream.push(0, RequestDelta("s-0", (1,), "a", num_output_tokens=1))
     stream.push(0, RequestDelta("s-0", (2,), "b", num_output_tokens=2))
-    stream.push(1, RequestDelta("s-1", (3,), "c", finish_reason="stop", stop_reason=3,
-                                num_output_tokens=1))
+    stream.push(
+        1, RequestDelta("s-1", (3,), "c", finish_reason="stop", stop_reason=3, num_output_tokens=1)
+    )
     assert stream.num_pending == 2 and not stream.finished
     batch = await stream.__anext__()
     assert [(cd.index, cd.delta.new_token_ids, cd.delta.new_text) for cd in batch] == [
-        (0, (1, 2), "ab"), (1, (3,), "c")]
+        (0, (1, 2), "ab"),
+        (1, (3,), "c"),
+    ]
     assert batch[0].delta.num_output_tokens == 2 and batch[1].delta.finish_reason == "stop"
     stream.close()  # choice 0 is unfinished: the reader leaving aborts the request
     assert aborted == ["s"]

@@ -8,9 +8,16 @@ from runtime.types import EngineStats
 def test_hybrid_counters_appear_only_for_a_hybrid_engine():
     dense = render_metrics(EngineStats(num_steps=3), ServingMetrics(), num_admitted=0, healthy=True)
     assert "tandem:num_steps_total 3" in dense and "moe_" not in dense
-    h = HybridMoeStats(layer_calls=4, pool_wait_seconds=0.25, d2h_bytes=1024, h2d_bytes=2048,
-                       pool_threads=15, pool_busy_seconds=3.0, wall_seconds=1.0,
-                       routing_counts={0: [5, 0, 2], 1: [1, 1, 1]})
+    h = HybridMoeStats(
+        layer_calls=4,
+        pool_wait_seconds=0.25,
+        d2h_bytes=1024,
+        h2d_bytes=2048,
+        pool_threads=15,
+        pool_busy_seconds=3.0,
+        wall_seconds=1.0,
+        routing_counts={0: [5, 0, 2], 1: [1, 1, 1]},
+    )
     text = render_metrics(EngineStats(hybrid=h), ServingMetrics(), num_admitted=0, healthy=True)
     assert "tandem:moe_pool_wait_seconds_total 0.25" in text
     assert "tandem:moe_layer_calls_total 4" in text

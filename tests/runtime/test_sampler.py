@@ -8,8 +8,13 @@ from runtime.sampling_params import SamplingParams
 V = 64
 
 
-def row(params: SamplingParams, out: list[int] | None = None, prompt: list[int] | None = None,
-        seed_gen: bool = True, eos: tuple[int, ...] = ()) -> SampleRow:
+def row(
+    params: SamplingParams,
+    out: list[int] | None = None,
+    prompt: list[int] | None = None,
+    seed_gen: bool = True,
+    eos: tuple[int, ...] = (),
+) -> SampleRow:
     gen = None
     if params.seed is not None and seed_gen:
         gen = torch.Generator().manual_seed(params.seed)
@@ -85,7 +90,9 @@ def test_repetition_penalty_discourages_seen_tokens():
     lg[0, 5] = 2.0
     lg[0, 6] = 1.9
     plain = s(lg, [row(SamplingParams(temperature=0.0), prompt=[5])]).token_ids[0]
-    penal = s(lg, [row(SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt=[5])]).token_ids[0]
+    penal = s(
+        lg, [row(SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt=[5])]
+    ).token_ids[0]
     assert (plain, penal) == (5, 6)
 
 
@@ -109,15 +116,22 @@ def test_min_tokens_bans_eos_and_stop_ids():
     lg[0, 2] = 10.0  # eos
     lg[0, 9] = 9.0  # stop id
     p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(9,))
-    assert s(lg, [row(p, out=[1], eos=(2,))]).token_ids == [lg[0, :].clone().index_fill_(0, torch.tensor([2, 9]), -1e9).argmax().item()]
+    assert s(lg, [row(p, out=[1], eos=(2,))]).token_ids == [
+        lg[0, :].clone().index_fill_(0, torch.tensor([2, 9]), -1e9).argmax().item()
+    ]
     assert s(lg, [row(p, out=[1, 1], eos=(2,))]).token_ids == [2]
 
 
 def test_logprobs_are_raw_log_softmax_with_sorted_top():
     s = Sampler("cpu")
     lg = logits(2, seed=11)
-    out = s(lg, [row(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)),
-                 row(SamplingParams(temperature=0.0))])
+    out = s(
+        lg,
+        [
+            row(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)),
+            row(SamplingParams(temperature=0.0)),
+        ],
+    )
     ref = torch.log_softmax(lg, -1)
     lp = out.logprobs[0]
     assert lp.token_id == out.token_ids[0]

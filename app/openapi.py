@@ -48,11 +48,11 @@ _COMMON: dict[str, Any] = {
         "additionalProperties": False,
         "properties": {"include_usage": {"type": "boolean"}},
     },
-    "temperature": _num(0, 2),
+    "temperature": _num(0, 100),  # SamplingParams accepts up to 100 (OpenAI documents 2)
     "top_p": _num(0, 1, exclusiveMinimum=True),
     "top_k": _int(-1),
     "min_p": _num(0, 1),
-    "seed": _int(0, 2**63 - 1),
+    "seed": _int(-(2**63), 2**64 - 1),  # the range SamplingParams accepts
     "presence_penalty": _num(-2, 2),
     "frequency_penalty": _num(-2, 2),
     "repetition_penalty": _num(0, 10, exclusiveMinimum=True),

@@ -46,9 +46,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
             object.__setattr__(self, "stop", ())
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        else:
+            raise SamplingParamsError("stop", "stop must be a string or a list of strings")
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        else:
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of token ids")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self.validate()

@@ -55,7 +55,9 @@ class SamplingParams:
         elif isinstance(self.stop_token_ids, (list, tuple)):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         else:
-            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of token ids")
+            raise SamplingParamsError(
+                "stop_token_ids", "stop_token_ids must be a list of token ids"
+            )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self.validate()

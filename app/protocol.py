@@ -233,6 +233,11 @@ def parse_generation(
         )
     stream = bool(_opt(body, "stream", (bool,), "a boolean"))
     options = _opt(body, "stream_options", (dict,), "an object") or {}
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise _bad(
+            f"stream_options.{unknown[0]}", f"unknown field {unknown[0]!r} in stream_options"
+        )
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise _bad("stream_options.include_usage", "'include_usage' must be a boolean")

@@ -64,6 +64,9 @@ async def test_invalid_json_and_non_object(harness: Harness) -> None:
         (COMP, {"prompt": "a", "max_tokens": "16"}, "max_tokens"),
         (COMP, {"prompt": "a", "user": 0}, "user"),
         (CHAT, {"messages": MSG, "metadata": "x"}, "metadata"),
+        (COMP, {"prompt": "a", "stream": True, "stream_options": {"": ""}}, "stream_options."),
+        (COMP, {"prompt": "a", "stop_token_ids": False}, "stop_token_ids"),
+        (COMP, {"prompt": "a", "seed": 2**64}, "seed"),
     ],
 )
 async def test_invalid_parameter_names_it(

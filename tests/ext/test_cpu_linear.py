@@ -3,6 +3,8 @@ path this machine supports (TANDEM_CPU_ISA / isa= forces a lower one), odd shape
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_parity_with_torch(isa: str, fmt: str) -> None:
     pool = CpuLinearPool(num_threads=2, isa=isa)
     assert pool.isa == ("avx512" if isa == "amx" else isa)
-    g = torch.Generator().manual_seed(hash((isa, fmt)) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{isa}-{fmt}".encode()))  # same every run
     for M, N, K in SHAPES:
         w = torch.randn(N, K, generator=g).to(torch.bfloat16)
         x = torch.randn(M, K, generator=g)
@@ -45,8 +47,9 @@ def test_parity_with_torch(isa: str, fmt: str) -> None:
         assert y.shape == (M, N) and y.dtype == torch.float32
         exact = F.linear(x, ref_w, bias)
         # avx512 rounds activations to bf16 (as torch's bf16 GEMM does); others keep fp32.
+        # Compared without the bias, which can cancel the product and inflate a relative error.
         tol = 1e-2 if isa in ("avx512", "amx") else 1e-5
-        assert _rel(y, exact) < tol, (M, N, K)
+        assert _rel(y - bias, exact - bias) < tol, (M, N, K)
         if isa in ("avx512", "amx"):
             xb = x.to(torch.bfloat16).float()
             assert _rel(y, F.linear(xb, ref_w, bias)) < 1e-5, (M, N, K)

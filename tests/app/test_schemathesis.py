@@ -111,7 +111,9 @@ def test_generated_requests_never_5xx_or_hang(threaded_server: ThreadedServer) -
         assert by_status[(path, 4)] >= 10, seen
 
     engine, engine_loop = threaded_server.engine, threaded_server.running.engine_loop
-    assert not engine.has_unfinished_requests()
+    threaded_server.call(asyncio.wait_for(engine_loop.wait_idle(), CALL_TIMEOUT_S))
     assert engine_loop.num_admitted == 0 and engine_loop.request_ids() == []
+    left = [(r.request_id, r.params) for r in engine.waiting + engine.running]
+    assert not engine.has_unfinished_requests(), left
     health = session.get(f"{base}/health", timeout=CALL_TIMEOUT_S)
     assert health.status_code == 200 and health.json() == {"status": "ok"}

@@ -32,6 +32,10 @@ CPU_LINEAR_ENV = "TANDEM_CPU_LINEAR"
 # and the extension builds, else torch, with a warning. Measured 1.3-1.5x batch-1 decode and
 # no loss at 16 concurrent (M > 4 goes to torch): docs/BENCHMARKS.md "Offline decode (CPU)".
 CPU_LINEAR_DEFAULT = "auto"
+# Dense linears of fp16/bf16 CUDA models at 1-2 rows (decode of one or two sequences) through
+# ext/cuda's skinny GEMM (models/layers/cuda_linear.py): "auto" (the default) where CuPy is
+# present, "0" off. Read here and nowhere else.
+CUDA_LINEAR_ENV = "TANDEM_CUDA_LINEAR"
 
 
 def cpu_linear_format() -> str | None:
@@ -57,6 +61,21 @@ def _apply_cpu_linear(model: nn.Module, fmt: str) -> None:
         use_cpu_linear(model, "bf16")
     except Exception as exc:  # an optimisation only: serve with torch's linear instead
         log.warning("fast CPU linear unavailable (%s: %s); using torch", type(exc).__name__, exc)
+
+
+def _apply_cuda_linear(model: nn.Module) -> None:
+    value = os.environ.get(CUDA_LINEAR_ENV, "auto").strip().lower()
+    if value in ("0", "off", "none", ""):
+        return
+    if value not in ("auto", "1", "on"):
+        raise ValueError(f"{CUDA_LINEAR_ENV} must be auto or 0, got {value!r}")
+    from ext.cuda import is_available
+
+    if not is_available():
+        return
+    from models.layers.cuda_linear import use_cuda_skinny_linear
+
+    use_cuda_skinny_linear(model)
 
 
 def resolve_load_format(model_path: str | Path, load_format: str) -> str:
@@ -154,4 +173,6 @@ def load_model(
     linear_fmt = cpu_linear_format()
     if linear_fmt is not None and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         _apply_cpu_linear(model, linear_fmt)
+    if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        _apply_cuda_linear(model)
     return model, config

@@ -1,0 +1,98 @@
+"""Skinny GEMM (`y = x @ W^T` for a few rows of x) for decode steps on CUDA.
+
+`launch_skinny_gemm` checks its operands and launches `skinny_gemm.cu` on torch's current
+stream; `skinny_linear` is the torch custom op (`torch.ops.tandem.skinny_linear`) that models
+call, with a fallback to `torch.nn.functional.linear` where the kernel does not apply.
+`MAX_ROWS` bounds the rows of x the kernel takes (above it cuBLAS' tensor-core GEMM wins).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ext.cuda._loader import i32, i64, launch, ptr
+
+MAX_ROWS = 8
+_DT = {torch.float16: 0, torch.bfloat16: 1}
+_THREADS = 256
+# (rows per warp, steps in flight) per row count of x: more x rows mean more FMAs per load,
+# so fewer W loads need to be in flight to cover latency.
+_TILES = {1: (2, 4), 2: (2, 4), 3: (2, 2), 4: (2, 2)}
+_TILE_DEFAULT = (1, 2)
+
+
+def tile_for(m: int) -> tuple[int, int]:
+    env = os.environ.get("TANDEM_SKINNY_TILE")  # "R,U" override for tuning runs
+    if env:
+        r, u = (int(v) for v in env.split(","))
+        return r, u
+    return _TILES.get(m, _TILE_DEFAULT)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this product (else use F.linear)."""
+    if not (x.is_cuda and weight.is_cuda and x.dtype == weight.dtype and x.dtype in _DT):
+        return False
+    if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] % 8:
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    if x.shape[-1] != weight.shape[1] or rows == 0 or rows > MAX_ROWS:
+        return False
+    return weight.data_ptr() % 16 == 0
+
+
+def launch_skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: tuple[int, int] | None = None
+) -> None:
+    """out[M, N] = x[M, K] @ weight[N, K]^T, M <= MAX_ROWS."""
+    if x.dim() != 2 or out.dim() != 2 or weight.dim() != 2:
+        raise ValueError("skinny_gemm takes 2-D x, weight and out")
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"skinny_gemm takes 1..{MAX_ROWS} rows, got {m}")
+    if weight.shape[1] != k or out.shape != (m, n):
+        raise ValueError(
+            f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
+        )
+    if not (x.dtype == weight.dtype == out.dtype and x.dtype in _DT):
+        raise ValueError(
+            f"dtypes must be one of fp16/bf16 and equal, got {x.dtype}, {weight.dtype}, {out.dtype}"
+        )
+    if not (x.device == weight.device == out.device and x.is_cuda):
+        raise ValueError("x, weight and out must be on one CUDA device")
+    if k % 8 or not weight.is_contiguous() or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("K must be a multiple of 8 and the inner dimensions contiguous")
+    if x.stride(0) % 8 or x.data_ptr() % 16 or weight.data_ptr() % 16:
+        raise ValueError("x rows and weight must be 16-byte aligned")
+    r, u = tile or tile_for(m)
+    warps = _THREADS // 32
+    grid = (-(-n // (warps * r)), 1, 1)
+    launch(
+        "skinny_gemm.cu",
+        f"skinny_gemm_kernel<{m},{r},{u},{_DT[x.dtype]}>",
+        x.device,
+        grid,
+        (_THREADS, 1, 1),
+        (ptr(x), ptr(weight), ptr(out), i32(n), i32(k), i64(x.stride(0)), i64(out.stride(0))),
+    )
+
+
+@torch.library.custom_op("tandem::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x[..., K] @ weight[N, K]^T by the skinny kernel when it applies, else F.linear."""
+    if not supported(x, weight):
+        return torch.nn.functional.linear(x, weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
+    launch_skinny_gemm(x2, weight, out)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@skinny_linear.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

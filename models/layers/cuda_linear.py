@@ -1,0 +1,82 @@
+"""Decode-sized dense linears on CUDA: `SkinnyLinear` and `use_cuda_skinny_linear(model)`.
+
+At batch 1-2 a decode step's linears are weight-streaming GEMVs; ext/cuda's skinny kernel reads
+weights at 2.5-3.1 TB/s on an H100 where cuBLAS reaches 2.0-2.8 (tools/bench_skinny_gemm.py,
+docs/BENCHMARKS.md). Rows above `max_rows` go to F.linear on the same weight: the module is an
+nn.Linear with another forward, so weights load and save under the same names.
+Knows nothing about requests; the runner captures it in its graphs like any other op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ext.cuda import skinny  # noqa: F401  (registers torch.ops.tandem.skinny_linear)
+
+# Rows of x at or below which the kernel beats cuBLAS on every Llama-3 8B/1B projection
+# (at 4 rows it wins on some and loses on others; docs/BENCHMARKS.md "GPU").
+DEFAULT_MAX_ROWS = 2
+_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class SkinnyLinear(nn.Linear):
+    max_rows: int = DEFAULT_MAX_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if x.numel() else 0
+        if rows == 0 or rows > self.max_rows:
+            return F.linear(x, self.weight, self.bias)
+        # the op itself falls back to F.linear where the kernel does not apply (checked there:
+        # data_ptr alignment checks would break a torch.compile graph here)
+        y = torch.ops.tandem.skinny_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def _swap(linear: nn.Linear, max_rows: int) -> SkinnyLinear:
+    new = SkinnyLinear.__new__(SkinnyLinear)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.weight = linear.weight  # the same Parameter: no copy
+    new.bias = linear.bias
+    new.max_rows = max_rows
+    return new
+
+
+class _SkinnyLogits:
+    """compute_logits through the skinny kernel for a tied or untied lm_head (float32 out)."""
+
+    def __init__(self, weight: torch.Tensor, max_rows: int) -> None:
+        self.weight = weight
+        self.max_rows = max_rows
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] <= self.max_rows:
+            return torch.ops.tandem.skinny_linear(hidden, self.weight).float()
+        return F.linear(hidden, self.weight).float()
+
+
+def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+    """Swaps the dense projections (qkv/o/gate_up/down) and the logits of a fp16/bf16 CUDA model
+    for the skinny path, in place; returns how many were swapped (0 for another dtype or
+    device). MoE expert weights are not nn.Linears and stay as they are."""
+    params = list(model.parameters())
+    if (
+        not params
+        or not params[0].is_cuda
+        or params[0].dtype not in (torch.float16, torch.bfloat16)
+    ):
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in _TARGETS and type(child) is nn.Linear:
+                setattr(parent, name, _swap(child, max_rows))
+                swapped += 1
+    if swapped and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens"):
+        lm_head = getattr(model, "lm_head", None)
+        weight = model.embed_tokens.weight if lm_head is None else lm_head.weight
+        model.compute_logits = _SkinnyLogits(weight, max_rows)
+        swapped += 1
+    return swapped

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.config import ModelConfig  # noqa: E402
 from models.hf_export import to_hf_config_dict  # noqa: E402
-from models.loader import build_model  # noqa: E402
+from models.loader import apply_fast_linears, build_model  # noqa: E402
 from models.loader.dummy import init_dummy_weights  # noqa: E402
 from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from runtime.cuda_runner import CudaRunnerOptions  # noqa: E402
@@ -121,12 +121,37 @@ def timed(fn) -> float:
 # ------------------------------------------------------------------------------------ Tandem
 
 
+def profile_graph(graph, stream, reps: int) -> list[dict]:
+    """Per-kernel GPU time of `reps` replays of a captured graph (torch.profiler, CUPTI):
+    where one decode step's time goes. Printed as a table; returned for the JSON."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch.cuda.stream(stream):
+            for _ in range(reps):
+                graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append({"name": ev.key[:90], "count": ev.count // reps, "us": t / reps})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    say(f"  per-kernel GPU time of one batch-1 step ({reps} replays), total {total:.0f} us:")
+    for r in rows[:40]:
+        say(f"  {r['us']:8.1f} us  {r['us'] / total:5.1%}  x{r['count']:<4} {r['name']}")
+    return rows
+
+
 def bench_tandem(name: str, bw: float, args, compile_mode: str | None) -> dict:
     cfg = shape_config(name)
     res: dict = {}
     t = time.perf_counter()
     model = build_model(cfg, dtype=torch.bfloat16, device="cuda", attn_backend="cupy")
     init_dummy_weights(model, seed=0)
+    apply_fast_linears(model, "cuda", torch.bfloat16)  # as load_model does
+    res["skinny_linears"] = sum(type(m).__name__ == "SkinnyLinear" for m in model.modules())
     total, read = weight_bytes(model, cfg)
     res["weight_gb"], res["read_gb"] = total / 1e9, read / 1e9
     opts = CudaRunnerOptions(compile_mode=compile_mode, nvtx=False)
@@ -182,9 +207,18 @@ def bench_tandem(name: str, bw: float, args, compile_mode: str | None) -> dict:
         b.synchronize()
         res["b1_graph_ms"] = a.elapsed_time(b) / 50
         say(f"tandem {name} batch-1 graph replay alone: {res['b1_graph_ms']:.2f} ms/step "
-            f"({1e3 / res['b1_graph_ms']:.0f} steps/s)")  # fmt: skip
+            f"({1e3 / res['b1_graph_ms']:.0f} steps/s), skinny linears {res['skinny_linears']}")  # fmt: skip
+        if args.profile:
+            res["b1_kernels"] = profile_graph(g.graph, eng.runner.stream, args.profile)
+    if "b64" not in args.sections and "tp" not in args.sections:
+        llm = eng = model = g = None
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        return res
 
-    for mode in args.overlap_modes:  # GPU idle per decode step at batch 64 (CUDA events)
+    for mode in args.overlap_modes if "b64" in args.sections else ():
+        # GPU idle per decode step at batch 64 (CUDA events)
         set_overlap(mode == "on")
         runner = eng.runner
         runner.step_events.clear()
@@ -214,7 +248,7 @@ def bench_tandem(name: str, bw: float, args, compile_mode: str | None) -> dict:
     prompts = random_prompts(TP_REQS, TP_IN, 7)
     params = SamplingParams(max_tokens=TP_OUT, **greedy)
     llm.generate(random_prompts(8, TP_IN, 8), SamplingParams(max_tokens=4, **greedy))  # warm-up
-    for mode in args.overlap_modes:
+    for mode in args.overlap_modes if "tp" in args.sections else ():
         set_overlap(mode == "on")
         steps0 = eng.stats().num_steps
         t = time.perf_counter()
@@ -357,6 +391,15 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--deadline-s", type=float, default=330.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--sections",
+        default="b1,b64,tp",
+        type=lambda v: set(v.split(",")),
+        help="Tandem sections: b1 (batch-1 decode), b64 (GPU idle at batch 64), tp (256x256)",
+    )
+    ap.add_argument(
+        "--profile", type=int, default=0, help="per-kernel table of N batch-1 graph replays"
+    )
     args = ap.parse_args()
     args.skip_hf = [s for s in args.skip_hf.split(",") if s]
     args.overlap_modes = [m for m in args.overlap_modes.split(",") if m]

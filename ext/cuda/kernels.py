@@ -21,7 +21,10 @@ _LOG2E = 1.4426950408889634
 
 # Decode split-K planning
 _DECODE_THREADS = 128
-_MIN_PART_LEN = 128  # tokens; a partition shorter than this costs more in merging than it gains
+# tokens; one CTA iteration. At batch 1 a graph planned for max_model_len splits a short context
+# into few partitions, each a serial chain of iterations: 128 made the 8B decode kernel 9.4 us a
+# layer at 384 tokens of context (tools/bench_gpu.py --profile)
+_MIN_PART_LEN = 64
 _PART_ALIGN = 64  # partitions start on a multiple of one CTA iteration's tokens
 _CTAS_PER_SM = 4
 

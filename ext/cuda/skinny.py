@@ -44,13 +44,22 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def launch_skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: tuple[int, int] | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    tile: tuple[int, int] | None = None,
+    glu: bool = False,
 ) -> None:
-    """out[M, N] = x[M, K] @ weight[N, K]^T, M <= MAX_ROWS."""
+    """out[M, N] = x[M, K] @ weight[N, K]^T, M <= MAX_ROWS. With `glu`, weight is a gated MLP's
+    gate_up [2N, K] (gate rows first) and out[M, N] = silu(x @ gate^T) * (x @ up^T)."""
     if x.dim() != 2 or out.dim() != 2 or weight.dim() != 2:
         raise ValueError("skinny_gemm takes 2-D x, weight and out")
     m, k = x.shape
     n = weight.shape[0]
+    if glu:
+        if n % 2:
+            raise ValueError(f"a gate_up weight has an even number of rows, got {n}")
+        n //= 2
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"skinny_gemm takes 1..{MAX_ROWS} rows, got {m}")
     if weight.shape[1] != k or out.shape != (m, n):
@@ -72,7 +81,7 @@ def launch_skinny_gemm(
     grid = (-(-n // (warps * r)), 1, 1)
     launch(
         "skinny_gemm.cu",
-        f"skinny_gemm_kernel<{m},{r},{u},{_DT[x.dtype]}>",
+        f"skinny_gemm_kernel<{m},{r},{u},{_DT[x.dtype]},{int(glu)}>",
         x.device,
         grid,
         (_THREADS, 1, 1),
@@ -96,3 +105,59 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @skinny_linear.register_fake
 def _(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+    return grad_x, grad_w
+
+
+skinny_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _swiglu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@torch.library.custom_op("tandem::skinny_swiglu", mutates_args=())
+def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for a gate_up weight [2I, K] (gate rows first): the gated
+    MLP's first half in one kernel when it applies, else in torch."""
+    if not supported(x, weight) or weight.shape[0] % 2:
+        return _swiglu_ref(x, weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], weight.shape[0] // 2, device=x.device, dtype=x.dtype)
+    launch_skinny_gemm(x2, weight, out, glu=True)
+    return out.reshape(*x.shape[:-1], weight.shape[0] // 2)
+
+
+@skinny_swiglu.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def _swiglu_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gate, up = torch.nn.functional.linear(x, weight).float().chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    g = grad.float()
+    d_gate_up = torch.cat((g * up * s * (1 + gate * (1 - s)), g * gate * s), dim=-1).to(x.dtype)
+    grad_x = d_gate_up @ weight if ctx.needs_input_grad[0] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = d_gate_up.reshape(-1, d_gate_up.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+    return grad_x, grad_w
+
+
+skinny_swiglu.register_autograd(_swiglu_backward, setup_context=_setup_context)

@@ -8,24 +8,30 @@
 // multiplies them with the matching 8 elements of every x row (x stays in L1/L2: it is M * K * 2
 // bytes) and keeps M * R fp32 partial sums; a butterfly shuffle reduces them at the end.
 // Requirements (checked by the launcher): K % 8 == 0, W contiguous, x and y rows 16-byte aligned.
+//
+// GLU = 1 fuses the gated MLP's activation: W is gate_up [2 * n, K] (gate rows first), a warp
+// reads gate row j and up row n + j for each of its R output rows and writes
+// y[m, j] = silu(gate) * up, rounded once from fp32.
 #include "common.cuh"
 
-template <int M, int R, int U, int DT>
+template <int M, int R0, int U, int DT, int GLU>
 __global__ void __launch_bounds__(256) skinny_gemm_kernel(
     const u16* __restrict__ x,  // [M, K], row stride ldx
-    const u16* __restrict__ w,  // [N, K], contiguous
+    const u16* __restrict__ w,  // [N, K] ([2N, K] with GLU), contiguous
     u16* __restrict__ y,        // [M, N], row stride ldy
     int n, int k, i64 ldx, i64 ldy) {
+  constexpr int R = GLU ? 2 * R0 : R0;  // weight rows per warp
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
+  const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R0;  // first output row
   if (row0 >= n) return;
 
   const u16* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = row0 + r < n ? row0 + r : n - 1;  // clamp: a tail row is read, not written
-    wr[r] = w + (i64)row * k;
+    const int j = GLU ? r % R0 : r;
+    const int row = row0 + j < n ? row0 + j : n - 1;  // clamp: a tail row is read, not written
+    wr[r] = w + (i64)(GLU && r >= R0 ? row + n : row) * k;
   }
 
   float acc[M][R];
@@ -91,7 +97,11 @@ __global__ void __launch_bounds__(256) skinny_gemm_kernel(
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (row0 + r < n) y[m * ldy + row0 + r] = from_float<DT>(acc[m][r]);
+      for (int r = 0; r < R0; ++r) {
+        if (row0 + r >= n) continue;
+        float v = acc[m][r];
+        if constexpr (GLU) v = v / (1.f + __expf(-v)) * acc[m][R0 + r];
+        y[m * ldy + row0 + r] = from_float<DT>(v);
+      }
   }
 }

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ext.cuda import skinny  # noqa: F401  (registers torch.ops.tandem.skinny_linear)
+from ext.cuda import skinny  # noqa: F401  (registers torch.ops.tandem.skinny_*)
+from models.layers.mlp import GatedMLP
 
 # Rows of x at or below which the kernel beats cuBLAS on every Llama-3 8B/1B projection
 # (at 4 rows it wins on some and loses on others; docs/BENCHMARKS.md "GPU").
@@ -32,6 +33,19 @@ class SkinnyLinear(nn.Linear):
         # data_ptr alignment checks would break a torch.compile graph here)
         y = torch.ops.tandem.skinny_linear(x, self.weight)
         return y if self.bias is None else y + self.bias
+
+
+class SkinnyGatedMLP(GatedMLP):
+    """GatedMLP whose gate_up projection and SiLU-mul are one kernel at 1-2 rows (saves the
+    activation kernel and a round trip of [rows, 2 * intermediate] through memory)."""
+
+    max_rows: int = DEFAULT_MAX_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if 0 < rows <= self.max_rows and self.gate_up_proj.bias is None:
+            return self.down_proj(torch.ops.tandem.skinny_swiglu(x, self.gate_up_proj.weight))
+        return super().forward(x)
 
 
 def _swap(linear: nn.Linear, max_rows: int) -> SkinnyLinear:
@@ -59,8 +73,9 @@ class _SkinnyLogits:
 
 def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Swaps the dense projections (qkv/o/gate_up/down) and the logits of a fp16/bf16 CUDA model
-    for the skinny path, in place; returns how many were swapped (0 for another dtype or
-    device). MoE expert weights are not nn.Linears and stay as they are."""
+    for the skinny path, and gated MLPs for the fused gate_up + SiLU-mul, in place; returns how
+    many linears were swapped (0 for another dtype or device). MoE expert weights are not
+    nn.Linears and stay as they are."""
     params = list(model.parameters())
     if (
         not params
@@ -74,6 +89,10 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             if name in _TARGETS and type(child) is nn.Linear:
                 setattr(parent, name, _swap(child, max_rows))
                 swapped += 1
+    for mlp in model.modules():
+        if type(mlp) is GatedMLP:
+            mlp.__class__ = SkinnyGatedMLP  # same state, another forward
+            mlp.max_rows = max_rows
     if swapped and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens"):
         lm_head = getattr(model, "lm_head", None)
         weight = model.embed_tokens.weight if lm_head is None else lm_head.weight

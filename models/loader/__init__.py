@@ -170,9 +170,16 @@ def load_model(
     attach = getattr(backend, "attach", None)
     if attach is not None:
         attach(model)  # e.g. cpu_pool: experts into the pool, torch copies freed
-    linear_fmt = cpu_linear_format()
-    if linear_fmt is not None and torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        _apply_cpu_linear(model, linear_fmt)
-    if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        _apply_cuda_linear(model)
+    apply_fast_linears(model, device, dtype)
     return model, config
+
+
+def apply_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Swap dense linears for the device's small-M kernels where they apply (CPU: ext/cpu's
+    GEMV for bf16, `TANDEM_CPU_LINEAR`; CUDA: ext/cuda's skinny GEMM, `TANDEM_CUDA_LINEAR`)."""
+    kind = torch.device(device).type
+    linear_fmt = cpu_linear_format()
+    if linear_fmt is not None and kind == "cpu" and dtype == torch.bfloat16:
+        _apply_cpu_linear(model, linear_fmt)
+    if kind == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        _apply_cuda_linear(model)

@@ -13,7 +13,7 @@ from torch import nn
 
 import ext.cuda as cuda_ext
 from ext.cuda import skinny
-from models.layers.cuda_linear import SkinnyLinear, use_cuda_skinny_linear
+from models.layers.cuda_linear import SkinnyGatedMLP, SkinnyLinear, use_cuda_skinny_linear
 
 _requires_cuda = pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy")
 
@@ -75,6 +75,26 @@ def test_matches_float32(dtype, m, n, k):
 
 
 @gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 264), (513, 2048), (1000, 4096)])
+def test_glu_matches_float32(dtype, m, n, k):
+    torch.manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(2 * n, k, device="cuda", dtype=dtype) * 0.05
+    gate, up = (x.float() @ w.float().t()).chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    for tile in {skinny.tile_for(m), (1, 2), (4, 4)}:
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        skinny.launch_skinny_gemm(x, w, out, tile, glu=True)
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"unwritten output (tile {tile})"
+        assert _rel(out, ref) < 1e-2, f"tile {tile}"
+    y = torch.ops.tandem.skinny_swiglu(x, w)
+    assert _rel(y, ref) < 1e-2
+
+
+@gpu_test
 def test_strided_x_and_out_rows():
     x_big = torch.randn(3, 1032, device="cuda", dtype=torch.bfloat16)
     x = x_big[:, :1024]  # row stride 1032
@@ -130,3 +150,10 @@ def test_model_swap_keeps_logits():
     after = model.compute_logits(hidden)
     assert _rel(after, before) < 1e-2
     assert dict(model.named_parameters()).keys() >= {"layers.0.mlp.down_proj.weight"}
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp, SkinnyGatedMLP)
+    for rows in (1, 2, 5):  # 5 > max_rows: the torch path
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        gate, up = (x.float() @ mlp.gate_up_proj.weight.float().t()).chunk(2, dim=-1)
+        ref = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.float().t()
+        assert _rel(mlp(x), ref) < 2e-2

@@ -6,15 +6,27 @@
 #include "isa.h"
 #include "linear.h"
 #include "moe.h"
+#include "stream.h"
 
 namespace py = pybind11;
 using tandem_cpu::ExpertPool;
 using tandem_cpu::LinearArgs;
 using tandem_cpu::LinearPool;
+using tandem_cpu::StreamJob;
+
+namespace {
+// A job handle from Python, checked against the pool that made it.
+StreamJob* job_of(const ExpertPool& p, uintptr_t handle) {
+  StreamJob* job = reinterpret_cast<StreamJob*>(handle);
+  if (!job || job->pool != &p) throw std::invalid_argument("stream job of another pool");
+  return job;
+}
+}  // namespace
 
 PYBIND11_MODULE(_tandem_cpu, m) {
   m.doc() = "Tandem CPU expert pool (C++17)";
   m.def("supported_isas", &tandem_cpu::supported_isas);
+  m.def("cuda_driver_error", &tandem_cpu::cuda_driver_error);
   py::class_<ExpertPool>(m, "ExpertPool")
       .def(py::init<int, const std::string&, int>(), py::arg("num_threads"), py::arg("isa"),
            py::arg("split_nodes") = 0, py::call_guard<py::gil_scoped_release>())
@@ -34,6 +46,44 @@ PYBIND11_MODULE(_tandem_cpu, m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def("sync", &ExpertPool::sync, py::call_guard<py::gil_scoped_release>())
+      .def("make_stream_job",
+           [](ExpertPool& p, int layer, uintptr_t hidden, uintptr_t ids, uintptr_t weights,
+              uintptr_t out, uintptr_t num_tokens, int capacity, int k) {
+             return reinterpret_cast<uintptr_t>(p.make_stream_job(
+                 layer, (const float*)hidden, (const int64_t*)ids, (const float*)weights,
+                 (float*)out, (const int32_t*)num_tokens, capacity, k));
+           })
+      .def(
+          "enqueue_submit",
+          [](ExpertPool& p, uintptr_t stream, uintptr_t job) {
+            tandem_cpu::enqueue_submit(stream, job_of(p, job));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "enqueue_wait",
+          [](ExpertPool& p, uintptr_t stream, uintptr_t job) {
+            tandem_cpu::enqueue_wait(stream, job_of(p, job));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run_stream_job",
+          [](ExpertPool& p, uintptr_t job) { tandem_cpu::run_inline(job_of(p, job)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("stream_stats",
+           [](const ExpertPool& p) {
+             const auto s = p.stream_stats();
+             py::dict d;
+             d["calls"] = s.calls;
+             d["errors"] = s.errors;
+             d["tokens"] = s.tokens;
+             d["pool_ns"] = s.pool_ns;
+             d["wait_ns"] = s.wait_ns;
+             d["d2h_bytes"] = s.d2h_bytes;
+             d["h2d_bytes"] = s.h2d_bytes;
+             return d;
+           })
+      .def("last_stream_error", &ExpertPool::last_stream_error)
+      .def_property("spin_us", &ExpertPool::spin_us, &ExpertPool::set_spin_us)
       .def(
           "dequantize",
           [](ExpertPool& p, int layer, uintptr_t w13, uintptr_t w2) {

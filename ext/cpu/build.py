@@ -42,6 +42,7 @@ CORE_UNITS = [
     ("isa.cpp", [], None),
     ("workers.cpp", [], None),
     ("moe.cpp", [], None),
+    ("stream.cpp", [], None),
     ("kernels_scalar.cpp", [], None),
     ("linear.cpp", [], None),
     ("linear_scalar.cpp", [], None),
@@ -57,7 +58,7 @@ LINEAR_UNITS = {
     "TANDEM_HAVE_AVX2": ("linear_avx2.cpp", AVX2_FLAGS),
     "TANDEM_HAVE_AVX512": ("linear_avx512.cpp", AVX512_FLAGS),
 }
-HEADERS = ["kernels.h", "isa.h", "workers.h", "moe.h", "linear.h", "simd_avx512.h"]
+HEADERS = ["kernels.h", "isa.h", "workers.h", "moe.h", "stream.h", "linear.h", "simd_avx512.h"]
 
 
 class CpuExtensionError(RuntimeError):
@@ -176,7 +177,8 @@ def _build(cxx: str, target: Path) -> list[str]:
             )
             objects.append(obj)
         out = os.path.join(tmp, target.name)
-        _run([cxx, "-shared", "-pthread", *objects, "-o", out])
+        # -ldl: dlopen of libcuda at run time (ext/cpu/stream.cpp); no CUDA library is linked.
+        _run([cxx, "-shared", "-pthread", *objects, "-ldl", "-o", out])
         os.replace(out, target)
     return skipped
 

@@ -230,7 +230,11 @@ ExpertPool::ExpertPool(int num_threads, const std::string& isa, int split_nodes)
     node_state_.push_back(std::make_unique<NodeState>());
 }
 
-ExpertPool::~ExpertPool() { workers_->wait(); }
+ExpertPool::~ExpertPool() {
+  workers_->wait();
+  std::lock_guard<std::mutex> lk(stream_mu_);
+  for (StreamJob* job : stream_jobs_) job->pool = nullptr;  // a late host function: no-op
+}
 
 const Layer& ExpertPool::layer(int layer) const {
   auto it = layers_.find(layer);

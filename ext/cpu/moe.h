@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,31 @@
 namespace tandem_cpu {
 
 enum SrcDtype : int { SRC_F32 = 0, SRC_BF16 = 1, SRC_F16 = 2 };
+
+class ExpertPool;
+
+// One layer's stream-ordered MoE call: fixed host buffers (pinned by the caller) that a stream
+// fills before the submit host function runs and reads after the wait host function returns.
+// `num_tokens` points at host memory the stream writes too, so one descriptor serves every
+// token count up to `capacity` (every graph bucket and every eager step).
+struct StreamJob {
+  ExpertPool* pool = nullptr;  // null once the pool is gone: the host functions do nothing
+  int layer = 0, capacity = 0, k = 0, H = 0;
+  const float* hidden = nullptr;     // [capacity, H]
+  const int64_t* ids = nullptr;      // [capacity, k], -1 = skipped slot
+  const float* weights = nullptr;    // [capacity, k]
+  float* out = nullptr;              // [capacity, H]
+  const int32_t* num_tokens = nullptr;  // rows of this call, read when the submit runs
+  int tokens = 0;                    // rows of the call in flight (submit -> wait)
+  int64_t t_submit_ns = 0;
+};
+
+struct StreamStats {
+  uint64_t calls = 0, errors = 0, tokens = 0;
+  uint64_t pool_ns = 0;  // submit host function -> job done, summed
+  uint64_t wait_ns = 0;  // time the wait host function blocked the stream, summed
+  uint64_t d2h_bytes = 0, h2d_bytes = 0;
+};
 
 struct Shard {  // one node's slice [i0, i0 + Is) of every expert's intermediate dimension
   int i0 = 0, Is = 0, Iv = 0;  // Is padded to kKAlign; Iv = real (unpadded) columns
@@ -67,6 +93,22 @@ class ExpertPool {
   void load_layer(int layer, const std::string& path, bool check_key, const std::string& key,
                   int E, int I, int H, int fmt, int group);
 
+  // -- stream-ordered jobs (ext/cpu/stream.cpp): a CUDA stream runs submit and wait as host
+  // functions, so the pool can sit inside a captured CUDA graph.
+  // A fixed descriptor over fixed buffers; the pool owns it, it is never freed while the pool
+  // lives (graphs keep its address) and is detached, not freed, when the pool goes.
+  StreamJob* make_stream_job(int layer, const float* hidden, const int64_t* ids,
+                             const float* weights, float* out, const int32_t* num_tokens,
+                             int capacity, int k);
+  // The two host functions' bodies. Never throw: a failure zeroes the job's output rows and is
+  // counted (stream_stats().errors, last_stream_error()).
+  void stream_submit(StreamJob& job) noexcept;
+  void stream_wait(StreamJob& job) noexcept;
+  StreamStats stream_stats() const;
+  std::string last_stream_error() const;
+  void set_spin_us(int us) { workers_->set_spin_us(us); }
+  int spin_us() const { return workers_->spin_us(); }
+
   std::string isa() const { return kernels_.name; }
   const Workers& workers() const { return *workers_; }
   bool has_layer(int layer) const { return layers_.count(layer) > 0; }
@@ -109,6 +151,13 @@ class ExpertPool {
   std::vector<std::unique_ptr<NodeState>> node_state_;
   std::atomic<int> reduce_{0}, global_barrier_{0};
   std::atomic<bool> failed_{false};
+
+  std::vector<StreamJob*> stream_jobs_;  // leaked on purpose: a graph may outlive the pool
+  std::atomic<uint64_t> s_calls_{0}, s_errors_{0}, s_tokens_{0}, s_pool_ns_{0}, s_wait_ns_{0},
+      s_d2h_{0}, s_h2d_{0};
+  mutable std::mutex stream_mu_;  // guards stream_jobs_ and last_error_
+  std::string last_error_;
+  void stream_error(StreamJob& job, const char* what) noexcept;
 };
 
 }  // namespace tandem_cpu

@@ -27,6 +27,27 @@ def supported_isas() -> list[str]:
     return list(load_extension().supported_isas())
 
 
+def cuda_host_funcs_error() -> str | None:
+    """None when the CUDA driver's cuLaunchHostFunc can be used (stream-ordered jobs); else
+    why not. The extension itself never needs CUDA."""
+    return load_extension().cuda_driver_error() or None
+
+
+class StreamJob:
+    """A fixed job descriptor of one layer over fixed host buffers (see
+    `CpuExpertPool.stream_job`). Holds the buffers alive; its address is what a captured graph
+    keeps, so it lives (inside the pool, which never frees it) as long as the pool."""
+
+    def __init__(self, handle: int, layer_idx: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.handle = handle
+        self.layer_idx = layer_idx
+        self.hidden, self.topk_ids, self.topk_weights, self.out, self.num_tokens = tensors
+
+    @property
+    def capacity(self) -> int:
+        return self.hidden.shape[0]
+
+
 def _check_cpu_tensor(name: str, t: Any, dtypes: tuple[torch.dtype, ...], ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -47,9 +68,17 @@ class CpuExpertPool:
     """
 
     def __init__(
-        self, num_threads: int | None = None, isa: str | None = None, *, split_nodes: int = 0
+        self,
+        num_threads: int | None = None,
+        isa: str | None = None,
+        *,
+        split_nodes: int = 0,
+        spin_us: int | None = None,
     ) -> None:
-        """`split_nodes` > 0 (tests): pretend the allowed cpus form that many NUMA nodes."""
+        """`split_nodes` > 0 (tests): pretend the allowed cpus form that many NUMA nodes.
+        `spin_us`: how long idle workers (and a waiting caller) spin before they sleep (None:
+        the C++ default, 200; 0: sleep at once). A forward's layers come tens of microseconds
+        apart, so spinning keeps the workers hot from one layer's job to the next."""
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
         if isa is None:
@@ -59,6 +88,8 @@ class CpuExpertPool:
         ext = load_extension()
         # ValueError if unavailable
         self._pool = ext.ExpertPool(num_threads or 0, isa or "", int(split_nodes))
+        if spin_us is not None:
+            self.spin_us = spin_us
         self._layers: dict[int, tuple[int, int, int, str, int]] = {}  # E, I, H, fmt, group
         self._inflight: tuple[torch.Tensor, ...] | None = None
         self._lock = threading.Lock()
@@ -254,6 +285,85 @@ class CpuExpertPool:
         self.submit(layer_idx, hidden, topk_ids, topk_weights, out)
         self.sync()
         return out
+
+    # -- stream-ordered jobs (the CUDA path, capturable in a CUDA graph) ---------------------
+
+    def stream_job(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,  # [C, H] float32, host (pinned for async copies)
+        topk_ids: torch.Tensor,  # [C, k] int64
+        topk_weights: torch.Tensor,  # [C, k] float32
+        out: torch.Tensor,  # [C, H] float32
+        num_tokens: torch.Tensor,  # [1] int32: the rows of a call, written before its submit
+    ) -> StreamJob:
+        """A fixed descriptor of a call over these buffers for `enqueue_submit`/`enqueue_wait`.
+
+        Every call reads `num_tokens[0]` when its submit host function runs (0 to C rows), so
+        one job serves every token count. The buffers must stay at their addresses for as long
+        as any stream or captured graph may run the job (the job keeps them alive)."""
+        self._live()
+        _, _, H, _, _ = self._layer(layer_idx)
+        _check_cpu_tensor("hidden", hidden, (torch.float32,), 2)
+        _check_cpu_tensor("topk_ids", topk_ids, (torch.int64,), 2)
+        _check_cpu_tensor("topk_weights", topk_weights, (torch.float32,), 2)
+        _check_cpu_tensor("out", out, (torch.float32,), 2)
+        _check_cpu_tensor("num_tokens", num_tokens, (torch.int32,), 1)
+        C, k = topk_ids.shape
+        if hidden.shape != (C, H) or out.shape != (C, H):
+            raise ValueError(f"hidden and out must be [{C}, {H}], got {tuple(hidden.shape)}, "
+                             f"{tuple(out.shape)}")  # fmt: skip
+        if topk_weights.shape != (C, k) or C < 1 or k < 1:
+            raise ValueError(f"topk_ids and topk_weights must be the same [C>=1, k>=1], got "
+                             f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")  # fmt: skip
+        if num_tokens.numel() != 1:
+            raise ValueError(f"num_tokens must have one element, got {num_tokens.numel()}")
+        tensors = (hidden, topk_ids, topk_weights, out, num_tokens)
+        names = ("hidden", "topk_ids", "topk_weights", "out", "num_tokens")
+        for name, t in zip(names, tensors, strict=True):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        if _overlaps(out, hidden):
+            raise ValueError("out must not overlap hidden")
+        handle = self._pool.make_stream_job(layer_idx, *(t.data_ptr() for t in tensors), C, k)
+        return StreamJob(handle, layer_idx, tensors)
+
+    def enqueue_submit(self, stream: int, job: StreamJob) -> None:
+        """Enqueues on CUDA stream `stream` (a cudaStream_t as an int, e.g. torch's
+        `current_stream().cuda_stream`) a host function that starts `job` on the pool with
+        the rows its buffers hold when the stream reaches it. Returns at once. During stream
+        capture it becomes a host node of the graph and runs at every replay. RuntimeError if
+        the CUDA driver (libcuda.so.1) is missing or refuses the launch."""
+        self._live().enqueue_submit(int(stream), job.handle)
+
+    def enqueue_wait(self, stream: int, job: StreamJob) -> None:
+        """Enqueues a host function that blocks `stream` until `job` is done, so work queued
+        after it (the copy of `job.out` to the device) sees the result."""
+        self._live().enqueue_wait(int(stream), job.handle)
+
+    def run_stream_job(self, job: StreamJob) -> None:
+        """Runs the submit and wait host functions here, in order (tests, no CUDA needed)."""
+        self._live().run_stream_job(job.handle)
+
+    def stream_stats(self) -> dict[str, int]:
+        """Counters of the stream-ordered jobs that ran: calls, errors, tokens, pool_ns
+        (submit to done), wait_ns (stream blocked in the wait), d2h_bytes, h2d_bytes."""
+        return dict(self._live().stream_stats())
+
+    def last_stream_error(self) -> str:
+        """The message of the last failed stream job ("" if none). A failed job zeroes its
+        output rows; the host functions cannot raise into the stream."""
+        return self._live().last_stream_error()
+
+    @property
+    def spin_us(self) -> int:
+        return self._live().spin_us
+
+    @spin_us.setter
+    def spin_us(self, value: int) -> None:
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"spin_us must be a non-negative int, got {value!r}")
+        self._live().spin_us = value
 
     # -- lifecycle and introspection -------------------------------------------------------
 

@@ -160,16 +160,35 @@ void Workers::start(std::function<void(int)> job) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     job_ = std::move(job);
-    busy_ = true;
     remaining_.store(size(), std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_release);
   }
   work_cv_.notify_all();
 }
 
+namespace {
+// Spins with pause until done() or spin_us have passed; true if done() held.
+template <class Done>
+bool spin_for(int spin_us, Done done) {
+  if (spin_us <= 0) return done();
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  for (int spins = 1;; ++spins) {
+    if (done()) return true;
+    cpu_relax();
+    if ((spins & 63) == 0 && std::chrono::steady_clock::now() > end) return done();
+  }
+}
+}  // namespace
+
 void Workers::wait() {
+  // A job is done when the last worker has published its generation (under mu_, so a
+  // sleeper below cannot miss the notify).
+  auto idle = [this] {
+    return done_.load(std::memory_order_acquire) == generation_.load(std::memory_order_acquire);
+  };
+  if (spin_for(spin_us(), idle)) return;
   std::unique_lock<std::mutex> lk(mu_);
-  done_cv_.wait(lk, [this] { return !busy_; });
+  done_cv_.wait(lk, idle);
 }
 
 std::vector<uint64_t> Workers::busy_ns() const {
@@ -179,8 +198,7 @@ std::vector<uint64_t> Workers::busy_ns() const {
 }
 
 bool Workers::busy() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return busy_;
+  return done_.load(std::memory_order_acquire) != generation_.load(std::memory_order_acquire);
 }
 
 void Workers::loop(int worker, int cpu) {
@@ -190,13 +208,11 @@ void Workers::loop(int worker, int cpu) {
   sched_setaffinity(0, sizeof(set), &set);  // best effort
   uint64_t seen = 0;
   for (;;) {
-    // Spin a little (a decode step submits layer after layer), then sleep.
-    const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
-    int spins = 0;
-    while (generation_.load(std::memory_order_acquire) == seen && !stop_.load()) {
-      cpu_relax();
-      if ((++spins & 63) == 0 && std::chrono::steady_clock::now() > spin_end) break;
-    }
+    // Spin (a forward submits layer after layer), then sleep.
+    spin_for(spin_us(), [&] {
+      return generation_.load(std::memory_order_acquire) != seen ||
+             stop_.load(std::memory_order_relaxed);
+    });
     std::function<void(int)>* job;
     {
       std::unique_lock<std::mutex> lk(mu_);
@@ -213,7 +229,7 @@ void Workers::loop(int worker, int cpu) {
         std::memory_order_relaxed);
     if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lk(mu_);
-      busy_ = false;
+      done_.store(seen, std::memory_order_release);
       done_cv_.notify_all();
     }
   }

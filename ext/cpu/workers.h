@@ -1,6 +1,8 @@
 // Worker threads grouped by NUMA node and pinned to that node's cores. Runs one job at a time:
 // every worker calls job(worker_id) once; the job splits its own work (atomic counters).
-// Knows nothing about experts.
+// After a job each worker spins (pause) for spin_us before it sleeps, so the next job of a
+// forward (the next layer, tens of microseconds later) needs no wake-up; wait() spins as long
+// before it sleeps too. Knows nothing about experts.
 #pragma once
 
 #include <atomic>
@@ -36,6 +38,9 @@ class Workers {
   // Blocks until the running job (if any) has finished on every worker.
   void wait();
   bool busy();
+  // How long workers (and wait()) spin before sleeping; 0 = sleep at once.
+  void set_spin_us(int us) { spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
+  int spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
 
   int size() const { return (int)threads_.size(); }
   const std::vector<NodeInfo>& nodes() const { return nodes_; }  // nodes with >= 1 worker
@@ -52,11 +57,15 @@ class Workers {
   std::function<void(int)> job_;
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
-  std::atomic<uint64_t> generation_{0};
+  std::atomic<uint64_t> generation_{0};  // jobs started
+  std::atomic<uint64_t> done_{0};        // generation of the last job that finished everywhere
   std::atomic<int> remaining_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<int> spin_us_{kDefaultSpinUs};
   std::unique_ptr<std::atomic<uint64_t>[]> busy_ns_;
-  bool busy_ = false;
+
+ public:
+  static constexpr int kDefaultSpinUs = 200;
 };
 
 // Spins (then yields) until counter >= target. Used as a one-shot barrier inside a job.

@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
 
-from ext.cpu import CpuExpertPool, CpuExtensionError, moe_reference, quantize, supported_isas
+from ext.cpu import (
+    CpuExpertPool,
+    CpuExtensionError,
+    cuda_host_funcs_error,
+    moe_reference,
+    quantize,
+    supported_isas,
+)
 from ext.cpu import build as cpu_build
 
 ISAS = supported_isas()
@@ -242,6 +250,217 @@ def test_close_and_context_manager():
     pool.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         pool.forward(0, hidden, ids, weights)
+
+
+@pytest.mark.parametrize("spin_us", [0, 20_000])
+def test_spin_then_sleep_keeps_shutdown_and_reuse(spin_us):
+    """Workers spin `spin_us` after a job, then sleep. Both states take new jobs with the right
+    result, and close() returns promptly even while every worker spins (20 ms here)."""
+    E, inter, H = 4, 64, 64
+    w13, w2 = make_layer(E, inter, H, seed=12)
+    ref13, ref2 = quantize(w13, "bf16"), quantize(w2, "bf16")
+    pool = CpuExpertPool(num_threads=2, isa="scalar", spin_us=spin_us)
+    assert pool.spin_us == spin_us
+    pool.add_layer(0, w13, w2, "bf16")
+    for request in range(3):  # a "request": a burst of layer calls, then idle
+        for step in range(5):
+            hidden, ids, weights = make_inputs(1 + step, H, E, 2, seed=request * 10 + step)
+            out = pool.forward(0, hidden, ids, weights)
+            assert rel_err(out, moe_reference(hidden, ref13, ref2, ids, weights)) < 2e-5
+        if request == 1:
+            time.sleep(0.05)  # past any spin: the workers are asleep for the next request
+    pool.submit(0, hidden, ids, weights, torch.empty_like(hidden))
+    t0 = time.perf_counter()
+    pool.close()  # waits for the job; the workers stop spinning and exit
+    assert time.perf_counter() - t0 < 2.0
+    with pytest.raises(ValueError, match="spin_us"):
+        CpuExpertPool(num_threads=1, isa="scalar", spin_us=-1)
+
+
+def _stream_job(pool, layer, C, H, k, n):
+    tensors = (
+        torch.zeros(C, H),
+        torch.zeros(C, k, dtype=torch.int64),
+        torch.zeros(C, k),
+        torch.full((C, H), 7.0),
+        torch.tensor([n], dtype=torch.int32),
+    )
+    return pool.stream_job(layer, *tensors)
+
+
+def test_stream_job_runs_like_submit(pools):
+    """The host functions of a stream-ordered job, run in order on this thread: each call reads
+    its row count from the job's num_tokens buffer, computes those rows as submit would, leaves
+    the rest of `out` alone, and is counted."""
+    pool = pools("scalar")
+    E, inter, H, k, C = 6, 64, 128, 3, 16
+    w13, w2 = make_layer(E, inter, H, seed=13)
+    pool.add_layer(60, w13, w2, "int8")
+    job = _stream_job(pool, 60, C, H, k, 0)
+    assert job.capacity == C
+    before = pool.stream_stats()
+    for i, T in enumerate((1, 16, 5, 0)):
+        hidden, ids, weights = make_inputs(max(T, 1), H, E, k, seed=20 + i)
+        job.hidden[:T], job.topk_ids[:T], job.topk_weights[:T] = hidden[:T], ids[:T], weights[:T]
+        job.out.fill_(7.0)
+        job.num_tokens[0] = T
+        pool.run_stream_job(job)
+        ref = pool.forward(60, hidden[:T].clone(), ids[:T].clone(), weights[:T].clone())
+        torch.testing.assert_close(job.out[:T], ref, rtol=0, atol=0)
+        assert bool((job.out[T:] == 7.0).all())
+    s = pool.stream_stats()
+    assert s["calls"] - before["calls"] == 4 and s["errors"] == before["errors"]
+    assert s["tokens"] - before["tokens"] == 22
+    assert s["h2d_bytes"] - before["h2d_bytes"] == 22 * H * 4
+    assert s["pool_ns"] > before["pool_ns"]
+
+
+def test_stream_job_failure_zeroes_output_and_is_counted(pools):
+    """A host function cannot raise into a CUDA stream: a bad call zeroes its rows, counts an
+    error and keeps the message; the next good call works."""
+    pool = pools("scalar")
+    E, inter, H, k = 4, 64, 64, 2
+    w13, w2 = make_layer(E, inter, H, seed=14)
+    pool.add_layer(61, w13, w2, "bf16")
+    job = _stream_job(pool, 61, 4, H, k, 3)
+    job.hidden.normal_()
+    job.topk_ids[:3] = torch.tensor([[0, 1], [2, 9], [3, 0]])  # 9: out of range
+    job.topk_weights.fill_(0.5)
+    errors = pool.stream_stats()["errors"]
+    pool.run_stream_job(job)
+    assert pool.stream_stats()["errors"] == errors + 1
+    assert "out of range" in pool.last_stream_error()
+    assert bool((job.out[:3] == 0).all()) and bool((job.out[3] == 7.0).all())
+    job.num_tokens[0] = 5  # more rows than the job holds
+    pool.run_stream_job(job)
+    assert pool.stream_stats()["errors"] == errors + 2 and "capacity" in pool.last_stream_error()
+    job.num_tokens[0] = 3
+    job.topk_ids[1, 1] = 1
+    pool.run_stream_job(job)
+    ref = moe_reference(job.hidden[:3], quantize(w13, "bf16"), quantize(w2, "bf16"),
+                        job.topk_ids[:3], job.topk_weights[:3])  # fmt: skip
+    assert rel_err(job.out[:3], ref) < 2e-5
+    assert pool.stream_stats()["errors"] == errors + 2
+
+
+def test_stream_job_validation(pools):
+    pool = pools("scalar")
+    E, inter, H = 4, 64, 64
+    w13, w2 = make_layer(E, inter, H, seed=15)
+    pool.add_layer(62, w13, w2, "bf16")
+    good = dict(
+        hidden=torch.zeros(4, H),
+        topk_ids=torch.zeros(4, 2, dtype=torch.int64),
+        topk_weights=torch.zeros(4, 2),
+        out=torch.zeros(4, H),
+        num_tokens=torch.zeros(1, dtype=torch.int32),
+    )
+    bad = [
+        ("hidden", torch.zeros(4, H + 1), "hidden and out"),
+        ("topk_ids", torch.zeros(4, 2, dtype=torch.int32), "int64"),
+        ("topk_weights", torch.zeros(4, 3), "same"),
+        ("out", torch.zeros(H, 4).t(), "contiguous"),
+        ("num_tokens", torch.zeros(2, dtype=torch.int32), "one element"),
+    ]
+    for name, value, match in bad:
+        with pytest.raises(ValueError, match=match):
+            pool.stream_job(62, **(good | {name: value}))
+    with pytest.raises(ValueError, match="has not been added"):
+        pool.stream_job(63, **good)
+    other = CpuExpertPool(num_threads=1, isa="scalar")
+    other.add_layer(62, w13, w2, "bf16")
+    job = other.stream_job(62, **good)
+    with pytest.raises(ValueError, match="another pool"):
+        pool.run_stream_job(job)
+    other.close()
+
+
+def test_extension_loads_without_libcuda_and_enqueue_says_why(pools):
+    """The extension never links CUDA. Without the driver, the CUDA path's enqueue calls raise
+    a RuntimeError that names libcuda (before touching any stream)."""
+    err = cuda_host_funcs_error()
+    if err is None:
+        pytest.skip("this machine has the CUDA driver; the GPU tests cover enqueue")
+    assert "libcuda" in err
+    pool = pools("scalar")
+    w13, w2 = make_layer(4, 64, 64, seed=16)
+    pool.add_layer(64, w13, w2, "bf16")
+    job = _stream_job(pool, 64, 2, 64, 2, 1)
+    for enqueue in (pool.enqueue_submit, pool.enqueue_wait):
+        with pytest.raises(RuntimeError, match="libcuda"):
+            enqueue(0, job)
+
+
+@pytest.mark.gpu
+def test_stream_jobs_in_a_captured_cuda_graph():
+    """D2H copies -> submit host node -> wait host node -> H2D copy, captured once; replays
+    with new inputs and other row counts equal the pool's own submit/sync; eager enqueue too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert cuda_host_funcs_error() is None
+    E, inter, H, k, C = 8, 64, 128, 2, 8
+    w13, w2 = make_layer(E, inter, H, seed=17)
+    pool = CpuExpertPool(num_threads=2, isa="scalar")
+    pool.add_layer(0, w13, w2, "bf16")
+    pin = dict(pin_memory=True)
+    job = pool.stream_job(
+        0,
+        torch.zeros(C, H, **pin),
+        torch.zeros(C, k, dtype=torch.int64, **pin),
+        torch.zeros(C, k, **pin),
+        torch.zeros(C, H, **pin),
+        torch.zeros(1, dtype=torch.int32, **pin),
+    )
+    dev = torch.device("cuda")
+    x_d = torch.zeros(C, H, device=dev)  # static graph inputs
+    ids_d = torch.zeros(C, k, dtype=torch.int64, device=dev)
+    w_d = torch.zeros(C, k, device=dev)
+    rows_d = torch.arange(C + 1, dtype=torch.int32, device=dev)
+    out_d = torch.zeros(C, H, device=dev)
+    stream = torch.cuda.Stream()
+
+    def body(T: int) -> None:
+        job.hidden[:T].copy_(x_d[:T] * 1.0, non_blocking=True)  # a kernel, then the copy
+        job.topk_ids[:T].copy_(ids_d[:T], non_blocking=True)
+        job.topk_weights[:T].copy_(w_d[:T], non_blocking=True)
+        job.num_tokens.copy_(rows_d[T : T + 1], non_blocking=True)
+        s = torch.cuda.current_stream().cuda_stream
+        pool.enqueue_submit(s, job)
+        out_d[:T].mul_(0.0)  # GPU work between submit and wait
+        pool.enqueue_wait(s, job)
+        out_d[:T].copy_(job.out[:T], non_blocking=True)
+
+    def fill(T: int, seed: int) -> tuple[torch.Tensor, ...]:
+        hidden, ids, weights = make_inputs(T, H, E, k, seed=seed)
+        x_d[:T].copy_(hidden)
+        ids_d[:T].copy_(ids)
+        w_d[:T].copy_(weights)
+        return hidden, ids, weights
+
+    def expect(hidden, ids, weights):
+        return pool.forward(0, hidden, ids, weights)
+
+    with torch.cuda.stream(stream):
+        hidden, ids, weights = fill(5, seed=1)
+        body(5)  # eager
+        stream.synchronize()
+        torch.testing.assert_close(out_d[:5].cpu(), expect(hidden, ids, weights), rtol=0, atol=0)
+        graphs = {}
+        for T in (C, 3):
+            graphs[T] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[T], stream=stream):
+                body(T)
+    calls = pool.stream_stats()["calls"]
+    for rep, T in enumerate((C, 3, C, 3, 3)):
+        hidden, ids, weights = fill(T, seed=100 + rep)
+        out_d.fill_(-1.0)
+        graphs[T].replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out_d[:T].cpu(), expect(hidden, ids, weights), rtol=0, atol=0)
+    s = pool.stream_stats()
+    assert s["calls"] == calls + 5 and s["errors"] == 0, (s, pool.last_stream_error())
+    del graphs
+    pool.close()
 
 
 def test_info():

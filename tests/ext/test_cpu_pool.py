@@ -295,8 +295,8 @@ def test_stream_job_runs_like_submit(pools):
     pool = pools("scalar")
     E, inter, H, k, C = 6, 64, 128, 3, 16
     w13, w2 = make_layer(E, inter, H, seed=13)
-    pool.add_layer(60, w13, w2, "int8")
-    job = _stream_job(pool, 60, C, H, k, 0)
+    pool.add_layer(70, w13, w2, "int8")
+    job = _stream_job(pool, 70, C, H, k, 0)
     assert job.capacity == C
     before = pool.stream_stats()
     for i, T in enumerate((1, 16, 5, 0)):
@@ -305,7 +305,7 @@ def test_stream_job_runs_like_submit(pools):
         job.out.fill_(7.0)
         job.num_tokens[0] = T
         pool.run_stream_job(job)
-        ref = pool.forward(60, hidden[:T].clone(), ids[:T].clone(), weights[:T].clone())
+        ref = pool.forward(70, hidden[:T].clone(), ids[:T].clone(), weights[:T].clone())
         torch.testing.assert_close(job.out[:T], ref, rtol=0, atol=0)
         assert bool((job.out[T:] == 7.0).all())
     s = pool.stream_stats()
@@ -321,8 +321,8 @@ def test_stream_job_failure_zeroes_output_and_is_counted(pools):
     pool = pools("scalar")
     E, inter, H, k = 4, 64, 64, 2
     w13, w2 = make_layer(E, inter, H, seed=14)
-    pool.add_layer(61, w13, w2, "bf16")
-    job = _stream_job(pool, 61, 4, H, k, 3)
+    pool.add_layer(71, w13, w2, "bf16")
+    job = _stream_job(pool, 71, 4, H, k, 3)
     job.hidden.normal_()
     job.topk_ids[:3] = torch.tensor([[0, 1], [2, 9], [3, 0]])  # 9: out of range
     job.topk_weights.fill_(0.5)
@@ -347,7 +347,7 @@ def test_stream_job_validation(pools):
     pool = pools("scalar")
     E, inter, H = 4, 64, 64
     w13, w2 = make_layer(E, inter, H, seed=15)
-    pool.add_layer(62, w13, w2, "bf16")
+    pool.add_layer(72, w13, w2, "bf16")
     good = dict(
         hidden=torch.zeros(4, H),
         topk_ids=torch.zeros(4, 2, dtype=torch.int64),
@@ -364,12 +364,12 @@ def test_stream_job_validation(pools):
     ]
     for name, value, match in bad:
         with pytest.raises(ValueError, match=match):
-            pool.stream_job(62, **(good | {name: value}))
+            pool.stream_job(72, **(good | {name: value}))
     with pytest.raises(ValueError, match="has not been added"):
-        pool.stream_job(63, **good)
+        pool.stream_job(73, **good)
     other = CpuExpertPool(num_threads=1, isa="scalar")
-    other.add_layer(62, w13, w2, "bf16")
-    job = other.stream_job(62, **good)
+    other.add_layer(72, w13, w2, "bf16")
+    job = other.stream_job(72, **good)
     with pytest.raises(ValueError, match="another pool"):
         pool.run_stream_job(job)
     other.close()
@@ -384,8 +384,8 @@ def test_extension_loads_without_libcuda_and_enqueue_says_why(pools):
     assert "libcuda" in err
     pool = pools("scalar")
     w13, w2 = make_layer(4, 64, 64, seed=16)
-    pool.add_layer(64, w13, w2, "bf16")
-    job = _stream_job(pool, 64, 2, 64, 2, 1)
+    pool.add_layer(74, w13, w2, "bf16")
+    job = _stream_job(pool, 74, 2, 64, 2, 1)
     for enqueue in (pool.enqueue_submit, pool.enqueue_wait):
         with pytest.raises(RuntimeError, match="libcuda"):
             enqueue(0, job)

@@ -27,7 +27,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument(
-        "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"]
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="auto: from the --model path; dummy: random weights of the shape in --model's "
+        "config.json (a directory holding only config.json will do; without tokenizer files "
+        "a synthetic byte-level tokenizer stands in)",
     )
     parser.add_argument("--max-model-len", type=int, default=sched.max_model_len)
     parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)

@@ -1,9 +1,11 @@
 """Text <-> token ids, and chat templates, over HF's fast (Rust) `tokenizers` library.
 
-`Tokenizer` is built from an HF model directory (`tokenizer.json` + `tokenizer_config.json`) or
-from a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE). It renders chat templates with
-a sandboxed jinja2 environment. It knows nothing of requests or of incremental streaming state:
-the runtime's detokenizer builds on `convert_ids_to_tokens` / `convert_tokens_to_string`.
+`Tokenizer` is built from an HF model directory (`tokenizer.json` + `tokenizer_config.json`), from
+a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE), or made up for a vocabulary size
+(`synthetic`, for random "dummy" weights of a shape that ships no tokenizer). It renders chat
+templates with a sandboxed jinja2 environment. It knows nothing of requests or of incremental
+streaming state: the runtime's detokenizer builds on `convert_ids_to_tokens` /
+`convert_tokens_to_string`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ _QWEN2_SPLIT = (
 )
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 _DIGIT_SPLIT = ("smollm", "starcoder", "refact")  # GPT-2 regex after splitting every digit apart
+
+SYNTHETIC_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 @lru_cache(maxsize=1)
@@ -207,6 +214,23 @@ class Tokenizer:
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             extra_eos_ids=[eot] if eot is not None else [],
         )
+
+    @classmethod
+    def synthetic(cls, vocab_size: int) -> Tokenizer:
+        """A stand-in for a model without tokenizer files (random weights of a real shape), so
+        text prompts, chat and streamed text work. Ids 0-255 are the bytes of UTF-8 (any text
+        encodes to them); id N >= 256 reads " tN" and is never produced by `encode`. No special
+        tokens, no eos; a plain "role: content" chat template."""
+        if vocab_size < 256:
+            raise ValueError(f"a synthetic tokenizer needs vocab_size >= 256, got {vocab_size}")
+        spelled = byte_to_unicode()
+        vocab = {spelled[b]: b for b in range(256)}
+        space = spelled[ord(" ")]
+        vocab.update((f"{space}t{i}", i) for i in range(256, vocab_size))
+        backend = RustTokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        return cls(backend, chat_template=SYNTHETIC_CHAT_TEMPLATE)
 
     # -- ids ------------------------------------------------------------------------------------
 

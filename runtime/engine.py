@@ -83,7 +83,7 @@ class Engine:
         self.model = model
         self.model_config = model_config
         if tokenizer is None and model_path is not None:
-            tokenizer = load_tokenizer(model_path)
+            tokenizer = load_tokenizer(model_path, spec.load_format, model_config.vocab_size)
         self.tokenizer = tokenizer
         self.model_name = spec.model or "smollm2-135m-instruct"
         if model_path is not None and spec.model:

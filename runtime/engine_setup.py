@@ -96,13 +96,23 @@ def load_engine_model(
     return model, model_config, model_path
 
 
-def load_tokenizer(model_path: Path):
+def load_tokenizer(model_path: Path, load_format: str = "auto", vocab_size: int | None = None):
+    """The tokenizer next to the weights. Where there is none: for dummy weights a synthetic
+    byte-level one of `vocab_size` (models.tokenizer.Tokenizer.synthetic), else None (the
+    engine then takes token ids only)."""
     from models.tokenizer import Tokenizer
 
     if model_path.suffix == ".gguf":
         return Tokenizer.from_gguf(model_path)
     if (model_path / "tokenizer.json").exists() or (model_path / "tokenizer_config.json").exists():
         return Tokenizer.from_pretrained(model_path)
+    if load_format == "dummy" and vocab_size is not None:
+        log.warning(
+            "no tokenizer in %s: dummy weights get a synthetic byte-level tokenizer "
+            "(ids 0-255 are bytes, id N >= 256 reads ' tN')",
+            model_path,
+        )
+        return Tokenizer.synthetic(vocab_size)
     log.warning("no tokenizer found in %s: token ids only", model_path)
     return None
 

@@ -143,3 +143,27 @@ def test_from_pretrained_matches(ours: Tokenizer, reference, tmp_path: Path) -> 
     )
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_pretrained(tmp_path / "missing")
+
+
+def test_synthetic_tokenizer_bytes_and_placeholders() -> None:
+    tok = Tokenizer.synthetic(1000)
+    assert tok.vocab_size == 1000 and tok.eos_token_ids == () and tok.all_special_ids == []
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == list(text.encode("utf-8"))  # ids 0-255 are the bytes
+        assert tok.decode(ids) == text
+    assert tok.decode([256, 999, 104, 105]) == " t256 t999hi"
+    assert tok.convert_tokens_to_string(tok.convert_ids_to_tokens([300, 0xC3, 0xA9])) == " t300é"
+    with pytest.raises(IndexError):
+        tok.id_to_token(1000)
+    with pytest.raises(ValueError, match="vocab_size >= 256"):
+        Tokenizer.synthetic(255)
+
+
+def test_synthetic_tokenizer_chat_template() -> None:
+    tok = Tokenizer.synthetic(128256)
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    )
+    assert text == "system: be brief\nuser: hi\nassistant: "
+    assert tok.decode([128255]) == " t128255"

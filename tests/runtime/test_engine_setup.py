@@ -1,0 +1,55 @@
+"""Start-up decisions of runtime/engine_setup.py: which tokenizer an engine gets, and an engine
+on a directory that holds only a config.json (`--load-format dummy`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from models.config import ModelConfig
+from models.hf_export import to_hf_config_dict
+from models.tokenizer import Tokenizer
+from runtime import LLM, SamplingParams
+from runtime.config import EngineConfig, ModelSpec, SchedulerConfig
+from runtime.engine_setup import load_tokenizer
+
+
+@pytest.fixture
+def config_only_dir(tmp_path: Path) -> Path:
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config_dict(cfg)))
+    return tmp_path
+
+
+def test_dummy_weights_without_tokenizer_files_get_a_synthetic_tokenizer(
+    config_only_dir: Path,
+) -> None:
+    tok = load_tokenizer(config_only_dir, "dummy", 512)
+    assert isinstance(tok, Tokenizer) and tok.vocab_size == 512
+    # real weights without a tokenizer stay token-ids-only: made-up text would mislead
+    assert load_tokenizer(config_only_dir, "safetensors", 512) is None
+    assert load_tokenizer(config_only_dir) is None
+
+
+def test_engine_on_a_config_only_directory_generates_text(config_only_dir: Path) -> None:
+    llm = LLM(
+        engine_config=EngineConfig(
+            model=ModelSpec(
+                model=str(config_only_dir), load_format="dummy", device="cpu", dtype="float32"
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=128),
+        )
+    )
+    assert llm.engine.model_name == config_only_dir.name
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    by_text, by_ids = llm.generate(["hello", [104, 101, 108, 108, 111]], params)
+    assert by_text.token_ids == by_ids.token_ids and len(by_text.token_ids) == 6
+    assert by_text.text == llm.tokenizer.decode(by_text.token_ids) and by_text.text
+    (chat,) = llm.chat([{"role": "user", "content": "hello"}], params)
+    assert len(chat.token_ids) == 6

@@ -6,7 +6,7 @@
         --num-prompts 64 --max-concurrency 16
     python tools/bench_serving.py --dataset conversation --request-rate 4 --num-prompts 100
     python tools/bench_serving.py --sweep-concurrency 1,16,64 --plot sweep.png \\
-        --result-json sweep.json --health-probe
+        --result-json sweep.json --health-probe [--sweep-num-prompts 16,64,256]
 
 Every request streams (`stream_options.include_usage`), so token counts come from the
 server's usage chunk (or, from a server that sends none, the number of text chunks) and inter-token latency from SSE chunk arrival times. Per request:
@@ -18,6 +18,8 @@ GET /health every 20 ms while the load runs. Datasets: `random` (random token id
 text with the model's tokenizer, re-encoded to the exact --input-len; ignore_eos so outputs
 are exactly --output-len) and `conversation` (synthetic multi-turn chats sharing one system
 prompt, lengths varied). Nothing here imports the server; the tokenizer is only for `random`.
+`--result-json` is rewritten after every level, so a run cut short keeps the levels it finished.
+The sweep plot is a PNG through matplotlib, or an SVG written here where matplotlib is missing.
 """
 
 from __future__ import annotations
@@ -434,7 +436,94 @@ def print_report(r: dict[str, Any]) -> None:
         )
 
 
-def plot_sweep(runs: list[dict[str, Any]], path: str, title: str) -> None:
+_PANELS = (
+    ("TTFT (ms)", (("p50", lambda r: r["ttft_ms"]["p50"]), ("p99", lambda r: r["ttft_ms"]["p99"]))),
+    ("TPOT (ms)", (("p50", lambda r: r["tpot_ms"]["p50"]), ("p99", lambda r: r["tpot_ms"]["p99"]))),
+    ("output tokens/s", (("output", lambda r: r["output_throughput"]),)),
+)
+
+
+def plot_sweep(runs: list[dict[str, Any]], path: str, title: str) -> str:
+    """TTFT and TPOT p50/p99 and output tok/s against concurrency; returns the path written:
+    `path` through matplotlib, or `path` with an .svg suffix drawn here where matplotlib is
+    missing (or where `path` asks for .svg)."""
+    if Path(path).suffix.lower() != ".svg":
+        try:
+            _plot_matplotlib(runs, path, title)
+            return path
+        except ImportError:
+            print("matplotlib is not installed: writing an SVG plot instead", file=sys.stderr)
+    svg = str(Path(path).with_suffix(".svg"))
+    Path(svg).write_text(sweep_svg(runs, title))
+    return svg
+
+
+def sweep_svg(runs: list[dict[str, Any]], title: str) -> str:
+    """The sweep plot as a standalone SVG: three panels, log2 concurrency on x, linear y."""
+    w, h, left, top, bottom = 330, 260, 60, 40, 40
+    colors = ("#1f77b4", "#d62728")
+    xs = [r["max_concurrency"] or 1 for r in runs]
+    lx = [math.log2(x) for x in xs]
+    x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{3 * w}" height="{h + top}" '
+        'font-family="sans-serif" font-size="11">',
+        f'<rect width="100%" height="100%" fill="white"/><text x="{1.5 * w}" y="18" '
+        f'text-anchor="middle" font-size="13">{_xml(title)}</text>',
+    ]
+    for i, (label, series) in enumerate(_PANELS):
+        ox, pw, ph = i * w + left, w - left - 15, h - bottom - 10
+        ys = [v for _, get in series for r in runs if (v := get(r)) is not None]
+        ymax = max(ys, default=1.0) * 1.1 or 1.0
+
+        def px(v: float, ox: float = ox, pw: float = pw) -> float:
+            return ox + (v - x0) / (x1 - x0) * pw
+
+        def py(v: float, ph: float = ph, ymax: float = ymax) -> float:
+            return top + ph - v / ymax * ph
+
+        parts.append(
+            f'<rect x="{ox}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
+            f'<text x="{ox - 48}" y="{top + ph / 2}" transform="rotate(-90 {ox - 48} '
+            f'{top + ph / 2})" text-anchor="middle">{_xml(label)}</text>'
+            f'<text x="{ox + pw / 2}" y="{top + ph + 32}" text-anchor="middle">concurrency</text>'
+        )
+        for k in range(5):
+            v = ymax * k / 4
+            tick = f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+            parts.append(f'<text x="{ox - 4}" y="{py(v) + 4:.1f}" text-anchor="end">{tick}</text>')
+        for x, xl in zip(xs, lx, strict=True):
+            parts.append(
+                f'<text x="{px(xl):.1f}" y="{top + ph + 15}" text-anchor="middle">{x}</text>'
+            )
+        for j, (name, get) in enumerate(series):
+            pts = [
+                (px(xl), py(v)) for xl, r in zip(lx, runs, strict=True) if (v := get(r)) is not None
+            ]
+            if not pts:
+                continue
+            color = colors[j % 2] if len(series) > 1 else "#2ca02c"
+            dash = ' stroke-dasharray="5,3"' if j else ""
+            path = " ".join(f"{a:.1f},{b:.1f}" for a, b in pts)
+            parts.append(
+                f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>'
+            )
+            parts.extend(
+                f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="{color}"/>' for a, b in pts
+            )
+            if len(series) > 1:
+                parts.append(
+                    f'<text x="{ox + 8}" y="{top + 14 + 13 * j}" fill="{color}">{name}</text>'
+                )
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _xml(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _plot_matplotlib(runs: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -494,6 +583,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated levels, e.g. 1,4,16,64: one run per level",
     )
+    p.add_argument(
+        "--sweep-num-prompts",
+        default=None,
+        help="comma-separated request counts, one per --sweep-concurrency level "
+        "(default: max(--num-prompts, level) each)",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument(
@@ -527,21 +622,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if args.sweep_concurrency
         else [args.max_concurrency]
     )
+    counts = [
+        args.num_prompts if level is None else max(args.num_prompts, level) for level in levels
+    ]
+    if args.sweep_num_prompts:
+        counts = [int(x) for x in args.sweep_num_prompts.split(",")]
+        if len(counts) != len(levels):
+            raise ValueError(
+                f"--sweep-num-prompts has {len(counts)} counts for {len(levels)} levels"
+            )
     if args.warmup:
         warm = argparse.Namespace(
             **{**vars(args), "num_prompts": args.warmup, "output_len": 4, "health_probe": False}
         )
         await run_load(warm, dataset(warm, rng), model, None, math.inf)
-    runs = []
-    for level in levels:
-        num = args.num_prompts if level is None else max(args.num_prompts, level)
-        level_args = argparse.Namespace(**{**vars(args), "num_prompts": num})
-        requests = dataset(level_args, random.Random(args.seed))
-        rate = math.inf if args.sweep_concurrency else args.request_rate
-        report = await run_load(args, requests, model, level, rate)
-        print_report(report)
-        runs.append(report)
-    return {
+    runs: list[dict[str, Any]] = []
+    result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
         "machine": {
             "node": platform.node(),
@@ -557,21 +653,42 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "runs": runs,
     }
+    for level, num in zip(levels, counts, strict=True):
+        level_args = argparse.Namespace(**{**vars(args), "num_prompts": num})
+        requests = dataset(level_args, random.Random(args.seed))
+        rate = math.inf if args.sweep_concurrency else args.request_rate
+        report = await run_load(args, requests, model, level, rate)
+        print_report(report)
+        runs.append(report)
+        if args.result_json:  # after every level: a run cut short keeps what it measured
+            write_json(args.result_json, result)
+    return result
+
+
+def write_json(path: str, result: dict[str, Any]) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.base_url = args.base_url.rstrip("/")
-    result = asyncio.run(main_async(args))
+    try:  # the client parses every SSE chunk of every stream: uvloop keeps its overhead down
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    result = run(main_async(args))
     if args.result_json:
-        Path(args.result_json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_json(args.result_json, result)
         print(f"results: {args.result_json}")
     if args.plot and not args.sweep_concurrency:
         print("--plot needs --sweep-concurrency; no plot written", file=sys.stderr)
     elif args.plot:
         title = f"{result['model']} · {args.dataset} in {args.input_len} / out {args.output_len}"
-        plot_sweep(result["runs"], args.plot, title)
-        print(f"plot: {args.plot}")
+        print(f"plot: {plot_sweep(result['runs'], args.plot, title)}")
     return 0 if all(r["failed"] == 0 for r in result["runs"]) else 1
 
 

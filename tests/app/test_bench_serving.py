@@ -142,3 +142,54 @@ def test_percentile_interpolates() -> None:
     assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert bench.percentile([5.0], 99) == 5.0
     assert math.isclose(bench.percentile(list(map(float, range(101))), 99), 99.0)
+
+
+async def test_sweep_num_prompts_per_level_and_json_after_each_level(
+    server: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out_json = tmp_path / "r.json"
+    written: list[int] = []
+    write_json = bench.write_json
+
+    def spy(path: str, result: dict) -> None:
+        write_json(path, result)
+        written.append(len(json.loads(Path(path).read_text())["runs"]))
+
+    monkeypatch.setattr(bench, "write_json", spy)
+    args = parse(
+        server,
+        *("--input-len", "5", "--output-len", "3", "--sweep-concurrency", "1,4"),
+        *("--sweep-num-prompts", "2,9", "--result-json", str(out_json)),
+    )
+    result = await bench.main_async(args)
+    assert [r["num_prompts"] for r in result["runs"]] == [2, 9]
+    assert [r["total_output_tokens"] for r in result["runs"]] == [6, 27]
+    assert written == [1, 2]  # a sweep cut short keeps the levels it finished
+    bad = parse(server, "--sweep-concurrency", "1,4", "--sweep-num-prompts", "2")
+    with pytest.raises(ValueError, match="1 counts for 2 levels"):
+        await bench.main_async(bad)
+
+
+def test_plot_falls_back_to_svg_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import xml.etree.ElementTree as ET
+
+    runs = [
+        {
+            "max_concurrency": c,
+            "ttft_ms": {"p50": 10.0 * c, "p99": 20.0 * c},
+            "tpot_ms": {"p50": 2.0, "p99": None},
+            "output_throughput": 100.0 * c,
+        }
+        for c in (1, 16, 256)
+    ]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    path = bench.plot_sweep(runs, str(tmp_path / "sweep.png"), "a <title> & more")
+    assert path == str(tmp_path / "sweep.svg") and not (tmp_path / "sweep.png").exists()
+    root = ET.parse(path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    # TTFT p50 + p99, TPOT p50 (p99 missing), output tok/s
+    assert len(root.findall(f"{ns}polyline")) == 4
+    texts = [t.text for t in root.iter(f"{ns}text")]
+    assert "a <title> & more" in texts and "28,160" in texts and "256" in texts  # ymax = 1.1 x max

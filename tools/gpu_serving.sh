@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# Issue 4's serving benchmark: `tandem serve` on random bf16 weights of a real shape (default
+# "1B" = Llama-3.2-1B), driven by tools/bench_serving.py at concurrency 1, 16, 64 and 256 with
+# fixed lengths (256 in / 256 out, token-id prompts, ignore_eos): TTFT and TPOT p50/p99 and
+# output tok/s per level, the sweep plot, and a summary table next to the batch-1 decode floor.
+# Run on the device from the repository root; everything goes to $OUT.
+#   bash tools/gpu_serving.sh            # the 1B sweep (about 3 minutes on an H100)
+#   bash tools/gpu_serving.sh --smoke    # a tiny shape, tiny lengths: checks the script end to end
+# Env (defaults in brackets; --smoke changes them): SHAPE [1B] (1B | 8B | tiny), INPUT_LEN [256],
+#   OUTPUT_LEN [256], CONCURRENCY [1,16,64,256], NUM_PROMPTS [32,64,256,512] (per level),
+#   WARMUP [32], DEVICE [auto], PORT [8123], MAX_NUM_SEQS [256], MAX_NUM_BATCHED_TOKENS [8192],
+#   SERVER_ARGS (more `tandem serve` flags), START_TIMEOUT [300], BENCH_TIMEOUT [420] (s),
+#   HBM_GBPS (bandwidth for the floor; default: measured here on CUDA). TANDEM_COMPILE,
+#   TANDEM_CUDA_GRAPHS, TANDEM_OVERLAP reach the server through the environment.
+# Files in $OUT: llama-$SHAPE-dummy/config.json, server.log, bench.log, serving.json, serving.png (or .svg
+# where matplotlib is missing), summary.txt. Exit 0 only if every request of every level succeeded
+# and the server stopped cleanly.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--smoke" ]; then
+  SHAPE=${SHAPE:-tiny} INPUT_LEN=${INPUT_LEN:-12} OUTPUT_LEN=${OUTPUT_LEN:-6}
+  CONCURRENCY=${CONCURRENCY:-1,4} NUM_PROMPTS=${NUM_PROMPTS:-3,8} WARMUP=${WARMUP:-1}
+  MAX_NUM_SEQS=${MAX_NUM_SEQS:-8} MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-256}
+  SERVER_ARGS=${SERVER_ARGS:-"--max-model-len 256"}
+fi
+SHAPE=${SHAPE:-1B} INPUT_LEN=${INPUT_LEN:-256} OUTPUT_LEN=${OUTPUT_LEN:-256}
+CONCURRENCY=${CONCURRENCY:-1,16,64,256} NUM_PROMPTS=${NUM_PROMPTS:-32,64,256,512}
+WARMUP=${WARMUP:-32} DEVICE=${DEVICE:-auto} PORT=${PORT:-8123}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-256} MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-8192}
+SERVER_ARGS=${SERVER_ARGS:-} START_TIMEOUT=${START_TIMEOUT:-300} BENCH_TIMEOUT=${BENCH_TIMEOUT:-420}
+OUT=${OUT:-/tmp/tandem_serving}
+PY=${PYTHON:-python3}
+MODEL_DIR="$OUT/llama-$SHAPE-dummy"  # its name is the model id clients see
+mkdir -p "$MODEL_DIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+
+# The shape as an HF config.json: `tandem serve --load-format dummy` needs nothing else.
+"$PY" - "$SHAPE" "$MODEL_DIR/config.json" <<'EOF' || exit 2
+import json, sys
+rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "hidden_act": "silu", "bos_token_id": 128000,
+        "eos_token_id": 128001, "torch_dtype": "bfloat16"}
+shapes = {
+    "1B": {**base, "hidden_size": 2048, "num_hidden_layers": 16, "head_dim": 64,
+           "intermediate_size": 8192, "tie_word_embeddings": True, "rope_scaling": rope,
+           "max_position_embeddings": 131072},
+    "8B": {**base, "hidden_size": 4096, "num_hidden_layers": 32, "head_dim": 128,
+           "intermediate_size": 14336, "tie_word_embeddings": False,
+           "max_position_embeddings": 8192},
+    "tiny": {**base, "vocab_size": 32000, "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "intermediate_size": 128, "tie_word_embeddings": True, "rope_scaling": rope,
+             "max_position_embeddings": 2048},
+}
+if sys.argv[1] not in shapes:
+    sys.exit(f"unknown SHAPE {sys.argv[1]!r}; one of {', '.join(shapes)}")
+with open(sys.argv[2], "w") as f:
+    json.dump(shapes[sys.argv[1]], f, indent=2)
+EOF
+{
+  date -u +%FT%TZ
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee "$OUT/device.txt"
+
+# shellcheck disable=SC2086
+SERVER_CMD=("$PY" -m app.cli serve --model "$MODEL_DIR" --load-format dummy --device "$DEVICE"
+  --host 127.0.0.1 --port "$PORT"
+  --max-num-seqs "$MAX_NUM_SEQS" --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS"
+  --max-queue 4096 -v $SERVER_ARGS)
+say "server: ${SERVER_CMD[*]} (TANDEM_COMPILE=${TANDEM_COMPILE:-})"
+"${SERVER_CMD[@]}" >"$OUT/server.log" 2>&1 &
+SERVER_PID=$!
+stop_server() {
+  if [ -n "${SERVER_PID:-}" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID"
+    for _ in $(seq 1 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
+    kill -0 "$SERVER_PID" 2>/dev/null && { echo "server did not stop in 30 s: killing it"; kill -KILL "$SERVER_PID"; }
+  fi
+  wait "$SERVER_PID" 2>/dev/null
+  SERVER_RC=$?
+  SERVER_PID=
+}
+trap 'stop_server' EXIT
+trap 'exit 130' INT TERM
+
+# Up when /health answers 200 (the engine is loaded, KV sized, graphs captured).
+"$PY" - "$PORT" "$START_TIMEOUT" "$SERVER_PID" <<'EOF'
+import os, sys, time, urllib.request
+port, limit, pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+t0 = time.monotonic()
+while time.monotonic() - t0 < limit:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("the server exited during start-up (see server.log)")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            if r.status == 200:
+                print(f"server up in {time.monotonic() - t0:.1f}s")
+                sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(0.5)
+sys.exit(f"the server was not up after {limit:.0f}s (see server.log)")
+EOF
+up_rc=$?
+if [ $up_rc -ne 0 ]; then
+  tail -n 40 "$OUT/server.log"
+  exit 1
+fi
+grep -E "captured|KV cache|fallback|WARNING" "$OUT/server.log" | tail -n 8
+
+say "bench: concurrency $CONCURRENCY, $INPUT_LEN in / $OUTPUT_LEN out, requests $NUM_PROMPTS"
+rm -f "$OUT/serving.json"
+timeout "$BENCH_TIMEOUT" "$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$PORT" \
+  --tokenizer none --dataset random --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+  --sweep-concurrency "$CONCURRENCY" --sweep-num-prompts "$NUM_PROMPTS" --warmup "$WARMUP" \
+  --health-probe --result-json "$OUT/serving.json" --plot "$OUT/serving.png" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+say "bench rc=$bench_rc"
+grep -E "eager|fallback|recompil" "$OUT/server.log" | sort | uniq -c | head -n 5
+stop_server
+trap - EXIT
+say "server stopped, rc=$SERVER_RC"
+tail -n 2 "$OUT/server.log"
+
+# Summary: one row per level, next to the batch-1 decode floor (weight bytes read per step over
+# the device's copy bandwidth).
+"$PY" - "$OUT/serving.json" "$MODEL_DIR/config.json" "${HBM_GBPS:-}" <<'EOF' | tee "$OUT/summary.txt"
+import json, sys
+res_path, cfg_path, hbm = sys.argv[1], sys.argv[2], sys.argv[3]
+try:
+    res = json.load(open(res_path))
+except (OSError, ValueError) as e:
+    sys.exit(f"no results ({e})")
+c = json.load(open(cfg_path))
+h, L, hd = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
+per_layer = h * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd \
+    + c["num_attention_heads"] * hd * h + 3 * h * c["intermediate_size"]
+read = 2 * (L * per_layer + c["vocab_size"] * h)  # bf16; every weight but the embedding lookup
+source = "HBM_GBPS"
+if not hbm:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            n = 1 << 30
+            src = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda")
+            dst = torch.empty_like(src)
+            ts = []
+            for _ in range(12):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(); dst.copy_(src); b.record(); b.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            hbm, source = 2 * n / sorted(ts)[len(ts) // 2] / 1e9, "measured copy"
+    except Exception as e:
+        print(f"(no bandwidth measurement: {e})")
+print(f"== summary: {res['model']}, {res['input_len']} in / {res['output_len']} out, "
+      f"token-id prompts, ignore_eos, greedy ==")
+floor_ms = None
+if hbm:
+    floor_ms = read / (float(hbm) * 1e9) * 1e3
+    print(f"weights read per decode step {read / 1e9:.2f} GB; at {float(hbm):.0f} GB/s "
+          f"({source}) the batch-1 TPOT floor is {floor_ms:.2f} ms ({1e3 / floor_ms:.0f} tok/s)")
+f = lambda v: "-" if v is None else f"{v:.1f}"
+print(f"{'conc':>5} {'reqs':>5} {'fail':>4} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
+      f"{'p99':>7} {'out tok/s':>10} {'/health p99':>11}" + ("  TPOT/floor" if floor_ms else ""))
+for r in res["runs"]:
+    hp = (r.get("health") or {}).get("p99_ms")
+    tp = r["tpot_ms"]["p50"]
+    print(f"{r['max_concurrency']:>5} {r['num_prompts']:>5} {r['failed']:>4} "
+          f"{f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} {f(tp):>9} "
+          f"{f(r['tpot_ms']['p99']):>7} {r['output_throughput']:>10.0f} {f(hp):>11}"
+          + (f"  {tp / floor_ms:>9.1f}x" if floor_ms and tp else ""))
+    if r["errors"]:
+        print(f"      errors: {r['errors']}")
+print("(ms, except out tok/s" + ("; TPOT/floor: p50 TPOT over the batch-1 floor)" if floor_ms else ")"))
+EOF
+say "done: $OUT"
+exit $(( bench_rc != 0 || SERVER_RC != 0 ))

@@ -6,14 +6,24 @@ nothing about requests or scheduling. At load (`attach`) every MoE block hands i
 weights to the pool, which converts them (bf16, int8 or int4), and the block's torch copies
 are replaced by empty tensors, so host memory holds the experts once.
 
-One layer's step on CUDA:
-  1. enqueue: hidden (fp32), the CPU-routed ids (GPU-placed experts -> -1) and the routing
-     weights -> pinned host buffers (non_blocking); record an event;
-  2. wait for that event only (the copy), submit to the pool (it starts at once, GIL released);
-  3. meanwhile enqueue the GPU-resident experts on the current stream;
-  4. pool.sync(), copy its output up (non_blocking) and add.
-The host waits in 2 and 4 make this path unusable inside a captured CUDA graph: a hybrid
-model runs its decode steps eagerly.
+One layer's step on CUDA (stream-ordered, the default): all of it is enqueued on the current
+stream, nothing waits on the host, so it can be captured in a decode CUDA graph:
+  1. hidden (fp32), the CPU-routed ids (GPU-placed experts -> -1), the routing weights and the
+     row count -> fixed pinned buffers (non_blocking D2H copies);
+  2. a host function starts the pool on those buffers (`CpuExpertPool.enqueue_submit`);
+  3. meanwhile the GPU runs the GPU-resident experts and, in the MoE block, the shared expert;
+  4. a host function blocks the stream until the pool is done (`enqueue_wait`);
+  5. the pinned output -> a fixed device buffer (non_blocking H2D), then added.
+The pinned buffers are shared by all layers: the stream orders layer l's output copy before
+layer l+1's input copies, so one set suffices (one stream at a time). They are sized for the
+largest call seen and only grow outside graph capture (a capture is preceded by warm-up runs
+of the same size); a grown set leaves the old one alive for the graphs that point at it. A
+graph replays the row count it was captured with: the padding rows of a decode bucket are
+computed by the pool like real ones (inert inputs; their output is never read).
+Graphs need all experts on the pool: GPU-resident experts sync on the host (`.tolist()`), so a
+layer split between GPU and CPU keeps `supports_cuda_graphs` False and decodes eagerly.
+
+`stream_ordered=False` keeps the older path: copy, wait on the host for the copy, submit, sync.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from torch import nn
 from models.layers.experts import register_expert_backend
 
 if TYPE_CHECKING:
-    from ext.cpu import CpuExpertPool, ExpertCache
+    from ext.cpu import CpuExpertPool, ExpertCache, StreamJob
 
 FORMATS = ("bf16", "int8", "int4", "auto")  # auto: from the GGUF type (bf16 otherwise)
 
@@ -78,6 +88,7 @@ class HybridMoeStats:
     pool_threads: int = 0
     pool_busy_seconds: float = 0.0  # summed over worker threads
     wall_seconds: float = 0.0  # since attach
+    stream_errors: int = 0  # stream-ordered calls that failed (output zeroed; see the pool)
     routing_counts: dict[int, list[int]] = field(default_factory=dict)  # layer -> per expert
     gpu_experts: dict[int, list[int]] = field(default_factory=dict)  # layer -> ids on the GPU
 
@@ -119,6 +130,47 @@ class _PinnedBuffers:
         return self.x[:tokens], self.ids[:tokens], self.w[:tokens], self.out[:tokens]
 
 
+class _StreamStaging:
+    """Fixed buffers of the stream-ordered CUDA path and one pool job per layer over them.
+    Never freed while the backend lives: a captured graph keeps their addresses."""
+
+    def __init__(self, capacity: int, hidden: int, k: int, device: torch.device) -> None:
+        pin = {"pin_memory": True}
+        self.capacity, self.hidden, self.k = capacity, hidden, k
+        self.x = torch.zeros(capacity, hidden, dtype=torch.float32, **pin)  # [C, H] pinned
+        self.ids = torch.full((capacity, k), -1, dtype=torch.int64, **pin)  # [C, k]
+        self.w = torch.zeros(capacity, k, dtype=torch.float32, **pin)  # [C, k]
+        self.out = torch.zeros(capacity, hidden, dtype=torch.float32, **pin)  # [C, H]
+        self.rows = torch.zeros(1, dtype=torch.int32, **pin)  # [1]: the rows of a call
+        # rows_d[T] is T: a 4-byte D2H copy of rows_d[T:T+1] sets `rows`, no kernel needed
+        self.rows_d = torch.arange(capacity + 1, dtype=torch.int32, device=device)
+        self.out_d = torch.zeros(capacity, hidden, dtype=torch.float32, device=device)
+        self.jobs: dict[int, StreamJob] = {}
+
+    def fits(self, tokens: int, hidden: int, k: int) -> bool:
+        return tokens <= self.capacity and (hidden, k) == (self.hidden, self.k)
+
+    def job(self, pool: CpuExpertPool, layer_idx: int) -> StreamJob:
+        job = self.jobs.get(layer_idx)
+        if job is None:
+            job = self.jobs[layer_idx] = pool.stream_job(
+                layer_idx, self.x, self.ids, self.w, self.out, self.rows
+            )
+        return job
+
+
+@dataclass
+class _Pending:
+    """A layer call between `start` and `finish`."""
+
+    hidden: torch.Tensor  # [T, H] model dtype (for the output dtype and device)
+    out: torch.Tensor | None = None  # [T, H] the CPU part, when already computed
+    staging: _StreamStaging | None = None  # stream-ordered: whose job to wait for
+    job: StreamJob | None = None
+    stream: int = 0
+    extra: torch.Tensor | None = None  # [T, H] f32: the GPU-resident experts' part
+
+
 def _grouped_experts(
     hidden: torch.Tensor,  # [T, H], device
     local_ids: torch.Tensor,  # [T, k] int64, -1 = not here
@@ -158,12 +210,16 @@ class CpuPoolExpertBackend:
     0, see ext/cpu/cache.py; False: off; True or a directory: on) and cache_source (the
     checkpoint path; a GGUF's comes from load_model; without one the cache is keyed by a
     sampled fingerprint of the weights). With the cache on, each layer is loaded from its saved
-    converted file when the key matches, else converted and saved.
+    converted file when the key matches, else converted and saved. stream_ordered (CUDA: the
+    pool is started and awaited by host functions on the stream, capturable; False: host waits)
+    and spin_us (how long idle pool workers spin before sleeping; None: the pool's default).
+
+    Besides `forward`, `start` + `finish` split a call so that the caller (the MoE block) can
+    enqueue GPU work, such as a shared expert, while the pool computes.
     """
 
     name = "cpu_pool"
     host_experts = True  # build_model materializes MoE expert weights in host memory
-    supports_cuda_graphs = False  # host waits inside forward: a CUDA runner must run it eagerly
 
     def __init__(
         self,
@@ -177,6 +233,8 @@ class CpuPoolExpertBackend:
         pool: CpuExpertPool | None = None,
         expert_cache: bool | str | Path | None = None,
         cache_source: str | Path | None = None,
+        stream_ordered: bool = True,
+        spin_us: int | None = None,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
@@ -199,6 +257,9 @@ class CpuPoolExpertBackend:
         self.cache_source = Path(cache_source) if cache_source is not None else None
         self._cache_option = expert_cache
         self._cache: ExpertCache | None = None
+        self.stream_ordered = stream_ordered
+        self._spin_us = spin_us
+        self._staging: list[_StreamStaging] = []  # the last one is in use; older: graphs
 
     # -- load --------------------------------------------------------------------------------
 
@@ -207,8 +268,18 @@ class CpuPoolExpertBackend:
         if self._pool is None:
             from ext.cpu import CpuExpertPool  # lazy: builds the extension on first use
 
-            self._pool = CpuExpertPool(*self._pool_args)
+            self._pool = CpuExpertPool(*self._pool_args, spin_us=self._spin_us)
         return self._pool
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """True when a CUDA forward enqueues no host wait: the stream-ordered path, the CUDA
+        driver found, and no GPU-resident experts (their grouping syncs on the host)."""
+        if not self.stream_ordered or self._placements:
+            return False
+        from ext.cpu import cuda_host_funcs_error
+
+        return cuda_host_funcs_error() is None
 
     @torch.no_grad()
     def attach(self, model: nn.Module) -> None:
@@ -302,6 +373,8 @@ class CpuPoolExpertBackend:
         """Keeps each layer's most-routed experts (by `counts`, default the counts gathered so
         far) on the GPU; the pool keeps every expert, GPU-placed ones just get id -1."""
         counts = counts or self._counts
+        if self._staging:  # host functions of queued layers may still use the pool
+            torch.cuda.synchronize(self._staging[-1].rows_d.device)
         for layer, place in list(self._placements.items()):
             G = len(place.expert_ids)
             hottest = torch.topk(counts[layer].cpu().float(), G).indices.sort().values
@@ -312,6 +385,7 @@ class CpuPoolExpertBackend:
 
     # -- forward -----------------------------------------------------------------------------
 
+    @torch.compiler.disable  # pool calls by address; nothing for dynamo to trace
     @torch.no_grad()
     def forward(
         self,
@@ -322,20 +396,36 @@ class CpuPoolExpertBackend:
         w13: torch.Tensor,  # unused: the pool holds the experts
         w2: torch.Tensor,
     ) -> torch.Tensor:
-        T, k = topk_ids.shape
+        return self.finish(self.start(layer_idx, hidden, topk_ids, topk_weights))
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def start(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,  # [T, H] model dtype, cpu or cuda
+        topk_ids: torch.Tensor,  # [T, k] int64
+        topk_weights: torch.Tensor,  # [T, k] float32
+    ) -> _Pending:
+        """Starts the layer's experts (on CUDA: enqueues them); `finish` returns the sum."""
+        T = topk_ids.shape[0]
         counts = self._counts.get(layer_idx)
         if counts is None:
             raise RuntimeError(f"cpu_pool: layer {layer_idx} was not attached (load_model does it)")
-        counts += torch.bincount(topk_ids.reshape(-1), minlength=counts.shape[0])
+        flat = topk_ids.reshape(-1)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount has one)
         place = self._placements.get(layer_idx)
         cpu_ids = (
             topk_ids if place is None else torch.where(place.local[topk_ids] >= 0, -1, topk_ids)
         )
-        if hidden.device.type == "cuda":
-            out = self._forward_cuda(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
-        else:
+        if hidden.device.type != "cuda":
             out = self._forward_cpu(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
-        self._stats.layer_calls += 1
+            pending = _Pending(hidden, out=out)
+        elif self.stream_ordered:
+            pending = self._start_stream(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
+        else:
+            out = self._forward_cuda(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
+            pending = _Pending(hidden, out=out)
         if layer_idx == min(self._counts):
             self._routed_tokens += T
             if (
@@ -346,7 +436,58 @@ class CpuPoolExpertBackend:
             ):
                 self._rebalanced = True
                 self.rebalance()
-        return out
+        return pending
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def finish(self, pending: _Pending) -> torch.Tensor:
+        """-> `[T, H]` in the hidden states' dtype, on their device."""
+        hidden = pending.hidden
+        if pending.out is not None:
+            return pending.out.to(hidden.dtype)
+        st, job = pending.staging, pending.job
+        assert st is not None and job is not None
+        T = hidden.shape[0]
+        self.pool.enqueue_wait(pending.stream, job)
+        out = st.out_d[:T]
+        out.copy_(st.out[:T], non_blocking=True)  # [T, H] f32 cuda, after the wait node
+        if pending.extra is not None:
+            return (out + pending.extra).to(hidden.dtype)
+        # a copy even in fp32: out_d is overwritten by the next layer
+        return out.to(hidden.dtype, copy=True)
+
+    def _start_stream(self, layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place):
+        T, H = hidden.shape
+        k = topk_ids.shape[1]
+        st = self._staging_for(T, H, k, hidden.device)
+        job = st.job(self.pool, layer_idx)
+        stream = torch.cuda.current_stream(hidden.device).cuda_stream
+        st.x[:T].copy_(hidden.float().contiguous(), non_blocking=True)  # [T, H] f32 pinned
+        st.ids[:T].copy_(cpu_ids.contiguous(), non_blocking=True)
+        st.w[:T].copy_(topk_weights.float().contiguous(), non_blocking=True)
+        st.rows.copy_(st.rows_d[T : T + 1], non_blocking=True)
+        self.pool.enqueue_submit(stream, job)
+        extra = None
+        if place is not None:  # the GPU-resident experts run while the pool computes
+            extra = _grouped_experts(
+                hidden, place.local[topk_ids], topk_weights, place.w13, place.w2
+            )
+        return _Pending(hidden, staging=st, job=job, stream=stream, extra=extra)
+
+    def _staging_for(
+        self, tokens: int, hidden: int, k: int, device: torch.device
+    ) -> _StreamStaging:
+        if self._staging and self._staging[-1].fits(tokens, hidden, k):
+            return self._staging[-1]
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"cpu_pool: a captured call of {tokens} rows needs larger pinned buffers; "
+                "run the same shape once eagerly before capturing (warm-up)"
+            )
+        last = self._staging[-1].capacity if self._staging else 0
+        capacity = max(tokens, 2 * last, 256)
+        self._staging.append(_StreamStaging(capacity, hidden, k, device))
+        return self._staging[-1]
 
     def _forward_cpu(self, layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place):
         x = hidden.float().contiguous()  # [T, H] f32
@@ -361,13 +502,15 @@ class CpuPoolExpertBackend:
         t1 = time.perf_counter()
         self.pool.sync()
         t2 = time.perf_counter()
+        self._stats.layer_calls += 1
         self._stats.pool_wait_seconds += t2 - t1
         self._stats.pool_seconds += t2 - t0
         if extra is not None:
             out += extra
-        return out.to(hidden.dtype)
+        return out
 
     def _forward_cuda(self, layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place):
+        """The host-wait path (stream_ordered=False): not capturable."""
         T, H = hidden.shape
         k = topk_ids.shape[1]
         if self._buffers is None:
@@ -396,11 +539,12 @@ class CpuPoolExpertBackend:
         if extra is not None:
             out += extra
         s = self._stats
+        s.layer_calls += 1
         s.pool_wait_seconds += (t1 - t0) + (t4 - t3)
         s.pool_seconds += t4 - t2
         s.d2h_bytes += T * H * 4 + T * k * 12
         s.h2d_bytes += T * H * 4
-        return out.to(hidden.dtype)
+        return out
 
     # -- metrics and lifecycle ---------------------------------------------------------------
 
@@ -408,12 +552,16 @@ class CpuPoolExpertBackend:
         """A snapshot of the cumulative counters (copies; safe to keep)."""
         s = self._stats
         busy = self._pool.busy_seconds() if self._pool is not None else []
+        # Stream-ordered calls are counted by the pool's host functions (graph replays too),
+        # up to where the GPU has got.
+        st = self._pool.stream_stats() if self._pool is not None else {}
         return HybridMoeStats(
-            layer_calls=s.layer_calls,
-            pool_wait_seconds=s.pool_wait_seconds,
-            pool_seconds=s.pool_seconds,
-            d2h_bytes=s.d2h_bytes,
-            h2d_bytes=s.h2d_bytes,
+            layer_calls=s.layer_calls + st.get("calls", 0),
+            pool_wait_seconds=s.pool_wait_seconds + st.get("wait_ns", 0) * 1e-9,
+            pool_seconds=s.pool_seconds + st.get("pool_ns", 0) * 1e-9,
+            d2h_bytes=s.d2h_bytes + st.get("d2h_bytes", 0),
+            h2d_bytes=s.h2d_bytes + st.get("h2d_bytes", 0),
+            stream_errors=st.get("errors", 0),
             pool_threads=len(busy),
             pool_busy_seconds=sum(busy),
             wall_seconds=time.perf_counter() - self._t_attach,
@@ -422,7 +570,11 @@ class CpuPoolExpertBackend:
         )
 
     def close(self) -> None:
+        """Closes the pool once no queued host function can still reach it. Graphs captured
+        over this backend must not be replayed afterwards."""
         if self._pool is not None:
+            if self._staging:
+                torch.cuda.synchronize(self._staging[-1].rows_d.device)
             self._pool.close()
 
 
@@ -446,6 +598,7 @@ def hybrid_moe_metrics(model: nn.Module) -> dict[str, Any]:
         "tandem_moe_pool_threads": s.pool_threads,
         "tandem_moe_pool_busy_seconds_total": s.pool_busy_seconds,
         "tandem_moe_pool_utilisation": s.pool_utilisation,
+        "tandem_moe_stream_errors_total": s.stream_errors,
         "tandem_moe_expert_routed_total": {
             (layer, e): n for layer, c in s.routing_counts.items() for e, n in enumerate(c)
         },

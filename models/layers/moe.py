@@ -46,7 +46,17 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         topk_ids, topk_weights = self.route(x)
-        out = self.backend.forward(self.layer_idx, x, topk_ids, topk_weights, self.w13, self.w2)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        start = getattr(self.backend, "start", None)
+        if start is not None:  # an asynchronous backend (CPU pool): shared expert meanwhile
+            pending = start(self.layer_idx, x, topk_ids, topk_weights)
+            shared = self._shared_expert(x)
+            out = self.backend.finish(pending)
+        else:
+            out = self.backend.forward(self.layer_idx, x, topk_ids, topk_weights, self.w13, self.w2)
+            shared = self._shared_expert(x)
+        return out if shared is None else out + shared
+
+    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

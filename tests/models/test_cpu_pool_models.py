@@ -350,21 +350,9 @@ def test_gguf_experts_into_pool(qtype: str, tmp_path: Path) -> None:
     assert rel < (0.02 if qtype == "Q8_0" else 0.12), rel
 
 
-@pytest.mark.gpu
-def test_engine_on_cuda_with_cpu_experts_serves_eagerly_with_and_without_overlap(
-    tmp_path: Path,
-) -> None:
-    """The whole engine on CUDA (bf16, cupy attention) with every expert on the CPU pool:
-    decode graphs are skipped (the pool waits on the host) and counted, and the overlapped
-    engine's greedy output equals the synchronous one's."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
-
-    # head_dim 64: the cupy attention backend (and so decode graphs) would apply but for the pool
-    cfg = hf.MixtralConfig(
+def _mixtral_cuda_config() -> hf.MixtralConfig:
+    # head_dim 64: the cupy attention backend applies, and with it decode graphs
+    return hf.MixtralConfig(
         vocab_size=128,
         hidden_size=256,
         intermediate_size=128,
@@ -375,28 +363,172 @@ def test_engine_on_cuda_with_cpu_experts_serves_eagerly_with_and_without_overlap
         num_experts_per_tok=2,
         initializer_range=0.05,
     )
-    torch.manual_seed(0)
-    hf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    ec = EngineConfig(
+
+
+def _cuda_engine_config(path: Path):
+    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+
+    return EngineConfig(
         model=ModelSpec(
-            model=str(tmp_path), device="cuda", dtype="bfloat16", cpu_experts="all", cpu_threads=4
+            model=str(path), device="cuda", dtype="bfloat16", cpu_experts="all", cpu_threads=4
         ),
         cache=CacheConfig(block_size=16, num_blocks=64),
         scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64),
     )
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_with_cpu_experts_decodes_in_graphs_with_and_without_overlap(
+    tmp_path: Path,
+) -> None:
+    """The whole engine on CUDA (bf16, cupy attention) with every expert on the CPU pool: the
+    decode graphs are captured with the pool's host functions inside, replayed, and the greedy
+    output is the same with overlap, without it, and with graphs off (eager)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from runtime.cuda_runner import CudaRunnerOptions
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    hf.AutoModelForCausalLM.from_config(_mixtral_cuda_config()).save_pretrained(tmp_path)
+    ec = _cuda_engine_config(tmp_path)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (3, 30, 7, 19, 44)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outs = {}
-    for overlap in (False, True):
-        llm = LLM(engine_config=ec, overlap=overlap)
+    for graphs, overlap in ((True, False), (True, True), (False, False)):
+        opts = CudaRunnerOptions(cuda_graphs=graphs, overlap=overlap)
+        llm = LLM(engine_config=ec, runner_options=opts, overlap=overlap)
+        runner = llm.engine.runner
         assert getattr(llm.engine.model.attn_backend, "name", None) == "cupy"
-        assert llm.engine.runner.counters.fallbacks["graphs_not_capturable_experts"] == 1
-        outs[overlap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert all(len(t) == 10 for t in outs[overlap])
-        assert llm.engine.stats().hybrid.layer_calls > 0
+        assert llm.engine.model.expert_backend.supports_cuda_graphs
+        outs[graphs, overlap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert all(len(t) == 10 for t in outs[graphs, overlap])
+        if graphs:
+            assert not runner.counters.fallbacks, runner.counters.fallbacks
+            assert runner.counters.graph_steps > 0
+        stats = llm.engine.stats().hybrid
+        assert stats.layer_calls > 0 and stats.stream_errors == 0
+        assert stats.d2h_bytes > 0 and stats.h2d_bytes > 0
         llm.engine.model.expert_backend.close()
-    assert outs[True] == outs[False]
+    assert outs[True, True] == outs[True, False]
+    same = sum(a == b for a, b in zip(outs[True, False], outs[False, False], strict=True))
+    assert same >= 4, f"graphs vs eager: {same}/5 identical"  # bf16: a late flip is rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(name: str, tmp_path: Path) -> None:
+    """One MoE block with the cpu_pool backend captured in a CUDA graph (D2H copies, the pool's
+    submit and wait host nodes, H2D copy, the shared expert in between): replays with new
+    inputs equal the eager block, and the torch expert backend on the pool's own weights."""
+    from models.layers.experts import TorchExpertBackend
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _save(name, tmp_path)
+    model, config = load_model(
+        tmp_path,
+        dtype=torch.float32,
+        device="cuda",
+        expert_backend="cpu_pool",
+        expert_options={"isa": "scalar"},
+    )
+    backend = model.expert_backend
+    assert backend.supports_cuda_graphs
+    block = [m for m in model.modules() if hasattr(m, "w13") and hasattr(m, "layer_idx")][-1]
+    w13, w2 = (w.cuda() for w in backend.pool.dequantize(block.layer_idx))
+    torch_backend = TorchExpertBackend()
+
+    def reference(x: torch.Tensor) -> torch.Tensor:  # the same block on the torch backend
+        ids, weights = block.route(x)
+        out = torch_backend.forward(block.layer_idx, x, ids, weights, w13, w2)
+        shared = block._shared_expert(x)
+        return out if shared is None else out + shared
+
+    gen = torch.Generator().manual_seed(3)
+    T, H = 5, config.hidden_size
+    x = torch.zeros(T, H, device="cuda")  # the graph's static input
+    s = torch.cuda.Stream()
+    with torch.no_grad():
+        x.copy_(torch.randn(T, H, generator=gen))
+        eager = block(x)  # also the warm-up that sizes the pinned buffers
+        torch.testing.assert_close(eager, reference(x), rtol=1e-4, atol=1e-5)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            block(x)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = block(x)
+        torch.cuda.synchronize()  # the eager calls' host functions have run
+        calls = backend.stats().layer_calls
+        for _ in range(4):
+            x.copy_(torch.randn(T, H, generator=gen))
+            graph.replay()
+            got = static_out.clone()
+            torch.testing.assert_close(got, block(x), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-5)
+    torch.cuda.synchronize()
+    stats = backend.stats()
+    assert stats.layer_calls == calls + 8 and stats.stream_errors == 0  # 4 replays + 4 eager
+    del graph
+    backend.close()
+
+
+@pytest.mark.gpu
+def test_cuda_runner_decode_graphs_with_cpu_pool_match_hf(tmp_path: Path) -> None:
+    """The CUDA runner's decode graphs (cupy attention, every expert on the CPU pool) give the
+    logits HF transformers computes for the same sequences, to bf16 accuracy."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from runtime.cuda_runner import CudaRunnerOptions
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    hf_model = hf.AutoModelForCausalLM.from_config(_mixtral_cuda_config()).eval()
+    with torch.no_grad():  # bf16-exact weights: what differs is bf16 activations only
+        for p in hf_model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    hf_model.save_pretrained(tmp_path)
+    opts = CudaRunnerOptions(cuda_graphs=True, overlap=False)
+    llm = LLM(engine_config=_cuda_engine_config(tmp_path), runner_options=opts, overlap=False)
+    eng, runner = llm.engine, llm.engine.runner
+    assert not runner.counters.fallbacks and runner._graphs, runner.counters.fallbacks
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(7)
+    for i, n in enumerate((4, 23, 11)):
+        eng.add_request(str(i), torch.randint(1, 128, (n,), generator=gen).tolist(), greedy)
+    while any(eng.scheduler.get_request(str(i)).num_output_tokens == 0 for i in range(3)):
+        eng.step()  # prefill (eager)
+    worst, agree, total = 0.0, 0, 0
+    for _ in range(4):  # decode steps: graph replays (3 sequences -> bucket 4)
+        sched = eng.scheduler.schedule()
+        with torch.inference_mode():
+            prep = runner._prepare(sched)
+            with torch.cuda.stream(runner.stream):
+                logits = runner._forward(prep)
+            runner.stream.synchronize()
+        assert prep.graph_bs == 4
+        logits = logits.float().cpu()
+        seqs = [s for s in sched.seqs if s.sample]
+        for row, s in enumerate(seqs):
+            tokens = list(s.request.prompt_token_ids) + list(s.request.output_token_ids)
+            with torch.no_grad():
+                ref = hf_model(torch.tensor([tokens])).logits[0, -1].float()
+            worst = max(worst, float((logits[row] - ref).abs().max() / ref.abs().max()))
+            agree += int(logits[row].argmax() == ref.argmax())
+            total += 1
+        eng.scheduler.update(sched, logits.argmax(-1).tolist())
+    assert worst < 5e-2, worst
+    assert agree >= total - 1, f"{agree}/{total} greedy tokens agree"
+    stats = eng.stats().hybrid
+    assert stats.stream_errors == 0 and runner.counters.graph_steps >= 4
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.model.expert_backend.close()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])

@@ -1,84 +1,302 @@
-"""Sampling on the GPU without host syncs: the CUDA runner's sampler.
+"""Sampling on the device without host syncs: the CUDA runner's sampler.
 
-Same semantics as `runtime.sampler.Sampler` (greedy, temperature, top-k, top-p, min-p, seeds
-through the exponential race), but every per-row parameter reaches the device through a
-pinned host buffer and a non-blocking copy, and no value is read back: `sample_async` returns
-the sampled ids as a device tensor. Rows that need penalties, min_tokens bans or logprobs take
-the reference `Sampler` path (it syncs); the runner counts those steps.
+Same semantics as the reference `runtime.sampler.Sampler` (penalties, min_tokens bans, greedy,
+temperature, top-k, top-p, min-p, seeds through the exponential race, logprobs), but every
+per-row value reaches the device through a pinned host buffer and one non-blocking copy, and
+nothing is read back: `sample_async` returns device tensors (the sampled ids, and with
+logprobs one packed float64 tensor the caller copies back in one go). Penalties read
+per-request token counts kept on the device (`runtime.token_counts`), so a row's history
+includes the token still in flight under overlap scheduling. Plain torch: it runs on the CPU
+too, which is how its parity with the reference is tested.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from runtime.sampler import Sampler, SampleRow
+from runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from runtime.token_counts import TokenCounts
+from runtime.types import SamplerOutput, TokenLogprob
 
-_NUM_PARAMS = 5  # temperature, top_k, top_p, min_p, greedy
-_RING = 2  # pinned parameter buffers in flight: one step's copy may still be pending
+# rows of the float32 parameter block staged each call
+_TEMP, _TOP_K, _TOP_P, _MIN_P, _GREEDY, _REP, _PRES, _FREQ = range(8)
+_NUM_PARAMS = 8
+_RING = 2  # staging buffers in flight: one step's copy may still be pending
+PACK_WIDTH = 2 + 2 * MAX_TOP_LOGPROBS  # widest packed row: id, logprob, top ids, top logprobs
+
+
+@dataclass
+class GpuRow:
+    """What the device sampler needs of one sequence. Unlike `SampleRow` it does not copy the
+    output list: `token_ids` is the request's own list (prompt, then the outputs the host has
+    applied), and `num_output_tokens` counts the outputs before the token sampled now, which
+    under overlap is one more than the host has applied (that one is still in flight)."""
+
+    params: SamplingParams
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    generator: torch.Generator | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    request_id: str | None = None  # keys the device token counts; None: built for this call
+
+    @classmethod
+    def from_sample_row(cls, row: SampleRow, request_id: str | None = None) -> GpuRow:
+        return cls(
+            params=row.params,
+            token_ids=row.prompt_token_ids + row.output_token_ids,
+            num_prompt_tokens=len(row.prompt_token_ids),
+            num_output_tokens=len(row.output_token_ids),
+            generator=row.generator,
+            eos_token_ids=row.eos_token_ids,
+            request_id=request_id,
+        )
+
+
+@dataclass
+class DeviceSample:
+    """A sampled step, still on the device. Copy `host_source` back (one copy) and pass the
+    host copy to `output`."""
+
+    token_ids: torch.Tensor  # [n] int64, device
+    packed: torch.Tensor | None = None  # [n, 2 + 2k] float64, device: id, logprob, k ids, k lps
+    num_top: tuple[int, ...] = ()  # per row: top entries its request asked for
+
+    @property
+    def host_source(self) -> torch.Tensor:
+        return self.token_ids if self.packed is None else self.packed
+
+    def output(self, host: torch.Tensor) -> SamplerOutput:
+        """host: a CPU copy of `host_source` -> the step's ids (and logprobs)."""
+        if self.packed is None:
+            return SamplerOutput(token_ids=host.tolist())
+        rows = host.tolist()
+        k = (len(rows[0]) - 2) // 2 if rows else 0
+        ids, logprobs = [], []
+        for row, n_top in zip(rows, self.num_top, strict=True):
+            token = int(row[0])
+            tops = zip(row[2 : 2 + n_top], row[2 + k : 2 + k + n_top], strict=True)
+            top = tuple((int(t), lp) for t, lp in tops)
+            ids.append(token)
+            logprobs.append(TokenLogprob(token_id=token, logprob=row[1], top=top))
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+
+class _Staging:
+    """Pinned host buffers (a ring of `_RING`) and their device twins for one call's values: a
+    float32 parameter block and one int64 arena holding every index list. An event per ring
+    turn keeps the host from refilling a buffer whose copy has not run yet."""
+
+    def __init__(self, device: torch.device, max_rows: int) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._params_host = [
+            self._host_buf((_NUM_PARAMS, max_rows), torch.float32) for _ in range(_RING)
+        ]
+        cap = 8 * max_rows + 4096
+        self._ints_host = [self._host_buf((cap,), torch.int64) for _ in range(_RING)]
+        self.params = torch.empty(_NUM_PARAMS, max_rows, dtype=torch.float32, device=device)
+        self._ints = torch.empty(cap, dtype=torch.int64, device=device)
+        self._retired: list[torch.Tensor] = []  # outgrown device arenas (a copy may read one)
+        self._events = [torch.cuda.Event() if self._cuda else None for _ in range(_RING)]
+        self._turn = 0
+        self._lists: list[list[int]] = []
+
+    def _host_buf(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self._cuda)
+
+    def begin(self) -> np.ndarray:
+        """Start a call -> the host parameter block `[8, max_rows]` float32 to fill."""
+        ev = self._events[self._turn]
+        if ev is not None and not ev.query():
+            ev.synchronize()  # only when the device runs two calls behind the host
+        self._lists = []
+        return self._params_host[self._turn].numpy()
+
+    def add(self, values: list[int]) -> int:
+        """Queue an index list -> its handle for `ints`."""
+        self._lists.append(values)
+        return len(self._lists) - 1
+
+    def commit(self, num_rows: int) -> list[torch.Tensor]:
+        """Enqueue the copies on the current stream -> each queued list as a device tensor."""
+        turn = self._turn
+        self._turn = (turn + 1) % _RING
+        sizes = [len(v) for v in self._lists]
+        total = sum(sizes)
+        if total > self._ints_host[turn].numel():
+            cap = 1 << (total - 1).bit_length()
+            self._ints_host[turn] = self._host_buf((cap,), torch.int64)
+            if cap > self._ints.numel():
+                self._retired.append(self._ints)
+                self._ints = torch.empty(cap, dtype=torch.int64, device=self.device)
+        host = self._ints_host[turn]
+        if total:
+            host.numpy()[:total] = np.fromiter(
+                (x for v in self._lists for x in v), dtype=np.int64, count=total
+            )
+        self.params[:, :num_rows].copy_(
+            self._params_host[turn][:, :num_rows], non_blocking=self._cuda
+        )
+        if total:
+            self._ints[:total].copy_(host[:total], non_blocking=self._cuda)
+        ev = self._events[turn]
+        if ev is not None:
+            ev.record()
+        out, off = [], 0
+        for n in sizes:
+            out.append(self._ints[off : off + n])
+            off += n
+        return out
 
 
 class CudaSampler(Sampler):
-    def __init__(self, device: torch.device, max_num_seqs: int) -> None:
+    def __init__(self, device: torch.device | str, max_num_seqs: int) -> None:
         super().__init__(device)
         self.max_num_seqs = max_num_seqs
-        self._host = [
-            torch.empty(_NUM_PARAMS, max_num_seqs, dtype=torch.float32, pin_memory=True)
-            for _ in range(_RING)
-        ]
-        self._dev = torch.empty(_NUM_PARAMS, max_num_seqs, dtype=torch.float32, device=device)
-        self._turn = 0
+        self._staging = _Staging(self.device, max_num_seqs)
+        self.counts = TokenCounts(self.device, max_num_seqs)
 
-    @staticmethod
-    def needs_host_path(rows: list[SampleRow]) -> bool:
-        """Rows whose processing this sampler does not do on the device."""
-        return any(
-            r.params.has_penalties
-            or r.params.logprobs
-            or len(r.output_token_ids) < r.params.min_tokens
-            for r in rows
-        )
+    def release(self, request_id: str) -> None:
+        """Forget a request's device token counts (it finished or was aborted)."""
+        self.counts.release(request_id)
 
-    def sample_async(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """logits `[N, V]` float32 on the device, N == len(rows) -> token ids `[N]` int64 on the
-        device, enqueued on the current stream; nothing is read back."""
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """The reference interface, synchronously (tests and one-off use): reads back."""
+        sample = self.sample_async(logits, [GpuRow.from_sample_row(r) for r in rows])
+        return sample.output(sample.host_source.cpu())
+
+    def sample_async(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[GpuRow],
+        last_ids: torch.Tensor | None = None,
+    ) -> DeviceSample:
+        """logits `[N, V]` float32 on the device, N == len(rows) -> the sampled step on the
+        device, enqueued on the current stream; nothing is read back. last_ids `[N]` int64 on
+        the device: each row's last input id, needed where a row's previous token is still in
+        flight (`GpuRow.num_output_tokens` ahead of its token list) and it has penalties."""
         n, vocab = logits.shape
         assert n == len(rows) <= self.max_num_seqs, (n, len(rows))
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            return logits.argmax(dim=-1)
-        top_k = [float(r.params.top_k if 0 < r.params.top_k < vocab else vocab) for r in rows]
-        top_p = [float(r.params.top_p) for r in rows]
-        min_p = [float(r.params.min_p) for r in rows]
-        temps = [
-            1.0 if g else float(r.params.temperature) for g, r in zip(greedy, rows, strict=True)
-        ]
-        host = self._host[self._turn]
-        self._turn = (self._turn + 1) % _RING
-        hv = host.numpy()
-        hv[0, :n] = temps
-        hv[1, :n] = top_k
-        hv[2, :n] = top_p
-        hv[3, :n] = min_p
-        hv[4, :n] = greedy
-        dev = self._dev[:, :n]
-        dev.copy_(host[:, :n], non_blocking=True)
-        temp_t, k_t, p_t, m_t, greedy_t = (dev[i].unsqueeze(1) for i in range(_NUM_PARAMS))
+        params = [r.params for r in rows]
+        greedy = [p.greedy for p in params]
+        pen = [i for i, p in enumerate(params) if p.has_penalties]
+        bans = _min_tokens_bans(rows, vocab)  # flat indices row * vocab + token
+        num_top = tuple(p.num_logprobs for p in params)
+        want_logprobs = any(p.logprobs for p in params)
+        if all(greedy) and not pen and not bans:  # the plain greedy step: nothing to stage
+            ids = logits.argmax(dim=-1)
+            packed = _pack_logprobs(logits, ids, max(num_top)) if want_logprobs else None
+            return DeviceSample(ids, packed, num_top if want_logprobs else ())
 
-        scaled = logits / temp_t
-        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=logits.device, dtype=torch.float32).unsqueeze(0)
-            mask = ranks >= k_t
-            probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            mask |= (probs.cumsum(dim=-1) - probs) >= p_t
-            sorted_logits.masked_fill_(mask, float("-inf"))
-            scaled = scaled.scatter(1, sorted_idx, sorted_logits)
-        if any(m > 0.0 for m in min_p):
+        hp = self._staging.begin()
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        hp[_TEMP, :n] = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+        hp[_TOP_K, :n] = top_k
+        hp[_TOP_P, :n] = [p.top_p for p in params]
+        hp[_MIN_P, :n] = [p.min_p for p in params]
+        hp[_GREEDY, :n] = greedy
+        hp[_REP, :n] = [p.repetition_penalty for p in params]
+        hp[_PRES, :n] = [p.presence_penalty for p in params]
+        hp[_FREQ, :n] = [p.frequency_penalty for p in params]
+        st = self._staging
+        plan = None
+        if pen:
+            pr = [rows[i] for i in pen]
+            plan = self.counts.plan(
+                vocab,
+                [r.request_id for r in pr],
+                [r.token_ids for r in pr],
+                [r.num_prompt_tokens for r in pr],
+                [r.num_output_tokens for r in pr],
+                pen,
+            )
+            h_pen = st.add(pen)
+            h_slots = st.add(plan.slots)
+            h_plan = [
+                st.add(v)
+                for v in (
+                    plan.reset_slots,
+                    plan.prompt_flat,
+                    plan.count_flat,
+                    plan.inflight_rows,
+                    plan.inflight_slots,
+                )
+            ]
+        h_ban = st.add(bans) if bans else None
+        dev = st.commit(n)
+        dp = st.params[:, :n]  # [8, n] float32, device
+
+        raw = logits
+        logits = logits.clone()
+        if plan is not None:
+            self.counts.apply(plan, *(dev[h] for h in h_plan), last_ids)
+            pen_t = dev[h_pen]
+            counts, seen = self.counts.rows(dev[h_slots])
+            sub = logits.index_select(0, pen_t)
+            rep = dp[_REP].index_select(0, pen_t).unsqueeze(1)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+            freq = dp[_FREQ].index_select(0, pen_t).unsqueeze(1)
+            pres = dp[_PRES].index_select(0, pen_t).unsqueeze(1)
+            sub -= freq * counts.float() + pres * (counts > 0).float()
+            logits.index_copy_(0, pen_t, sub)
+        if h_ban is not None:
+            logits.view(-1).index_fill_(0, dev[h_ban], float("-inf"))
+
+        if all(greedy):
+            ids = logits.argmax(dim=-1)
+        else:
+            temp_t, k_t, p_t, m_t = (dp[i].unsqueeze(1) for i in (_TEMP, _TOP_K, _TOP_P, _MIN_P))
+            scaled = logits / temp_t
+            if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
+                sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
+                ranks = torch.arange(vocab, device=logits.device, dtype=torch.float32)
+                mask = ranks.unsqueeze(0) >= k_t
+                probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+                # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+                mask |= (probs.cumsum(dim=-1) - probs) >= p_t
+                sorted_logits.masked_fill_(mask, float("-inf"))
+                scaled = scaled.scatter(1, sorted_idx, sorted_logits)
+            if any(p.min_p > 0.0 for p in params):
+                probs = torch.softmax(scaled, dim=-1)
+                threshold = probs.max(dim=-1, keepdim=True).values * m_t
+                scaled = scaled.masked_fill(probs < threshold, float("-inf"))
             probs = torch.softmax(scaled, dim=-1)
-            threshold = probs.max(dim=-1, keepdim=True).values * m_t
-            scaled = scaled.masked_fill(probs < threshold, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        noise = self._exponential_noise(rows, vocab)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy_t.squeeze(1) > 0.5, logits.argmax(dim=-1), sampled)
+            noise = self._exponential_noise(rows, vocab)
+            sampled = (probs / noise).argmax(dim=-1)
+            ids = torch.where(dp[_GREEDY] > 0.5, logits.argmax(dim=-1), sampled)
+        if not want_logprobs:
+            return DeviceSample(ids)
+        return DeviceSample(ids, _pack_logprobs(raw, ids, max(num_top)), num_top)
+
+
+def _min_tokens_bans(rows: Sequence[GpuRow], vocab: int) -> list[int]:
+    """Flat logits indices (row * vocab + token) banned because the row has not reached its
+    min_tokens: its stop token ids, and its EOS ids unless it ignores EOS."""
+    bans: list[int] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        if r.num_output_tokens < p.min_tokens:
+            banned = p.stop_token_ids + (() if p.ignore_eos else tuple(r.eos_token_ids))
+            bans.extend(i * vocab + t for t in banned if 0 <= t < vocab)
+    return bans
+
+
+def _pack_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """raw logits `[n, V]`, ids `[n]` int64 -> `[n, 2 + 2k]` float64: the id, its logprob, the
+    k best ids, their logprobs (raw log-softmax, as the reference sampler returns them)."""
+    logp = torch.log_softmax(raw.float(), dim=-1)
+    packed = torch.empty(raw.shape[0], 2 + 2 * k, dtype=torch.float64, device=raw.device)
+    packed[:, 0] = ids
+    packed[:, 1] = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
+    if k:
+        vals, top = logp.topk(k, dim=-1)
+        packed[:, 2 : 2 + k] = top
+        packed[:, 2 + k :] = vals
+    return packed

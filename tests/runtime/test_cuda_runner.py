@@ -101,27 +101,36 @@ def test_launch_never_syncs_the_host(model) -> None:
     sampled = SamplingParams(
         max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3, ignore_eos=True
     )
+    # every parameter the reference sampler does on the host, here on the device
+    penalised = SamplingParams(
+        max_tokens=8, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5,
+        frequency_penalty=0.3, min_tokens=6, stop_token_ids=(5,), logprobs=True,
+        top_logprobs=4,
+    )  # fmt: skip
+    kinds = [greedy, sampled, penalised]
     for i, p in enumerate(prompts(6, seed=1)):
-        eng.add_request(str(i), p, greedy if i % 2 else sampled)
+        eng.add_request(str(i), p, kinds[i % 3])
     while any(eng.scheduler.get_request(str(i)).num_output_tokens == 0 for i in range(6)):
         eng.step()  # chunked prefills (eager), until every request decodes
     runner = eng.runner
+    graph_steps = runner.counters.graph_steps
     for _ in range(3):  # decode steps: graph replay + GPU sampling, launched without a sync
         sched = eng.scheduler.schedule()
-        with torch.inference_mode():
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                prep = runner._prepare(sched)
-                with torch.cuda.stream(runner.stream):
-                    logits = runner._forward(prep)
-                    rows = runner._sample_rows(sched)
-                    assert not runner.sampler.needs_host_path(rows)
-                    ids = runner.sampler.sample_async(logits, rows)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        assert prep.graph_bs == 8
-        runner.stream.synchronize()
-        eng.scheduler.update(sched, ids.tolist())
+        assert not runner.needs_sync(sched)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = runner.launch(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out = runner.finish(handle)
+        assert handle.sample is not None and handle.sample.packed is not None
+        assert out.logprobs is not None
+        sampling = [s for s in sched.seqs if s.sample]
+        for s, lp in zip(sampling, out.logprobs, strict=True):
+            assert len(lp.top) == (4 if s.request.params.logprobs else 0)
+        eng.scheduler.update(sched, out.token_ids)
+    assert runner.counters.graph_steps == graph_steps + 3
+    assert not runner.counters.fallbacks, runner.counters.fallbacks
     while eng.has_unfinished_requests():
         eng.step()
 

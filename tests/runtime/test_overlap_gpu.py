@@ -48,8 +48,9 @@ def make_engine(model, *, overlap: bool, graphs: bool = True, budget: int = 256)
     return Engine(ec, model_module=model, model_config=small_config(), runner_options=opts)
 
 
-def run(engine, prompts, params) -> list[tuple[tuple[int, ...], str | None]]:
-    got: dict[str, list] = {f"r{i}": [[], None] for i in range(len(prompts))}
+def run(engine, prompts, params, logprobs: list | None = None):
+    """-> per request (token ids, finish reason); per request's logprobs into `logprobs`."""
+    got: dict[str, list] = {f"r{i}": [[], None, []] for i in range(len(prompts))}
     for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"r{i}", p, q)
     while engine.has_unfinished_requests():
@@ -57,10 +58,13 @@ def run(engine, prompts, params) -> list[tuple[tuple[int, ...], str | None]]:
             assert got[d.request_id][1] is None, "a delta after the finish"
             got[d.request_id][0] += d.new_token_ids
             got[d.request_id][1] = d.finish_reason
+            got[d.request_id][2] += d.logprobs
     pool = engine.scheduler.block_pool
     pool.check_invariants()
     assert pool.usage == 0.0
-    return [(tuple(t), f) for t, f in got.values()]
+    if logprobs is not None:
+        logprobs.extend(lp for _, _, lp in got.values())
+    return [(tuple(t), f) for t, f, _ in got.values()]
 
 
 @pytest.mark.parametrize("graphs, budget", [(True, 256), (True, 64), (False, 96)])
@@ -87,4 +91,49 @@ def test_overlapped_greedy_equals_sync(model, graphs, budget) -> None:
     assert {f for _, f in sync} == {"stop", "length"}
     if graphs and budget == 256:
         assert eng.runner.counters.graph_steps > 0
+    assert "host_sampler" not in eng.runner.counters.fallbacks
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_overlapped_penalties_min_tokens_logprobs_equal_sync(model, graphs) -> None:
+    # Penalties read the token in flight from the device under overlap (the host has not
+    # applied it yet); min_tokens counts it; logprobs come back packed with the ids.
+    rnd = random.Random(7)
+    prompts = [[rnd.randrange(1, VOCAB) for _ in range(rnd.randint(3, 120))] for _ in range(16)]
+    greedy = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    plain = run(make_engine(model, overlap=False, graphs=graphs), prompts, greedy)
+    params = []
+    for i, (toks, _) in enumerate(plain):
+        kind = i % 4
+        if kind == 0:
+            p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                               repetition_penalty=1.4, frequency_penalty=0.4)  # fmt: skip
+        elif kind == 1:
+            p = SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True,
+                               presence_penalty=0.8, logprobs=True, top_logprobs=3)  # fmt: skip
+        elif kind == 2:  # ban the tokens greedy decoding would stop on first
+            p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, min_tokens=8,
+                               stop_token_ids=tuple(toks[1:3]))  # fmt: skip
+        else:
+            p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True,
+                               top_logprobs=2, frequency_penalty=1.0)  # fmt: skip
+        params.append(p)
+    lp_sync: list = []
+    sync = run(make_engine(model, overlap=False, graphs=graphs), prompts, params, lp_sync)
+    eng = make_engine(model, overlap=True, graphs=graphs)
+    lp_over: list = []
+    over = run(eng, prompts, params, lp_over)
+    assert over == sync
+    assert sync != plain  # the parameters changed what was sampled
+    for (toks, _), p in zip(sync, params, strict=True):
+        if p.min_tokens:
+            assert len(toks) >= p.min_tokens and not set(toks[: p.min_tokens]) & set(
+                p.stop_token_ids
+            )
+    for (toks, _), a, b, p in zip(sync, lp_sync, lp_over, params, strict=True):
+        assert len(a) == len(b) == (len(toks) if p.logprobs else 0)
+        for x, y, t in zip(a, b, toks, strict=True):
+            assert x.token_id == y.token_id == t
+            assert len(x.top) == len(y.top) == p.top_logprobs
+            assert y.logprob == pytest.approx(x.logprob, rel=0.05, abs=0.05)
     assert "host_sampler" not in eng.runner.counters.fallbacks

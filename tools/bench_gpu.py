@@ -48,10 +48,10 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 SHAPES = {
-    "1B": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+    "1B": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, head_dim=64,
                tie_word_embeddings=True, rope_scaling={**LLAMA3_ROPE, "factor": 32.0},
                max_position_embeddings=131072),
-    "8B": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+    "8B": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, head_dim=128,
                tie_word_embeddings=False, rope_scaling=None, max_position_embeddings=8192),
 }  # fmt: skip
 PROMPT, NEW = 128, 256
@@ -65,7 +65,7 @@ def shape_config(name: str) -> ModelConfig:
     s = SHAPES[name]
     return ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=128256, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, **s,
+        num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, **s,
     )  # fmt: skip
 
 

@@ -271,6 +271,11 @@ class CudaModelRunner(ModelRunner):
 
     # -- one step -----------------------------------------------------------------------------
 
+    def _prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """Stage one step's inputs on the stream (tests drive `_prepare`/`_forward` by hand)."""
+        with torch.cuda.stream(self.stream):
+            return self.inputs.prepare(sched, self._placeholder, self._bucket)
+
     def _forward(self, p: PreparedStep) -> torch.Tensor:
         """Enqueue the forward on the stream -> logits `[num_logits, vocab]` float32."""
         if p.graph_bs is not None:
@@ -299,7 +304,7 @@ class CudaModelRunner(ModelRunner):
         with torch.cuda.stream(self.stream):
             self._record_step_start()
             with self._nvtx("prepare"):
-                p = self.inputs.prepare(sched, self._placeholder, self._bucket)
+                p = self._prepare(sched)
             turn = self._num_launches % 2
             self._num_launches += 1
             with self._nvtx("forward"):

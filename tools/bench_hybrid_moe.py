@@ -4,6 +4,14 @@ weights; attention and everything dense on the GPU, the experts on the CPU exper
 ("cpu_pool" backend), per expert format; then, where it fits, the same model with every
 expert on the GPU (torch expert backend) in the same process.
 
+The GPU side runs with the cupy attention backend by default (--attention-backend torch: the
+reference backend, as in the first recorded figures) and its decode steps through CUDA graphs
+captured per batch size where the expert backend allows it (`supports_cuda_graphs`: the
+stream-ordered cpu_pool path with every expert on the pool; the torch expert backend syncs on
+the host, so the all-GPU run stays eager). `--graphs on off` measures both in one process (the
+same model and pool), so the graph speed-up is read off one run; prefill is eager either way
+and is measured once.
+
 Per configuration it prints decode tok/s at batch 1, aggregate decode tok/s at --batch
 concurrent sequences, and prefill tok/s of one --prefill-token prompt, each next to its floor:
 active expert bytes per token / --floor-gbps (CPU read bandwidth). At batch B the floor counts
@@ -13,6 +21,7 @@ from one random layer (random init of 29 B host parameters would dominate the ru
 
     python tools/bench_hybrid_moe.py [--formats int4 bf16] [--gpu-all] [--json out.json]
         [--layers 48] [--decode-steps 16] [--batch 16] [--prefill 2048] [--threads N]
+        [--attention-backend cupy|torch] [--graphs on off] [--spin-us 200]
 """
 
 from __future__ import annotations
@@ -56,10 +65,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument(
         "--attention-backend",
-        default="torch",
+        default="cupy",
         choices=["torch", "cupy"],
-        help="torch (the figures in docs/BENCHMARKS.md) or the CuPy paged kernels",
+        help="the CuPy paged kernels (default; CUDA graphs need them) or the torch reference",
     )
+    p.add_argument(
+        "--graphs",
+        nargs="+",
+        default=["on", "off"],
+        choices=["on", "off"],
+        help="decode through CUDA graphs, eagerly, or both (each measured on the same model)",
+    )
+    p.add_argument("--spin-us", type=int, default=None, help="pool spin before sleep (us)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -85,13 +102,76 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
     )
 
 
+class DecodeGraph:
+    """One decode batch size's forward captured in a CUDA graph over static device inputs (the
+    CUDA runner's scheme, without its scheduler): a step copies its inputs in and replays."""
+
+    def __init__(self, runner: Runner, bs: int, max_blocks: int, max_len: int) -> None:
+        dev = runner.device
+        self.bs = bs
+        self.ids = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.slots = torch.full((bs,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(bs, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros(bs, max_blocks, dtype=torch.int32, device=dev)
+        self.batch = ForwardBatch(
+            query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device=dev),
+            seq_lens=self.seq_lens,
+            block_tables=self.tables,
+            slot_mapping=self.slots,
+            logits_indices=torch.arange(bs, dtype=torch.int64, device=dev),
+            query_lens_cpu=[1] * bs,
+            seq_lens_cpu=[max_len] * bs,
+            kv_cache=runner.kv,
+            max_query_len=1,
+            max_seq_len=max_len,  # an upper bound: the split-K plan serves shorter contexts
+            attn_metadata="cupy",
+        )
+        self.model = runner.model
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def load(self, ids, pos, slots, seq_lens, tables) -> None:
+        self.ids.copy_(ids)
+        self.pos.copy_(pos)
+        self.slots.copy_(slots)
+        self.seq_lens.copy_(seq_lens)
+        self.tables.zero_()
+        self.tables[:, : tables.shape[1]].copy_(tables)
+
+    def _forward(self) -> torch.Tensor:
+        return self.model.compute_logits(self.model(self.ids, self.pos, self.batch))
+
+    @torch.no_grad()
+    def run(self) -> torch.Tensor:
+        if self.graph is None:  # warm-up on a side stream on this step's inputs, then capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # idempotent: the same KV values into the same slots
+                    self._forward()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits
+
+
 class Runner:
     """KV blocks handed out on demand (reset frees all); steps of (sequence slot, number of new
-    tokens) with random token ids; the last token of each sequence gets logits."""
+    tokens) with random token ids; the last token of each sequence gets logits. With `graphs`
+    on (and a capturable model), decode-only steps replay a CUDA graph per batch size."""
 
-    def __init__(self, model: nn.Module, cfg: ModelConfig, device, dtype, num_blocks: int):
+    def __init__(self, model: nn.Module, cfg: ModelConfig, device, dtype, num_blocks: int,
+                 max_len: int = 0):  # fmt: skip
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = 16
+        self.max_len = max_len or num_blocks * self.block_size
+        self.graphs_on = False
+        self._graphs: dict[int, DecodeGraph] = {}
         self.kv = KVCache.allocate(
             cfg.num_hidden_layers,
             num_blocks,
@@ -103,6 +183,17 @@ class Runner:
         )
         self.gen = torch.Generator().manual_seed(0)
         self.reset()
+
+    def graphs_supported(self) -> str | None:
+        """None when decode steps can be captured; else why not."""
+        if self.device.type != "cuda":
+            return "not on CUDA"
+        if getattr(self.model.attn_backend, "name", None) != "cupy":
+            return "needs the cupy attention backend"
+        backend = getattr(self.model, "expert_backend", None)
+        if backend is not None and not getattr(backend, "supports_cuda_graphs", False):
+            return f"the {getattr(backend, 'name', '?')} expert backend syncs on the host"
+        return None
 
     def reset(self) -> None:
         self.lens: dict[int, int] = {}
@@ -146,13 +237,45 @@ class Runner:
         total = sum(qlens)
         ids = torch.randint(0, self.cfg.vocab_size, (total,), generator=self.gen).to(dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        logits = self.model.compute_logits(self.model(ids, positions, batch))
+        if self.graphs_on and max(qlens) == 1:
+            g = self._graphs.get(len(work))
+            if g is None:
+                g = self._graphs[len(work)] = DecodeGraph(
+                    self, len(work), -(-self.max_len // self.block_size), self.max_len
+                )
+            g.load(ids, positions, batch.slot_mapping, batch.seq_lens, batch.block_tables)
+            logits = g.run()
+        else:
+            logits = self.model.compute_logits(self.model(ids, positions, batch))
         logits.argmax(-1).tolist()  # the sampled tokens reach the host, as in serving
 
 
+def max_len(a: argparse.Namespace) -> int:
+    """Longest sequence a run makes (decode steps: warm-up, graph capture and timed)."""
+    return max(a.prompt + a.decode_steps + 8, a.prefill, 256)
+
+
 def num_blocks(a: argparse.Namespace) -> int:
-    per_seq = -(-(a.prompt + a.decode_steps + 4) // 16)
-    return max(a.batch * per_seq, -(-a.prefill // 16)) + 8
+    per_seq = -(-(a.prompt + a.decode_steps + 8) // 16)
+    return max(a.batch * per_seq, -(-max(a.prefill, 256) // 16)) + 8  # 256: prefill warm-up
+
+
+def measure_modes(runner: Runner, a: argparse.Namespace, name: str) -> dict[str, dict]:
+    """`name` (graphs on where possible) and `name`_eager, per --graphs, on the same model;
+    prefill is measured in the first mode only (it is eager in both)."""
+    out: dict[str, dict] = {}
+    why = runner.graphs_supported()
+    for i, mode in enumerate(a.graphs):
+        if mode == "on" and why is not None:
+            print(f"# {name}: no CUDA graphs ({why}); decode runs eagerly", flush=True)
+            mode = "off"
+        key = name if mode == "on" else f"{name}_eager"
+        if key in out:
+            continue
+        runner.graphs_on = mode == "on"
+        out[key] = measure(runner, a, prefill=i == 0)
+        out[key]["graphs"] = runner.graphs_on
+    return out
 
 
 def _sync(device) -> None:
@@ -165,8 +288,8 @@ def _pool_seconds(runner: Runner) -> float:
     return backend.stats().pool_seconds if hasattr(backend, "stats") else 0.0
 
 
-def measure(runner: Runner, a: argparse.Namespace) -> dict[str, float]:
-    """tok/s per phase, and for the pool the seconds per token it spent from submit to sync
+def measure(runner: Runner, a: argparse.Namespace, prefill: bool = True) -> dict[str, float]:
+    """tok/s per phase, and for the pool the seconds per token it spent from submit to done
     (`*_pool_tok_s`: the rate if nothing but the pool took time)."""
     dev = a.device
     out: dict[str, float] = {}
@@ -194,6 +317,10 @@ def measure(runner: Runner, a: argparse.Namespace) -> dict[str, float]:
     out[f"decode_b{a.batch}_tok_s"] = a.batch * steps / (time.perf_counter() - t0)
     pool_s = max(_pool_seconds(runner) - p0, 1e-9)
     out[f"decode_b{a.batch}_pool_tok_s"] = a.batch * steps / pool_s
+    if not prefill:
+        if not _pool_seconds(runner):
+            out = {k: v for k, v in out.items() if "_pool_" not in k}
+        return out
     # Prefill: one warm-up of 256 tokens, then one whole prompt in one step.
     runner.reset()
     runner.step([(0, 256)])
@@ -233,7 +360,13 @@ def shared_layer(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
     t0 = time.perf_counter()
-    opts = {"fmt": fmt, "num_threads": a.threads, "cpu_experts": "all"}
+    opts = {
+        "fmt": fmt,
+        "num_threads": a.threads,
+        "cpu_experts": "all",
+        "expert_cache": False,  # a benchmark of compute: no conversion cache written
+        "spin_us": a.spin_us,
+    }
     model = build_model(cfg, dtype=dtype, device=a.device, attn_backend=a.attention_backend,
                         expert_backend="cpu_pool",
                         expert_options=opts)  # fmt: skip
@@ -245,24 +378,26 @@ def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
             backend.add_block(block)  # converts into the pool, frees the torch copy
     init_dummy_weights(model)  # everything else (the expert tensors are empty now)
     load_s = time.perf_counter() - t0
-    runner = Runner(model, cfg, a.device, dtype, num_blocks(a))
-    res = measure(runner, a)
+    runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
+    results = measure_modes(runner, a, f"hybrid_{fmt}")
     s = backend.stats()
     info = backend.pool.info()
-    res.update(
-        load_s=load_s,
-        pool_GB=sum(info["bytes_per_format"].values()) / 1e9,
-        isa=info["isa"],
-        threads=info["num_threads"],
-        pool_wait_s=s.pool_wait_seconds,
-        d2h_GB=s.d2h_bytes / 1e9,
-        h2d_GB=s.h2d_bytes / 1e9,
-        pool_utilisation=s.pool_utilisation,
-    )
-    res.update(floors(cfg, fmt, a))
+    for res in results.values():
+        res.update(
+            load_s=load_s,
+            pool_GB=sum(info["bytes_per_format"].values()) / 1e9,
+            isa=info["isa"],
+            threads=info["num_threads"],
+            pool_wait_s=s.pool_wait_seconds,  # all modes together
+            d2h_GB=s.d2h_bytes / 1e9,
+            h2d_GB=s.h2d_bytes / 1e9,
+            pool_utilisation=s.pool_utilisation,
+            stream_errors=s.stream_errors,
+        )
+        res.update(floors(cfg, fmt, a))
     backend.close()
     del model, runner
-    return res
+    return results
 
 
 def run_gpu_all(cfg, a, dtype) -> dict:
@@ -272,11 +407,12 @@ def run_gpu_all(cfg, a, dtype) -> dict:
     )
     init_dummy_weights(model)
     load_s = time.perf_counter() - t0
-    runner = Runner(model, cfg, a.device, dtype, num_blocks(a))
-    res = measure(runner, a)
-    res["load_s"] = load_s
+    runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
+    results = measure_modes(runner, a, "gpu_all_bf16")
+    for res in results.values():
+        res["load_s"] = load_s
     del model, runner
-    return res
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,14 +427,18 @@ def main(argv: list[str] | None = None) -> int:
     shared = shared_layer(cfg)
     print(f"# random expert layer: {time.perf_counter() - t0:.1f}s", flush=True)
     results: dict[str, dict] = {}
+
+    def show(runs: dict[str, dict]) -> None:
+        for name, r in runs.items():
+            print(f"{name}: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                            for k, v in r.items()}), flush=True)  # fmt: skip
+        results.update(runs)
+
     for fmt in a.formats:
-        r = results[f"hybrid_{fmt}"] = run_hybrid(cfg, fmt, shared, a, dtype)
-        print(f"hybrid {fmt}: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                                              for k, v in r.items()}), flush=True)  # fmt: skip
+        show(run_hybrid(cfg, fmt, shared, a, dtype))
     del shared
     if a.gpu_all:
-        r = results["gpu_all_bf16"] = run_gpu_all(cfg, a, dtype)
-        print("gpu-all bf16: " + json.dumps({k: round(v, 3) for k, v in r.items()}), flush=True)
+        show(run_gpu_all(cfg, a, dtype))
     print()
     b = a.batch
     print(
@@ -309,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
 
         def cell(key: str, r: dict = r) -> str:
+            if key not in r:
+                return "-"
             floor = r.get(key.replace("_pool", "").replace("_tok_s", "_floor_tok_s"))
             return f"{r[key]:.1f}" + (f" ({floor:.1f}, {r[key] / floor:.0%})" if floor else "")
 

@@ -146,7 +146,8 @@ class CudaModelRunner(ModelRunner):
         self.sampler = CudaSampler(device, max_num_seqs)
         self.counters = RunnerCounters()
         uses_cupy = getattr(attn_backend, "name", None) == "cupy"
-        # The CPU expert pool waits on the host inside the forward: nothing to capture there.
+        # An expert backend may wait on the host inside the forward (the CPU pool with
+        # GPU-resident experts, or its host-wait path): then decode runs eagerly.
         experts_capturable = getattr(
             getattr(model, "expert_backend", None), "supports_cuda_graphs", True
         )
@@ -157,7 +158,7 @@ class CudaModelRunner(ModelRunner):
         elif self.options.cuda_graphs and not experts_capturable:
             self._fallback(
                 "graphs_not_capturable_experts",
-                "the expert backend (CPU pool) waits on the host; decode runs eagerly",
+                "the expert backend waits on the host inside the forward; decode runs eagerly",
             )
         elif self.options.cuda_graphs and self.graphs.sizes:
             try:

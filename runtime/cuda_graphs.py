@@ -114,3 +114,50 @@ class DecodeGraphs:
             ",".join(map(str, sorted(self.graphs))),
             time.perf_counter() - t0,
         )
+
+
+class CompiledEagerForward:
+    """The forward of steps that run without a graph (prefill chunks, mixed batches), under
+    torch.compile with dynamic shapes. A recompile after the first compile is logged and
+    counted (`on_fallback("prefill_recompile")`); past `recompiles` dynamo raises, and so does
+    any compile failure: that is logged and counted once (`prefill_compile_failed`) and the
+    eager forward serves every later step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mode: str,
+        recompiles: int,
+        on_fallback: Callable[[str, str], None],
+    ) -> None:
+        def prefill_forward(ids: torch.Tensor, pos: torch.Tensor, batch: ForwardBatch):
+            return model(ids, pos, batch)
+
+        self._model = model
+        self._fn = compile_forward(prefill_forward, mode, dynamic=True, recompiles=recompiles)
+        self._on_fallback = on_fallback
+        self._compiled_once = False
+        self.compiled_steps = 0
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """ids/pos `[T]` int64, device -> the model's hidden states of the sampling tokens."""
+        if self._fn is None:
+            return self._model(ids, pos, batch)
+        from torch._dynamo.utils import counters
+
+        before = counters["stats"]["unique_graphs"]
+        try:
+            out = self._fn(ids, pos, batch)
+        except Exception as e:  # rerunning eagerly rewrites the same KV slots: idempotent
+            log.exception("compiled prefill forward failed; prefill/mixed steps run eagerly")
+            self._on_fallback("prefill_compile_failed", f"{type(e).__name__}: {e}")
+            self._fn = None
+            return self._model(ids, pos, batch)
+        new_graphs = counters["stats"]["unique_graphs"] - before
+        if new_graphs and self._compiled_once:
+            self._on_fallback(
+                "prefill_recompile", f"{len(batch.query_lens_cpu)} seqs, {ids.shape[0]} tokens"
+            )
+        self._compiled_once = self._compiled_once or bool(new_graphs)
+        self.compiled_steps += 1
+        return out

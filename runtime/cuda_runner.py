@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.batch import ForwardBatch, KVCache
-from runtime.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, compile_forward, pow2_ceil
+from runtime.cuda_graphs import (
+    GRAPH_BATCH_SIZES,
+    CompiledEagerForward,
+    DecodeGraphs,
+    compile_forward,
+    pow2_ceil,
+)
 from runtime.cuda_inputs import InputStager, PreparedStep
 from runtime.cuda_memory import profile_activation_bytes
 from runtime.cuda_sampler import PACK_WIDTH, CudaSampler, DeviceSample, GpuRow
@@ -47,17 +53,24 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CudaModelRunner", "CudaRunnerOptions", "profile_activation_bytes"]
 
+# Compiles a prefill/mixed forward may take (dynamic shapes: ideally one, plus one for a
+# batch of a single sequence); past it dynamo raises and the runner counts a fall-back.
+PREFILL_RECOMPILES = 8
+
 
 @dataclass(frozen=True)
 class CudaRunnerOptions:
     """How the CUDA runner runs the forward. `from_env` is the one place that reads
-    TANDEM_CUDA_GRAPHS=0, TANDEM_COMPILE=<mode> and TANDEM_NVTX=1."""
+    TANDEM_CUDA_GRAPHS=0, TANDEM_COMPILE=<mode>, TANDEM_COMPILE_PREFILL=1 and TANDEM_NVTX=1."""
 
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = GRAPH_BATCH_SIZES
     # None: eager forward. Else a torch.compile mode for the decode forward captured in the
-    # graphs ("default" or "max-autotune-no-cudagraphs"); prefill/mixed steps stay eager.
+    # graphs ("default" or "max-autotune-no-cudagraphs").
     compile_mode: str | None = None
+    # With a compile mode: prefill/mixed steps compiled too (dynamic shapes; recompiles and a
+    # fall-back to eager are logged and counted). Off by default until measured on the device.
+    compile_prefill: bool = False
     nvtx: bool = False
     # Overlap scheduling: the engine launches step N+1 before it applies step N.
     overlap: bool = True
@@ -71,6 +84,7 @@ class CudaRunnerOptions:
         return cls(
             cuda_graphs=os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0",
             compile_mode=None if mode in (None, "0", "none") else mode,
+            compile_prefill=os.environ.get("TANDEM_COMPILE_PREFILL", "0") == "1",
             nvtx=os.environ.get("TANDEM_NVTX", "0") == "1",
             overlap=os.environ.get("TANDEM_OVERLAP", "1") != "0",
         )
@@ -145,6 +159,11 @@ class CudaModelRunner(ModelRunner):
         self._step_start: torch.cuda.Event | None = None
         self.sampler = CudaSampler(device, max_num_seqs)
         self.counters = RunnerCounters()
+        self._eager_model = model
+        if self.options.compile_mode is not None and self.options.compile_prefill:
+            self._eager_model = CompiledEagerForward(
+                model, self.options.compile_mode, PREFILL_RECOMPILES, self._fallback
+            )
         uses_cupy = getattr(attn_backend, "name", None) == "cupy"
         # An expert backend may wait on the host inside the forward (the CPU pool with
         # GPU-resident experts, or its host-wait path): then decode runs eagerly.
@@ -289,10 +308,10 @@ class CudaModelRunner(ModelRunner):
         ids, pos = d.input_ids[: p.num_tokens], d.positions[: p.num_tokens]
         if p.has_placeholders:
             self._resolve_placeholders(ids)
+        hidden = self._eager_model(ids, pos, batch)
         if p.num_logits == 0:
-            self.model(ids, pos, batch)
             return torch.empty(0, device=self.device)
-        return self._forward_logits(ids, pos, batch)
+        return self.model.compute_logits(hidden)
 
     def needs_sync(self, sched: SchedulerOutput) -> bool:
         """Never: penalties, min_tokens and logprobs are sampled on the device, which also

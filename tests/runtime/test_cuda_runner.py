@@ -45,7 +45,8 @@ def model():
 
 
 def make_llm(model, *, graphs: bool = True, num_blocks: int | None = 512, util: float = 0.9,
-             max_num_seqs: int = 32, budget: int = 256, overlap: bool = True) -> LLM:  # fmt: skip
+             max_num_seqs: int = 32, budget: int = 256, overlap: bool = True,
+             options=None) -> LLM:  # fmt: skip
     from runtime.cuda_runner import CudaRunnerOptions
 
     ec = EngineConfig(
@@ -59,7 +60,7 @@ def make_llm(model, *, graphs: bool = True, num_blocks: int | None = 512, util: 
         engine_config=ec,
         model_module=model,
         model_config=small_config(),
-        runner_options=CudaRunnerOptions(cuda_graphs=graphs, overlap=overlap),
+        runner_options=options or CudaRunnerOptions(cuda_graphs=graphs, overlap=overlap),
     )
 
 
@@ -168,3 +169,24 @@ def test_kv_pool_sized_from_free_memory(model) -> None:
     assert all(len(o.token_ids) == 4 for o in out)
     free_after, _ = torch.cuda.mem_get_info()
     assert total - free_after <= util * total + (512 << 20)
+
+
+def test_compiled_prefill_equals_eager(model) -> None:
+    # TANDEM_COMPILE_PREFILL=1: prefill and mixed steps under torch.compile(dynamic=True);
+    # recompiles are counted, a failure falls back to eager counted, never silently.
+    from runtime.cuda_runner import PREFILL_RECOMPILES, CudaRunnerOptions
+
+    opts = CudaRunnerOptions(cuda_graphs=True, compile_mode="default", compile_prefill=True)
+    ps = prompts(12, seed=21)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    compiled = make_llm(model, max_num_seqs=4, budget=96, options=opts)
+    eager = make_llm(model, max_num_seqs=4, budget=96, graphs=False)
+    out_c = [o.token_ids for o in compiled.generate(ps, params)]
+    out_e = [o.token_ids for o in eager.generate(ps, params)]
+    runner = compiled.engine.runner
+    fb = runner.counters.fallbacks
+    assert "prefill_compile_failed" not in fb, fb
+    assert runner._eager_model.compiled_steps > 0
+    assert fb["prefill_recompile"] <= PREFILL_RECOMPILES, fb
+    same = sum(a == b for a, b in zip(out_c, out_e, strict=True))
+    assert same >= 11, f"{same}/12 identical"

@@ -50,13 +50,18 @@ class CupyAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         # q [T, H, D], k/v [T, KVH, D] in the cache dtype, cuda
-        k_cache = batch.kv_cache.k[layer_idx]
-        v_cache = batch.kv_cache.v[layer_idx]
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        write_kv(batch.kv_cache.k[layer_idx], batch.kv_cache.v[layer_idx], k, v, batch.slot_mapping)
+        return self.attend(layer_idx, q, batch, scale)
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
+        """Attention of q `[T, H, D]` over a cache that already holds this step's k/v (written
+        by the caller, e.g. the fused qkv + rotary + KV-write decode kernel)."""
         return paged_attention_cuda(
             q,
-            k_cache,
-            v_cache,
+            batch.kv_cache.k[layer_idx],
+            batch.kv_cache.v[layer_idx],
             batch.query_start_loc,
             batch.seq_lens,
             batch.block_tables,

@@ -17,9 +17,10 @@ from ext.cuda._loader import i32, i64, launch, ptr
 MAX_ROWS = 8
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _THREADS = 256
-# (rows per warp, steps in flight) per row count of x: more x rows mean more FMAs per load,
-# so fewer W loads need to be in flight to cover latency.
-_TILES = {1: (2, 4), 2: (2, 4), 3: (2, 2), 4: (2, 2)}
+# (rows per warp, steps in flight) per row count of x, from tools/bench_skinny_gemm.py sweeps
+# on an H100 over the Llama-3 8B/1B projections: at 1 row (1, 2) is fastest or within 1% on all
+# of them (and 5 us a layer faster than (2, 4) on the 8B), at 2 rows (2, 4).
+_TILES = {1: (1, 2), 2: (2, 4), 3: (2, 2), 4: (2, 2)}
 _TILE_DEFAULT = (1, 2)
 
 
@@ -161,3 +162,147 @@ def _swiglu_backward(ctx, grad):
 
 
 skinny_swiglu.register_autograd(_swiglu_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------ qkv + rotary + KV write, fused
+
+
+def _qkv_rope_ref(
+    x, weight, bias, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+):
+    """The unfused computation (and the op's fallback): qkv projection, neox rotary of q and k,
+    k and v into their slots (slot < 0 skipped). Returns q `[T, H, D]`."""
+    t = x.shape[0]
+    d = k_cache.shape[-1]
+    qkv = torch.nn.functional.linear(x, weight, bias)
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    cos, sin = cos.reshape(t, 1, d), sin.reshape(t, 1, d)
+
+    def rot(z):
+        half = d // 2
+        return z * cos + torch.cat((-z[..., half:], z[..., :half]), dim=-1) * sin
+
+    q = rot(q.reshape(t, num_heads, d))
+    k = rot(k.reshape(t, num_kv_heads, d))
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    kv_heads = k_cache.shape[2]
+    k_cache.view(-1, kv_heads, d).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, d).index_copy_(
+        0, slots, v.reshape(t, num_kv_heads, d)[keep].to(v_cache.dtype)
+    )
+    return q
+
+
+def launch_skinny_qkv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    tile: tuple[int, int] | None = None,
+) -> None:
+    """q_out[M, H, D] = rotary(x @ Wq^T + bq); k, v of each row into k_cache/v_cache at its slot."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [1..{MAX_ROWS}, K], got {tuple(x.shape)}")
+    m, k = x.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache/v_cache must be equal [num_blocks, block_size, kv_heads, head_dim]"
+        )
+    d = k_cache.shape[3]
+    if k_cache.shape[2] != num_kv_heads or d % 16:
+        raise ValueError(
+            f"cache {tuple(k_cache.shape)} does not hold {num_kv_heads} heads of an even dim"
+        )
+    rows = (num_heads + 2 * num_kv_heads) * d
+    if weight.shape != (rows, k) or not weight.is_contiguous() or k % 8:
+        raise ValueError(
+            f"weight must be contiguous [{rows}, {k}] with K % 8 == 0, got {tuple(weight.shape)}"
+        )
+    if bias is not None and (bias.shape != (rows,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{rows}]")
+    if (
+        cos.shape != (m, d)
+        or sin.shape != (m, d)
+        or cos.stride() != sin.stride()
+        or cos.stride(1) != 1
+    ):
+        raise ValueError(f"cos/sin must be [{m}, {d}] with equal strides, contiguous rows")
+    if q_out.shape != (m, num_heads, d) or not q_out.is_contiguous():
+        raise ValueError(f"q_out must be contiguous [{m}, {num_heads}, {d}]")
+    if (
+        slot_mapping.dtype != torch.int64
+        or slot_mapping.shape != (m,)
+        or not slot_mapping.is_contiguous()
+    ):
+        raise ValueError(f"slot_mapping must be contiguous int64 [{m}]")
+    tensors = (x, weight, cos, sin, q_out, k_cache, v_cache) + (() if bias is None else (bias,))
+    if any(t.dtype != x.dtype for t in tensors) or x.dtype not in _DT:
+        raise ValueError(
+            "x, weight, bias, cos, sin, q_out and the caches must share one fp16/bf16 dtype"
+        )
+    if any(t.device != x.device for t in (*tensors, slot_mapping)) or not x.is_cuda:
+        raise ValueError("all operands must be on one CUDA device")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("caches must be contiguous")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or weight.data_ptr() % 16:
+        raise ValueError("x rows and weight must be 16-byte aligned")
+    r0, u = tile or tile_for(m)
+    warps = _THREADS // 32
+    pairs = rows // 2
+    launch(
+        "skinny_gemm.cu",
+        f"skinny_qkv_rope_kernel<{m},{r0},{u},{_DT[x.dtype]}>",
+        x.device,
+        (-(-pairs // (warps * r0)), 1, 1),
+        (_THREADS, 1, 1),
+        (
+            ptr(x), ptr(weight), ptr(bias), ptr(cos), ptr(sin), ptr(q_out), ptr(k_cache),
+            ptr(v_cache), ptr(slot_mapping), i32(num_heads), i32(num_kv_heads), i32(d), i32(k),
+            i64(x.stride(0)), i64(cos.stride(0)),
+        ),
+    )  # fmt: skip
+
+
+@torch.library.custom_op("tandem::skinny_qkv_rope", mutates_args=("k_cache", "v_cache"))
+def skinny_qkv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """An attention layer's decode prologue in one kernel: qkv projection (+ bias), rotary of q
+    and k, k/v into the paged cache. x `[T, K]`, cos/sin `[T, D]`; returns q `[T, H, D]`. Falls
+    back to torch (same result) where the kernel does not apply."""
+    d = k_cache.shape[-1]
+    t = x.shape[0]
+    ok = supported(x, weight) and x.dim() == 2 and k_cache.dtype == x.dtype and d % 16 == 0
+    if ok and (bias is None or bias.dtype == x.dtype):
+        q = torch.empty(t, num_heads, d, device=x.device, dtype=x.dtype)
+        launch_skinny_qkv_rope(
+            x if x.stride(0) % 8 == 0 and x.stride(1) == 1 and x.data_ptr() % 16 == 0 else x.contiguous(),
+            weight, bias, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache,
+            slot_mapping.contiguous(), num_heads, num_kv_heads,
+        )  # fmt: skip
+        return q
+    return _qkv_rope_ref(
+        x, weight, bias, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+    )
+
+
+@skinny_qkv_rope.register_fake
+def _(x, weight, bias, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
+    return x.new_empty(x.shape[0], num_heads, k_cache.shape[-1])

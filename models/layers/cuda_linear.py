@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ext.cuda import skinny  # noqa: F401  (registers torch.ops.tandem.skinny_*)
+from models.batch import ForwardBatch
+from models.layers.attention import Attention
 from models.layers.mlp import GatedMLP
 
 # Rows of x at or below which the kernel beats cuBLAS on every Llama-3 8B/1B projection
@@ -48,6 +50,36 @@ class SkinnyGatedMLP(GatedMLP):
         return super().forward(x)
 
 
+class SkinnyAttention(Attention):
+    """Attention whose decode prologue (qkv projection, rotary, KV write) is one kernel at 1-2
+    tokens; needs a backend with `attend` (attention over an already written cache) and no
+    per-head q/k norm (that needs a whole head, which no warp of the kernel holds)."""
+
+    max_rows: int = DEFAULT_MAX_ROWS
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        if not 0 < t <= self.max_rows or batch.kv_cache is None:
+            return super().forward(x, cos, sin, batch)
+        d = self.head_dim
+        q = torch.ops.tandem.skinny_qkv_rope(
+            x,
+            self.qkv_proj.weight,
+            self.qkv_proj.bias,
+            cos.reshape(t, d),
+            sin.reshape(t, d),
+            batch.kv_cache.k[self.layer_idx],
+            batch.kv_cache.v[self.layer_idx],
+            batch.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+        )
+        out = self.backend.attend(self.layer_idx, q, batch, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
 def _swap(linear: nn.Linear, max_rows: int) -> SkinnyLinear:
     new = SkinnyLinear.__new__(SkinnyLinear)
     nn.Module.__init__(new)
@@ -73,7 +105,8 @@ class _SkinnyLogits:
 
 def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Swaps the dense projections (qkv/o/gate_up/down) and the logits of a fp16/bf16 CUDA model
-    for the skinny path, and gated MLPs for the fused gate_up + SiLU-mul, in place; returns how
+    for the skinny path, gated MLPs for the fused gate_up + SiLU-mul and attention layers for the
+    fused qkv + rotary + KV write (backends with `attend`), in place; returns how
     many linears were swapped (0 for another dtype or device). MoE expert weights are not
     nn.Linears and stay as they are."""
     params = list(model.parameters())
@@ -89,10 +122,18 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             if name in _TARGETS and type(child) is nn.Linear:
                 setattr(parent, name, _swap(child, max_rows))
                 swapped += 1
-    for mlp in model.modules():
-        if type(mlp) is GatedMLP:
-            mlp.__class__ = SkinnyGatedMLP  # same state, another forward
-            mlp.max_rows = max_rows
+    for module in model.modules():  # same state, another forward
+        if type(module) is GatedMLP:
+            module.__class__ = SkinnyGatedMLP
+            module.max_rows = max_rows
+        elif (
+            type(module) is Attention
+            and module.q_norm is None
+            and hasattr(module.backend, "attend")
+            and module.head_dim % 16 == 0
+        ):
+            module.__class__ = SkinnyAttention
+            module.max_rows = max_rows
     if swapped and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens"):
         lm_head = getattr(model, "lm_head", None)
         weight = model.embed_tokens.weight if lm_head is None else lm_head.weight

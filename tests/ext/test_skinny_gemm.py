@@ -54,7 +54,78 @@ def test_swap_is_a_noop_off_cuda():
     assert type(model.qkv_proj) is nn.Linear
 
 
+def _qkv_inputs(device, dtype, t, heads, kv_heads, d, k=256, bias=True, seed=0):
+    from models.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = (heads + 2 * kv_heads) * d
+    x = torch.randn(t, k, generator=g).to(device, dtype)
+    w = (torch.randn(rows, k, generator=g) * 0.05).to(device, dtype)
+    b = (torch.randn(rows, generator=g) * 0.1).to(device, dtype) if bias else None
+    pos = torch.randint(0, 5000, (t,), generator=g).to(device)
+    cos, sin = RotaryEmbedding(d, 10000.0, None).cos_sin(pos, dtype)
+    cache = [
+        torch.full((8, 16, kv_heads, d), float("nan"), device=device, dtype=dtype) for _ in range(2)
+    ]
+    slots = torch.randperm(128, generator=g)[:t].to(device)
+    if t > 1:
+        slots[1] = -1  # a padding row: writes nothing
+    return x, w, b, cos.reshape(t, d), sin.reshape(t, d), cache, slots
+
+
+def _qkv_expected(x, w, b, cos, sin, heads, kv_heads, d):
+    """float32: q rotated, k rotated, v (as [T, heads, D])."""
+    from models.layers.rotary import RotaryEmbedding
+
+    t = x.shape[0]
+    qkv = x.float() @ w.float().t() + (0 if b is None else b.float())
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    c, s_ = cos.float()[:, None], sin.float()[:, None]
+    q = RotaryEmbedding.apply(q.reshape(t, heads, d), c, s_)
+    k = RotaryEmbedding.apply(k.reshape(t, kv_heads, d), c, s_)
+    return q, k, v.reshape(t, kv_heads, d)
+
+
+def _check_qkv(q, cache, slots, expected, tol):
+    q_ref, k_ref, v_ref = expected
+    assert _rel(q, q_ref) < tol
+    kc, vc = (c.reshape(-1, *c.shape[2:]) for c in cache)
+    written = torch.zeros(kc.shape[0], dtype=torch.bool, device=kc.device)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert _rel(kc[slot], k_ref[i]) < tol and _rel(vc[slot], v_ref[i]) < tol
+            written[slot] = True
+    assert kc[~written].isnan().all() and vc[~written].isnan().all(), "wrote outside the slots"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_qkv_rope_fallback_on_cpu(bias):
+    x, w, b, cos, sin, cache, slots = _qkv_inputs("cpu", torch.float32, 3, 4, 2, 32, bias=bias)
+    q = torch.ops.tandem.skinny_qkv_rope(x, w, b, cos, sin, *cache, slots, 4, 2)
+    _check_qkv(q, cache, slots, _qkv_expected(x, w, b, cos, sin, 4, 2, 32), 1e-5)
+
+
 # --------------------------------------------------------------------------------- GPU
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 2, 3, 8])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 4, 64), (8, 2, 128), (8, 1, 64)])
+def test_qkv_rope_kernel(dtype, t, heads, kv_heads, d):
+    x, w, b, cos, sin, cache, slots = _qkv_inputs("cuda", dtype, t, heads, kv_heads, d, seed=t + d)
+    expected = _qkv_expected(x, w, b, cos, sin, heads, kv_heads, d)
+    for tile in {skinny.tile_for(t), (1, 2), (2, 4)}:
+        for c in cache:
+            c.fill_(float("nan"))
+        q = torch.full((t, heads, d), float("nan"), device="cuda", dtype=dtype)
+        skinny.launch_skinny_qkv_rope(x, w, b, cos, sin, q, *cache, slots, heads, kv_heads, tile)
+        torch.cuda.synchronize()
+        _check_qkv(q, cache, slots, expected, 1e-2)
+    for c in cache:
+        c.fill_(float("nan"))
+    q = torch.ops.tandem.skinny_qkv_rope(x, w, None, cos, sin, *cache, slots, heads, kv_heads)
+    _check_qkv(q, cache, slots, _qkv_expected(x, w, None, cos, sin, heads, kv_heads, d), 1e-2)
 
 
 @gpu_test

@@ -172,3 +172,49 @@ def test_cupy_matches_hf(name: str, tmp_path: Path, paged_runner) -> None:
         worst = max(worst, _rel(rows, ref))
     _record(f"model {name} cupy bf16 vs HF fp32", worst)
     assert worst < BF16_TOL, f"{name}: {worst:.3e}"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypatch) -> None:
+    """Steps of 1-2 tokens through the skinny linears, the fused gate_up + SiLU and the fused
+    qkv + rotary + KV write (qwen2: with the q/k/v bias) against the torch backend."""
+    import transformers as hf
+
+    from models.config import ModelConfig
+    from models.layers.cuda_linear import SkinnyAttention, SkinnyGatedMLP, use_cuda_skinny_linear
+
+    hf_cfg = _hf_config("llama") if name == "llama" else hf.Qwen2Config(
+        vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    config = ModelConfig.from_hf_dict(hf_cfg.to_dict())
+    gen = torch.Generator().manual_seed(7)
+    tokens = {
+        i: torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
+        for i, n in ((0, 45), (1, 10))
+    }
+    # (seq, token span) per step: a prefill, then steps of one and two decode tokens
+    steps = [
+        [(0, (0, 40))], [(0, (40, 41))], [(0, (41, 42))], [(0, (42, 43)), (1, (0, 7))],
+        [(0, (43, 44)), (1, (7, 8))], [(1, (8, 9))], [(0, (44, 45)), (1, (9, 10))],
+    ]  # fmt: skip
+    results = {}
+    for backend in ("torch", "cupy"):
+        model = build_model(config, dtype=torch.bfloat16, device="cuda", attn_backend=backend)
+        init_dummy_weights(model, seed=3)
+        if backend == "cupy":
+            assert use_cuda_skinny_linear(model) > 0
+            assert isinstance(model.layers[0].self_attn, SkinnyAttention)
+            assert isinstance(model.layers[0].mlp, SkinnyGatedMLP)
+        runner = CudaPagedRunner(paged_runner, model, config, block_size=16, seed=5)
+        rows: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+        for work in steps:
+            out = runner.step([(i, tokens[i][a:b]) for i, (a, b) in work])
+            for seq_id, logits in out.items():
+                rows[seq_id].append(logits)
+        results[backend] = {i: torch.cat(r) for i, r in rows.items()}
+    for seq_id, ref in results["torch"].items():
+        assert torch.isfinite(ref).all()
+        err = _rel(results["cupy"][seq_id], ref)
+        _record(f"model {name} decode fast paths vs torch", err)
+        assert err < BF16_TOL, f"{name} seq {seq_id}: {err:.3e}"

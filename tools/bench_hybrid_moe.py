@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--formats", nargs="+", default=["int4", "bf16"])
-    p.add_argument("--threads", type=int, default=None, help="pool threads (default cpus - 1)")
+    p.add_argument("--threads", type=int, default=None, help="pool threads (default: the backend's, cpus - 2 on CUDA)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")

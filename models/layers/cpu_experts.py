@@ -28,6 +28,7 @@ layer split between GPU and CPU keeps `supports_cuda_graphs` False and decodes e
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -200,6 +201,19 @@ def _grouped_experts(
     return out
 
 
+def default_cuda_pool_threads() -> int:
+    """Pool workers when the model runs on CUDA: every usable core but two. The CUDA driver's
+    host-function thread (it runs the pool's submit/wait) and the engine's thread need cores of
+    their own; with one worker per core but one, a descheduled worker stalls each layer's job
+    (Qwen3-30B-A3B shape, int4, 16 cores: batch-1 decode 8.3 tok/s with 15 workers, 28.4 with
+    14, 24.9 with 12; docs/BENCHMARKS.md "Hybrid MoE")."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - 2)
+
+
 class CpuPoolExpertBackend:
     """ExpertBackend over a `CpuExpertPool`; see the module docstring for the step.
 
@@ -260,6 +274,7 @@ class CpuPoolExpertBackend:
         self.stream_ordered = stream_ordered
         self._spin_us = spin_us
         self._staging: list[_StreamStaging] = []  # the last one is in use; older: graphs
+        self._on_cuda = False  # set by attach: the default thread count depends on it
 
     # -- load --------------------------------------------------------------------------------
 
@@ -268,7 +283,10 @@ class CpuPoolExpertBackend:
         if self._pool is None:
             from ext.cpu import CpuExpertPool  # lazy: builds the extension on first use
 
-            self._pool = CpuExpertPool(*self._pool_args, spin_us=self._spin_us)
+            num_threads, isa = self._pool_args
+            if num_threads is None and self._on_cuda:
+                num_threads = default_cuda_pool_threads()
+            self._pool = CpuExpertPool(num_threads, isa, spin_us=self._spin_us)
         return self._pool
 
     @property
@@ -291,6 +309,7 @@ class CpuPoolExpertBackend:
                 hasattr(block, "w13") and hasattr(block, "layer_idx") and block.backend is self
             ):
                 continue
+            self._on_cuda = self._on_cuda or any(p.is_cuda for p in block.parameters())
             self.add_block(block)
         self._t_attach = time.perf_counter()
 

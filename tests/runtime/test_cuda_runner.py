@@ -194,7 +194,7 @@ def test_compiled_prefill_equals_eager(model) -> None:
     # may part where two logits nearly tie; compare the top-5 logprobs up to where they part.
     checked = 0
     for c, e in zip(out_c, out_e, strict=True):
-        for lc, le in zip(c.logprobs, e.logprobs, strict=True):
+        for lc, le in zip(c.outputs[0].logprobs, e.outputs[0].logprobs, strict=True):
             assert sorted(v for _, v in lc.top) == pytest.approx(
                 sorted(v for _, v in le.top), abs=0.05
             )

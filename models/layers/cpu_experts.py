@@ -274,7 +274,7 @@ class CpuPoolExpertBackend:
         self.stream_ordered = stream_ordered
         self._spin_us = spin_us
         self._staging: list[_StreamStaging] = []  # the last one is in use; older: graphs
-        self._on_cuda = False  # set by attach: the default thread count depends on it
+        self._on_cuda = False  # set by add_block: the default thread count depends on it
 
     # -- load --------------------------------------------------------------------------------
 
@@ -309,13 +309,15 @@ class CpuPoolExpertBackend:
                 hasattr(block, "w13") and hasattr(block, "layer_idx") and block.backend is self
             ):
                 continue
-            self._on_cuda = self._on_cuda or any(p.is_cuda for p in block.parameters())
             self.add_block(block)
         self._t_attach = time.perf_counter()
 
     @torch.no_grad()
     def add_block(self, block: nn.Module) -> None:
         layer, w13, w2 = block.layer_idx, block.w13, block.w2
+        # the router and the shared expert live on the model's device (the pool's thread count
+        # depends on it; decided before the first access to `pool` below)
+        self._on_cuda = self._on_cuda or any(p.is_cuda for p in block.parameters())
         E = w13.shape[0]
         device = block.gate.weight.device
         cache = self._expert_cache(w13, w2)

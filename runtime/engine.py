@@ -323,7 +323,19 @@ class Engine:
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
             hybrid=self._hybrid_stats(),
+            **self._runner_stats(),
         )
+
+    def _runner_stats(self) -> dict:
+        # Only the CUDA runner keeps graph/eager/fallback counters (runtime/cuda_runner.py).
+        c = getattr(self.runner, "counters", None)
+        if c is None:
+            return {}
+        return {
+            "graph_steps": c.graph_steps,
+            "eager_steps": c.eager_steps,
+            "runner_fallbacks": dict(c.fallbacks),
+        }
 
     def _hybrid_stats(self):
         # Only the CPU-pool expert backend keeps hybrid counters (models/layers/cpu_experts.py).

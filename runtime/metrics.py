@@ -251,9 +251,35 @@ def render_metrics(
         metrics.itl.render(),
         metrics.e2e.render(),
     ]
+    if stats.runner_fallbacks is not None:
+        parts.append(render_cuda_runner(stats))
     if stats.hybrid is not None:
         parts.append(render_hybrid_moe(stats.hybrid))
     return "".join(parts)
+
+
+def render_cuda_runner(stats: EngineStats) -> str:
+    """The CUDA runner's step kinds and fall-backs (never silent: each reason is counted)."""
+    p = PREFIX
+    fallbacks = LabeledCounter(
+        p + "cuda_runner_fallbacks_total",
+        "Times the CUDA runner fell back from a fast path (graph capture, compile, "
+        "recompile limit, ...), by reason.",
+        "reason",
+    )
+    for reason, count in (stats.runner_fallbacks or {}).items():
+        fallbacks.inc(reason, count)
+    return "".join(
+        (
+            render_counter(
+                p + "cuda_graph_steps_total", "Steps replayed from a CUDA graph.", stats.graph_steps
+            ),
+            render_counter(
+                p + "cuda_eager_steps_total", "Steps run without a CUDA graph.", stats.eager_steps
+            ),
+            fallbacks.render(),
+        )
+    )
 
 
 def render_hybrid_moe(h: HybridMoeStats) -> str:

@@ -121,3 +121,8 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_steps: int = 0
     hybrid: HybridMoeStats | None = None  # experts on the CPU pool: its cumulative counters
+    # CUDA runner: steps replayed from a decode graph / run eagerly, and what it fell back from
+    # (reason -> count: graph capture failed, compile failures, prefill recompiles, ...)
+    graph_steps: int = 0
+    eager_steps: int = 0
+    runner_fallbacks: dict[str, int] | None = None

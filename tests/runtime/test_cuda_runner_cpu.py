@@ -141,3 +141,6 @@ def test_cuda_runner_equals_the_reference_runner(fake_cuda, model, budget, num_b
         if num_blocks < 20:
             assert eng.scheduler.num_preemptions_total > 0
         assert eng.runner.counters.eager_steps > 0 and not eng.runner.counters.fallbacks
+        stats = eng.stats()  # what /metrics exports
+        assert stats.eager_steps == eng.runner.counters.eager_steps
+        assert stats.runner_fallbacks == {}

@@ -33,3 +33,23 @@ def test_hybrid_counters_appear_only_for_a_hybrid_engine():
             name = line.split("{")[0].split()[0]
             family = name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
             assert name in declared or family in declared, line
+
+
+def test_cuda_runner_counters_appear_only_for_a_cuda_runner():
+    cpu = render_metrics(EngineStats(num_steps=3), ServingMetrics(), num_admitted=0, healthy=True)
+    assert "cuda_" not in cpu
+    stats = EngineStats(
+        graph_steps=7,
+        eager_steps=2,
+        runner_fallbacks={"graph_capture_failed": 1, "prefill_recompile": 3},
+    )
+    text = render_metrics(stats, ServingMetrics(), num_admitted=0, healthy=True)
+    assert "tandem:cuda_graph_steps_total 7" in text
+    assert "tandem:cuda_eager_steps_total 2" in text
+    assert 'tandem:cuda_runner_fallbacks_total{reason="graph_capture_failed"} 1' in text
+    assert 'tandem:cuda_runner_fallbacks_total{reason="prefill_recompile"} 3' in text
+    declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split()[0]
+            assert any(name == d or name.startswith(d + "_") for d in declared), line

@@ -2,7 +2,9 @@
 # Device check for the CUDA serving path: the GPU tests (full-model parity of the cupy backend
 # against the torch backend and HF transformers; the CUDA runner: graphs, no host syncs, seeded
 # sampling, KV sizing; overlapped greedy == synchronous), then tools/bench_gpu.py (Tandem vs HF in the same process).
-# Run on the device machine from the repository root; logs and JSON go to $OUT.
+# Run on the device machine from the repository root; logs and JSON go to $OUT. Wheels the image
+# lacks (orjson, pytest-asyncio, ...: ../shared/tools/device-wheels.sh) install first with
+# `python3 -m pip install --no-index --no-deps .device-wheels/*.whl`.
 #   bash tools/gpu_check.sh [bench_gpu.py arguments...]
 # Env: TANDEM_GPU_TESTS (test files; "none" skips), TEST_TIMEOUT, BENCH_TIMEOUT (seconds).
 set -uo pipefail
@@ -15,12 +17,14 @@ date -u +%FT%TZ | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/device.txt"
 python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-tests=${TANDEM_GPU_TESTS:-"tests/models/test_cuda_parity.py tests/runtime/test_cuda_runner.py tests/runtime/test_overlap_gpu.py"}
+tests=${TANDEM_GPU_TESTS:-"tests/ext/test_cuda_attention.py tests/ext/test_skinny_gemm.py tests/models/test_cuda_parity.py tests/runtime/test_cuda_runner.py tests/runtime/test_overlap_gpu.py tests/runtime/test_cuda_sampler.py tests/ext/test_cpu_pool.py tests/models/test_cpu_pool_models.py"}
 test_rc=0
 if [ "$tests" != "none" ]; then
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu $tests -p no:cacheprovider \
+  # addopts replaced: the device image has no pytest-timeout (the `timeout` command bounds it)
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu $tests -p no:cacheprovider \
+    -o addopts="-ra --import-mode=importlib" \
     --durations=10 -W ignore::pytest.PytestConfigWarning 2>&1 | tee "$OUT/tests.log"
   test_rc=${PIPESTATUS[0]}
   echo "tests rc=$test_rc in $(( $(date +%s) - t0 ))s"

@@ -21,8 +21,8 @@ tests=${TANDEM_GPU_TESTS:-"tests/ext/test_cuda_attention.py tests/ext/test_skinn
 test_rc=0
 if [ "$tests" != "none" ]; then
   t0=$(date +%s)
-  # shellcheck disable=SC2086
   # addopts replaced: the device image has no pytest-timeout (the `timeout` command bounds it)
+  # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu $tests -p no:cacheprovider \
     -o addopts="-ra --import-mode=importlib" \
     --durations=10 -W ignore::pytest.PytestConfigWarning 2>&1 | tee "$OUT/tests.log"

@@ -90,14 +90,20 @@ def launch_skinny_gemm(
     )
 
 
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as 2-D rows the kernel can read: contiguous inner dim, 16-byte aligned rows."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    return x2
+
+
 @torch.library.custom_op("tandem::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x[..., K] @ weight[N, K]^T by the skinny kernel when it applies, else F.linear."""
     if not supported(x, weight):
         return torch.nn.functional.linear(x, weight)
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()
+    x2 = _aligned_rows(x)
     out = torch.empty(x2.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
     launch_skinny_gemm(x2, weight, out)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -112,13 +118,17 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+def _linear_grads(ctx, grad_y, x, weight):
+    """Gradients of y = x @ weight^T for the inputs that need them."""
+    grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
     grad_w = None
     if ctx.needs_input_grad[1]:
-        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
     return grad_x, grad_w
+
+
+def _backward(ctx, grad):
+    return _linear_grads(ctx, grad, *ctx.saved_tensors)
 
 
 skinny_linear.register_autograd(_backward, setup_context=_setup_context)
@@ -135,9 +145,7 @@ def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     MLP's first half in one kernel when it applies, else in torch."""
     if not supported(x, weight) or weight.shape[0] % 2:
         return _swiglu_ref(x, weight)
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()
+    x2 = _aligned_rows(x)
     out = torch.empty(x2.shape[0], weight.shape[0] // 2, device=x.device, dtype=x.dtype)
     launch_skinny_gemm(x2, weight, out, glu=True)
     return out.reshape(*x.shape[:-1], weight.shape[0] // 2)
@@ -154,11 +162,7 @@ def _swiglu_backward(ctx, grad):
     s = torch.sigmoid(gate)
     g = grad.float()
     d_gate_up = torch.cat((g * up * s * (1 + gate * (1 - s)), g * gate * s), dim=-1).to(x.dtype)
-    grad_x = d_gate_up @ weight if ctx.needs_input_grad[0] else None
-    grad_w = None
-    if ctx.needs_input_grad[1]:
-        grad_w = d_gate_up.reshape(-1, d_gate_up.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-    return grad_x, grad_w
+    return _linear_grads(ctx, d_gate_up, x, weight)
 
 
 skinny_swiglu.register_autograd(_swiglu_backward, setup_context=_setup_context)
@@ -293,7 +297,7 @@ def skinny_qkv_rope(
     if ok and (bias is None or bias.dtype == x.dtype):
         q = torch.empty(t, num_heads, d, device=x.device, dtype=x.dtype)
         launch_skinny_qkv_rope(
-            x if x.stride(0) % 8 == 0 and x.stride(1) == 1 and x.data_ptr() % 16 == 0 else x.contiguous(),
+            _aligned_rows(x),
             weight, bias, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache,
             slot_mapping.contiguous(), num_heads, num_kv_heads,
         )  # fmt: skip

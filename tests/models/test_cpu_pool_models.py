@@ -165,7 +165,10 @@ def test_split_placement_and_rebalance_match_hf(name: str, tmp_path: Path, paged
     seqs, rows = _run(model, config, paged_runner)
     assert _max_rel_diff(hf_model, seqs, rows) < 1e-4
     counts = backend.stats().routing_counts
+    ptrs = {layer: p.w13.data_ptr() for layer, p in backend._placements.items()}
     backend.rebalance()
+    # in place: CUDA graphs captured before a rebalance read these tensors by address
+    assert {layer: p.w13.data_ptr() for layer, p in backend._placements.items()} == ptrs
     for layer, ids in backend.stats().gpu_experts.items():
         hottest = sorted(range(8), key=lambda e: -counts[layer][e])[:3]
         assert sorted(counts[layer][e] for e in ids) == sorted(counts[layer][e] for e in hottest)
@@ -175,6 +178,29 @@ def test_split_placement_and_rebalance_match_hf(name: str, tmp_path: Path, paged
     assert metrics["tandem_moe_layer_calls_total"] == backend.stats().layer_calls > 0
     assert 0.0 < metrics["tandem_moe_pool_utilisation"] <= 1.0
     backend.close()
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_dense_and_grouped_local_experts_agree(tokens: int) -> None:
+    """GPU-resident experts: the dense path (graph sizes, no host sync) equals the grouped one,
+    including tokens routed to several local experts and slots routed elsewhere (-1)."""
+    from models.layers.cpu_experts import _dense_experts, _grouped_experts, _local_experts
+
+    g = torch.Generator().manual_seed(tokens)
+    G, H, inter, k = 4, 32, 24, 3
+    hidden = torch.randn(tokens, H, generator=g)
+    local = torch.randint(-1, G, (tokens, k), generator=g)
+    weights = torch.rand(tokens, k, generator=g)
+    w13 = torch.randn(G, 2 * inter, H, generator=g) * 0.1
+    w2 = torch.randn(G, H, inter, generator=g) * 0.1
+    grouped = _grouped_experts(hidden, local, weights, w13, w2)
+    dense = _dense_experts(hidden, local, weights, w13, w2)
+    torch.testing.assert_close(dense, grouped, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _local_experts(hidden, local, weights, w13, w2), grouped, rtol=1e-5, atol=1e-5
+    )
+    none_here = torch.full_like(local, -1)
+    assert _dense_experts(hidden, none_here, weights, w13, w2).abs().max() == 0
 
 
 def test_placement_arithmetic() -> None:
@@ -418,11 +444,15 @@ def test_engine_on_cuda_with_cpu_experts_decodes_in_graphs_with_and_without_over
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gpu_experts", [0, 2])
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
-def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(name: str, tmp_path: Path) -> None:
+def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(
+    name: str, gpu_experts: int, tmp_path: Path
+) -> None:
     """One MoE block with the cpu_pool backend captured in a CUDA graph (D2H copies, the pool's
-    submit and wait host nodes, H2D copy, the shared expert in between): replays with new
-    inputs equal the eager block, and the torch expert backend on the pool's own weights."""
+    submit and wait host nodes, H2D copy, the shared expert and any GPU-resident experts in
+    between): replays with new inputs equal the eager block, and the torch expert backend on
+    the pool's own weights; with GPU experts, also after a rebalance moved them (in place)."""
     from models.layers.experts import TorchExpertBackend
 
     if not torch.cuda.is_available():
@@ -433,7 +463,7 @@ def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(name: str, tmp_path: 
         dtype=torch.float32,
         device="cuda",
         expert_backend="cpu_pool",
-        expert_options={"isa": "scalar"},
+        expert_options={"isa": "scalar", "gpu_experts": gpu_experts, "rebalance_after_tokens": 0},
     )
     backend = model.expert_backend
     assert backend.supports_cuda_graphs
@@ -470,9 +500,24 @@ def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(name: str, tmp_path: 
             got = static_out.clone()
             torch.testing.assert_close(got, block(x), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-5)
+        if gpu_experts:  # move other experts to the GPU; the graph must follow
+            before = backend.stats().gpu_experts[block.layer_idx]
+            counts = {
+                layer: torch.arange(c.numel(), 0, -1, device=c.device)
+                for layer, c in backend._counts.items()
+            }
+            counts[block.layer_idx] = torch.arange(counts[block.layer_idx].numel(), device="cuda")
+            backend.rebalance(counts)
+            assert backend.stats().gpu_experts[block.layer_idx] != before
+            x.copy_(torch.randn(T, H, generator=gen))
+            graph.replay()
+            got = static_out.clone()
+            torch.testing.assert_close(got, block(x), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-5)
     torch.cuda.synchronize()
     stats = backend.stats()
-    assert stats.layer_calls == calls + 8 and stats.stream_errors == 0  # 4 replays + 4 eager
+    assert stats.stream_errors == 0
+    assert stats.layer_calls == calls + (10 if gpu_experts else 8)  # replays + eager calls
     del graph
     backend.close()
 

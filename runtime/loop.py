@@ -1,20 +1,23 @@
-"""The async engine loop: one asyncio task owns the engine and feeds per-request streams.
+"""The async engine loop: one engine thread owns the engine and feeds per-request streams.
 
-`EngineLoop` is the only caller of the engine. `step()` runs in one worker thread so the event
-loop stays responsive; `add_request`/`abort_request` are queued and applied between steps,
-never while a step is in flight. Each request reads its output through a `RequestStream`
-(runtime/stream.py) whose pending deltas coalesce per choice, so a slow reader never stalls
-the engine. This module owns admission, the step task, delta dispatch, drain and shutdown.
-No HTTP here.
+`EngineLoop` is the only caller of the engine. The engine runs in one worker thread that steps
+back to back while there is work, so the event loop stays responsive and the engine never
+waits for the readers: `add_request`/`abort_request` are queued by the event loop and applied
+by that thread between steps, never while a step is in flight. Each step's deltas reach the
+event loop in one callback. The thread may run at most `max_steps_ahead` steps ahead of the
+event loop's dispatch; when the event loop is the bottleneck (many streams), the steps it has
+not caught up with coalesce in each `RequestStream` (runtime/stream.py), so one wakeup and
+one write carry several tokens instead of one each. This module owns admission, the engine
+thread, delta dispatch, drain and shutdown. No HTTP here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from runtime.metrics import ServingMetrics, render_metrics
@@ -72,7 +75,11 @@ class _PendingAdd:
     params: SamplingParams
     priority: int
     done: asyncio.Future[None]
-    children: list[str] = field(default_factory=list)
+    error: BaseException | None = None  # set by the engine thread when add_request raised
+
+
+def _child_ids(stream: RequestStream) -> list[str]:
+    return [f"{stream.request_id}-{i}" for i in range(stream.num_choices)]
 
 
 class EngineLoop:
@@ -90,24 +97,32 @@ class EngineLoop:
         *,
         max_running: int = 0,
         metrics: ServingMetrics | None = None,
+        max_steps_ahead: int = 4,
     ) -> None:
+        if max_steps_ahead < 1:
+            raise ValueError(f"max_steps_ahead must be >= 1, got {max_steps_ahead}")
         self.engine = engine
         self.capacity = max_queue + max_running
         self.metrics = metrics or ServingMetrics()
+        # Event-loop side (touched only by the event loop's thread).
         self._streams: dict[str, RequestStream] = {}
         self._children: dict[str, _Child] = {}
-        self._pending_adds: list[_PendingAdd] = []
-        self._pending_aborts: list[str] = []
         self._num_admitted = 0
         self._stats = EngineStats()
         self._dead: BaseException | None = None
         self._draining = False
         self._stopping = False
-        self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        # Handed to the engine thread under `_work`'s lock.
+        self._work = threading.Condition()
+        self._pending_adds: list[_PendingAdd] = []
+        self._pending_aborts: list[tuple[str, list[str]]] = []  # (request id, its child ids)
+        self._stop_thread = False
+        # Steps the engine thread has run whose deltas the event loop has not dispatched yet.
+        self._steps_ahead = threading.Semaphore(max_steps_ahead)
 
     # ---- state read by the app ----------------------------------------------------------
     @property
@@ -155,8 +170,14 @@ class EngineLoop:
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-            self._task = asyncio.create_task(self._run(), name="engine-loop")
+            self._aloop = asyncio.get_running_loop()
+            done: asyncio.Future[None] = self._aloop.create_future()
+            # A daemon thread, not an executor: one left waiting for work never blocks exit.
+            thread = threading.Thread(
+                target=self._engine_thread, args=(done,), name="engine-step", daemon=True
+            )
+            thread.start()
+            self._task = asyncio.create_task(self._watch(done), name="engine-loop")
 
     async def wait_idle(self) -> None:
         """Return once no admitted request remains (aborts applied, streams finished)."""
@@ -184,16 +205,15 @@ class EngineLoop:
         return len(remaining)
 
     async def stop(self) -> None:
-        """Abort everything, end the step task and the worker thread."""
+        """Abort everything, then end the engine thread once the engine has nothing left."""
         self._stopping = True
         for request_id in list(self._streams):
             self.abort(request_id)
-        self._wakeup.set()
+        with self._work:
+            self._stop_thread = True
+            self._work.notify()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
 
     # ---- requests -----------------------------------------------------------------------
     async def submit(
@@ -220,12 +240,15 @@ class EngineLoop:
         self._num_admitted += num_seqs  # reserved now, before any await
         stream = RequestStream(request_id, [len(p) for p in prompts], params.n, self.abort)
         self._streams[request_id] = stream
+        now = time.monotonic()
+        for index, child_id in enumerate(_child_ids(stream)):
+            self._children[child_id] = _Child(stream, index, now)
         self._idle.clear()
-        add = _PendingAdd(
-            stream, prompts, params, priority, asyncio.get_running_loop().create_future()
-        )
-        self._pending_adds.append(add)
-        self._wakeup.set()
+        assert self._aloop is not None, "submit() before start()"
+        add = _PendingAdd(stream, prompts, params, priority, self._aloop.create_future())
+        with self._work:
+            self._pending_adds.append(add)
+            self._work.notify()
         try:
             await add.done
         except asyncio.CancelledError:
@@ -235,84 +258,106 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request by id; applied at the next step boundary. False if unknown."""
-        if request_id not in self._streams:
-            return False
-        self._pending_aborts.append(request_id)
-        self._wakeup.set()
-        return True
-
-    # ---- the loop -----------------------------------------------------------------------
-    async def _run(self) -> None:
-        aloop = asyncio.get_running_loop()
-        while True:
-            self._wakeup.clear()
-            self._apply_pending()
-            if self._stopping and not self._streams:
-                return
-            if not self.engine.has_unfinished_requests():
-                await self._wakeup.wait()
-                continue
-            try:
-                deltas, stats = await aloop.run_in_executor(self._executor, self._step_blocking)
-            except Exception as exc:  # the engine is broken: fail everyone, stay up for /health
-                logger.exception("engine step failed")
-                self._die(exc)
-                return
-            self._stats = stats
-            self._dispatch(deltas, time.monotonic())
-
-    def _step_blocking(self) -> tuple[list[RequestDelta], EngineStats]:
-        deltas = self.engine.step()
-        return deltas, self.engine.stats()
-
-    def _apply_pending(self) -> None:
-        """Apply queued adds then aborts; runs only while no step is in flight."""
-        adds, self._pending_adds = self._pending_adds, []
-        aborts, self._pending_aborts = self._pending_aborts, []
-        for add in adds:
-            try:
-                self._add(add)
-            except Exception as exc:
-                if not add.done.done():
-                    add.done.set_exception(exc)
-            else:
-                if not add.done.done():
-                    add.done.set_result(None)
-        for request_id in aborts:
-            self._abort_now(request_id)
-        if adds or aborts:
-            self._stats = self.engine.stats()
-
-    def _add(self, add: _PendingAdd) -> None:
-        stream, now = add.stream, time.monotonic()
-        try:
-            for j, prompt in enumerate(add.prompts):
-                for i, child_params in enumerate(expand_n(add.params)):
-                    index = j * add.params.n + i
-                    child_id = f"{stream.request_id}-{index}"
-                    self.engine.add_request(child_id, prompt, child_params, add.priority)
-                    add.children.append(child_id)
-                    self._children[child_id] = _Child(stream, index, now)
-        except Exception:
-            for child_id in add.children:
-                self.engine.abort_request(child_id)
-                del self._children[child_id]
-            self._num_admitted -= stream.num_choices
-            self._forget_stream(stream.request_id)
-            raise
-
-    def _abort_now(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
-            return
-        for child_id, child in list(self._children.items()):
-            if child.stream is stream:
+            return False
+        with self._work:
+            self._pending_aborts.append((request_id, _child_ids(stream)))
+            self._work.notify()
+        return True
+
+    # ---- the engine thread --------------------------------------------------------------
+    def _engine_thread(self, done: asyncio.Future[None]) -> None:
+        """Apply queued adds and aborts, step while there is work, post results to the loop."""
+        engine = self.engine
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                with self._work:
+                    while not (
+                        busy or self._pending_adds or self._pending_aborts or self._stop_thread
+                    ):
+                        self._work.wait()
+                    adds, self._pending_adds = self._pending_adds, []
+                    aborts, self._pending_aborts = self._pending_aborts, []
+                    stopping = self._stop_thread
+                if adds or aborts:
+                    self._apply_pending(adds, aborts)
+                    self._post(self._on_applied, adds, aborts, engine.stats())
+                if not engine.has_unfinished_requests():
+                    if stopping:
+                        return
+                    continue
+                self._steps_ahead.acquire()  # released once the loop has dispatched a step
+                deltas = engine.step()
+                self._post(self._on_step, deltas, engine.stats())
+        except Exception as exc:  # the engine is broken: fail everyone, stay up for /health
+            logger.exception("engine step failed")
+            self._post(self._die, exc)
+        finally:
+            self._post(lambda: done.done() or done.set_result(None))
+
+    def _post(self, callback: Any, *args: Any) -> None:
+        assert self._aloop is not None
+        try:
+            self._aloop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    def _apply_pending(self, adds: list[_PendingAdd], aborts: list[tuple[str, list[str]]]) -> None:
+        """Engine thread, between steps: add every child of each request (all or none), then
+        abort."""
+        for add in adds:
+            added: list[str] = []
+            try:
+                child_ids = iter(_child_ids(add.stream))
+                for prompt in add.prompts:
+                    for child_params in expand_n(add.params):
+                        child_id = next(child_ids)
+                        self.engine.add_request(child_id, prompt, child_params, add.priority)
+                        added.append(child_id)
+            except Exception as exc:
+                for child_id in added:
+                    self.engine.abort_request(child_id)
+                add.error = exc
+        for _, child_ids in aborts:
+            for child_id in child_ids:
                 self.engine.abort_request(child_id)
-                self._finish_child(
-                    child_id,
-                    RequestDelta(child_id, (), "", finish_reason="abort"),
-                    time.monotonic(),
-                )
+
+    async def _watch(self, done: asyncio.Future[None]) -> None:
+        await done
+
+    # ---- event-loop side of the engine thread's results ---------------------------------
+    def _on_applied(
+        self, adds: list[_PendingAdd], aborts: list[tuple[str, list[str]]], stats: EngineStats
+    ) -> None:
+        self._stats = stats
+        for add in adds:
+            if add.error is None:
+                if not add.done.done():
+                    add.done.set_result(None)
+                continue
+            stream = add.stream
+            for child_id in _child_ids(stream):
+                self._children.pop(child_id, None)
+            self._num_admitted -= stream.num_choices
+            self._forget_stream(stream.request_id)
+            if not add.done.done():
+                add.done.set_exception(add.error)
+        now = time.monotonic()
+        for _, child_ids in aborts:
+            for child_id in child_ids:
+                if child_id in self._children:
+                    self._finish_child(
+                        child_id, RequestDelta(child_id, (), "", finish_reason="abort"), now
+                    )
+
+    def _on_step(self, deltas: list[RequestDelta], stats: EngineStats) -> None:
+        self._steps_ahead.release()
+        if self._dead is not None:
+            return
+        self._stats = stats
+        self._dispatch(deltas, time.monotonic())
 
     def _dispatch(self, deltas: list[RequestDelta], now: float) -> None:
         for delta in deltas:
@@ -323,13 +368,10 @@ class EngineLoop:
             if num_new:
                 if child.last_token_time is None:
                     self.metrics.ttft.observe(now - child.arrival)
-                    gaps = num_new - 1
-                    gap = 0.0
+                    if num_new > 1:
+                        self.metrics.itl.observe(0.0, num_new - 1)
                 else:
-                    gaps = num_new
-                    gap = (now - child.last_token_time) / num_new
-                for _ in range(gaps):
-                    self.metrics.itl.observe(gap)
+                    self.metrics.itl.observe((now - child.last_token_time) / num_new, num_new)
                 child.last_token_time = now
             if delta.finished:
                 self._finish_child(delta.request_id, delta, now)
@@ -353,13 +395,16 @@ class EngineLoop:
     def _die(self, exc: BaseException) -> None:
         self._dead = exc
         error = EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}")
-        for add in self._pending_adds:
+        with self._work:
+            adds, self._pending_adds = self._pending_adds, []
+            self._pending_aborts.clear()
+            self._stop_thread = True
+            self._work.notify()
+        for add in adds:
             if not add.done.done():
                 add.done.set_exception(error)
         for stream in self._streams.values():
             stream.fail(error)
-        self._pending_adds.clear()
-        self._pending_aborts.clear()
         self._streams.clear()
         self._children.clear()
         self._num_admitted = 0

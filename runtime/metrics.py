@@ -146,10 +146,11 @@ class Histogram:
         self.count = 0
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
-        self.sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """Record `value` `count` times (e.g. the equal gaps of several tokens at once)."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.count += count
+        self.sum += value * count
 
     def observe_many(self, values: Iterable[float]) -> None:
         for v in values:

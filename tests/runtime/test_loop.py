@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -97,17 +98,41 @@ async def test_burst_cannot_overshoot_queue() -> None:
         await loop.stop()
 
 
-async def test_slow_reader_coalesces_and_does_not_stall_others(engine_and_loop) -> None:
-    engine, loop = engine_and_loop
-    slow = await loop.submit("slow", [[65]], SamplingParams(max_tokens=200))
-    fast = await loop.submit("fast", [[65]], SamplingParams(max_tokens=100))
-    fast_batches = 0
-    async for _ in fast:
-        fast_batches += 1
-        assert slow.num_pending <= 1  # one coalesced delta per choice, however far behind
-    assert fast_batches >= 50  # the fast reader saw (nearly) every step separately
-    out = await collect(slow)
-    assert out[0][0] == (REPLY * 10)[:200] and out[0][2] == "length"
+async def test_slow_reader_coalesces_and_does_not_stall_others() -> None:
+    # One step ahead at most: the engine thread waits for each dispatch, as a real engine
+    # whose step outlasts the event loop's work would; a free-running fake would coalesce.
+    engine = FakeEngine(max_model_len=512)
+    loop = EngineLoop(engine, max_queue=16, max_steps_ahead=1)
+    await loop.start()
+    try:
+        slow = await loop.submit("slow", [[65]], SamplingParams(max_tokens=200))
+        fast = await loop.submit("fast", [[65]], SamplingParams(max_tokens=100))
+        fast_batches = 0
+        async for _ in fast:
+            fast_batches += 1
+            assert slow.num_pending <= 1  # one coalesced delta per choice, however far behind
+        assert fast_batches >= 50  # the fast reader saw (nearly) every step separately
+        out = await collect(slow)
+        assert out[0][0] == (REPLY * 10)[:200] and out[0][2] == "length"
+    finally:
+        await loop.stop()
+
+
+async def test_busy_event_loop_bounds_the_engine_and_gets_steps_coalesced() -> None:
+    engine = FakeEngine()
+    loop = EngineLoop(engine, max_queue=4, max_steps_ahead=3)
+    await loop.start()
+    try:
+        stream = await loop.submit("busy", [[65]], SamplingParams(max_tokens=50))
+        # The event loop is busy (as when writing to many clients) and dispatches nothing:
+        # the engine thread runs exactly max_steps_ahead steps past the last dispatched one.
+        time.sleep(0.2)
+        assert engine.num_steps - loop.stats.num_steps == 3
+        sizes = [sum(len(cd.delta.new_token_ids) for cd in batch) async for batch in stream]
+        assert sum(sizes) == 50
+        assert max(sizes) > 1  # the steps it was behind reached the reader as one delta
+    finally:
+        await loop.stop()
 
 
 async def test_reader_close_aborts_and_frees(engine_and_loop) -> None:

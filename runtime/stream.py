@@ -1,8 +1,9 @@
 """The reader's side of one request: a stream of token deltas that coalesce per choice.
 
 `RequestStream` is written by `EngineLoop` (`push`, `fail`) and read by the app (async
-iteration). Pending deltas of one choice merge into one, so a slow reader holds at most one
-pending delta per choice however far behind it is and never stalls the writer. No engine, no
+iteration). Pending deltas of one choice merge into one when the reader takes them, so a slow reader
+gets one delta per choice however far behind it is and never stalls the writer; a push costs
+O(1) and wakes the reader only if it is waiting. No engine, no
 HTTP here.
 """
 
@@ -25,16 +26,27 @@ class ChoiceDelta:
 
 def merge_deltas(old: RequestDelta, new: RequestDelta) -> RequestDelta:
     """Coalesce two consecutive deltas of one sequence into one (tokens and text concatenate)."""
+    return merge_all([old, new])
+
+
+def merge_all(deltas: list[RequestDelta]) -> RequestDelta:
+    """Coalesce consecutive deltas of one sequence into one, in time linear in their sizes."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    finish = next((d for d in reversed(deltas) if d.finish_reason), None)
     return RequestDelta(
-        request_id=new.request_id,
-        new_token_ids=old.new_token_ids + new.new_token_ids,
-        new_text=old.new_text + new.new_text,
-        finish_reason=new.finish_reason or old.finish_reason,
-        stop_reason=new.stop_reason if new.finish_reason else old.stop_reason,
-        logprobs=old.logprobs + new.logprobs,
-        num_prompt_tokens=new.num_prompt_tokens or old.num_prompt_tokens,
-        num_output_tokens=max(new.num_output_tokens, old.num_output_tokens),
-        num_cached_tokens=max(new.num_cached_tokens, old.num_cached_tokens),
+        request_id=last.request_id,
+        new_token_ids=tuple(t for d in deltas for t in d.new_token_ids),
+        new_text="".join(d.new_text for d in deltas),
+        finish_reason=finish.finish_reason if finish else None,
+        stop_reason=finish.stop_reason if finish else None,
+        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+        num_prompt_tokens=next(
+            (d.num_prompt_tokens for d in reversed(deltas) if d.num_prompt_tokens), 0
+        ),
+        num_output_tokens=max(d.num_output_tokens for d in deltas),
+        num_cached_tokens=max(d.num_cached_tokens for d in deltas),
     )
 
 
@@ -55,11 +67,11 @@ class RequestStream:
         self.prompt_lens = prompt_lens
         self.n = n
         self.num_choices = len(prompt_lens) * n
-        self._pending: dict[int, RequestDelta] = {}
+        self._pending: dict[int, list[RequestDelta]] = {}  # per choice, merged when taken
         self._finished: set[int] = set()  # choices whose finishing delta reached _pending
         self._delivered_all = False
         self._error: BaseException | None = None
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the reader, while it waits
 
     @property
     def finished(self) -> bool:
@@ -71,16 +83,26 @@ class RequestStream:
 
     def push(self, index: int, delta: RequestDelta) -> None:
         """Writer side (the loop): add a delta of choice `index`, merging with a pending one."""
-        old = self._pending.get(index)
-        self._pending[index] = delta if old is None else merge_deltas(old, delta)
-        if delta.finished:
+        pending = self._pending.get(index)
+        if pending is None:
+            self._pending[index] = [delta]
+        else:
+            pending.append(delta)
+        if delta.finish_reason is not None:
             self._finished.add(index)
-        self._ready.set()
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
         """Writer side: end the stream with `error` (raised to the reader once drained)."""
         self._error = error
-        self._ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -91,9 +113,14 @@ class RequestStream:
                 raise self._error
             if self._delivered_all:
                 raise StopAsyncIteration
-            self._ready.clear()
-            await self._ready.wait()
-        out = [ChoiceDelta(i, d) for i, d in sorted(self._pending.items())]
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        pending = self._pending
+        if len(pending) == 1:
+            ((i, ds),) = pending.items()
+            out = [ChoiceDelta(i, merge_all(ds))]
+        else:
+            out = [ChoiceDelta(i, merge_all(ds)) for i, ds in sorted(pending.items())]
         self._pending.clear()
         if self.finished:
             self._delivered_all = True

@@ -35,7 +35,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self.text = ""  # all output text decoded so far (stop string excluded once matched)
+        # With stop strings: all output text decoded so far (stop string excluded once
+        # matched); without, text is emitted as decoded and not kept.
+        self.text = ""
         self._emitted = 0  # characters of self.text already returned
         self.stop_matched: str | None = None
 
@@ -43,15 +45,26 @@ class IncrementalDetokenizer:
         """Feed new output tokens; return newly decodable text (may be empty)."""
         if self.stop_matched is not None:
             return ""
+        if not self._stop:  # nothing to search or hold back: emit each piece as decoded
+            pieces = []
+            for tid in new_ids:
+                self._ids.append(tid)
+                piece = self._decode_step()
+                if piece:
+                    pieces.append(piece)
+            return pieces[0] if len(pieces) == 1 else "".join(pieces)
         for tid in new_ids:
             self._ids.append(tid)
-            self._decode_step()
-            if self._check_stop():
-                break
+            piece = self._decode_step()
+            if piece:
+                self.text += piece
+                if self._check_stop():
+                    break
         return self._take(final=self.stop_matched is not None)
 
     def flush(self) -> str:
         """The request finished: return whatever is still held back."""
+        piece = ""
         if self.stop_matched is None and self._read_offset < len(self._ids):
             # An incomplete character at the very end: emit what the tokenizer makes of it.
             prefix = self._tok.decode(
@@ -60,19 +73,31 @@ class IncrementalDetokenizer:
             full = self._tok.decode(
                 self._ids[self._prefix_offset :], skip_special_tokens=self._skip
             )
-            self.text += full[len(prefix) :]
+            piece = full[len(prefix) :]
             self._prefix_offset = self._read_offset = len(self._ids)
+        if not self._stop:
+            return piece
+        self.text += piece
         return self._take(final=True)
 
-    def _decode_step(self) -> None:
+    def _decode_step(self) -> str:
+        """Decode the newest token in context; return the text it completes ("" while a
+        character is incomplete)."""
+        ids, skip = self._ids, self._skip
         prefix = self._tok.decode(
-            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
+            ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
         )
-        full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        full = self._tok.decode(ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+            self._read_offset = len(ids)
+            # Only the last few tokens are ever decoded again: keep the list short.
+            if self._prefix_offset > 4 * _CONTEXT_TOKENS:
+                del ids[: self._prefix_offset]
+                self._read_offset -= self._prefix_offset
+                self._prefix_offset = 0
+            return full[len(prefix) :]
+        return ""
 
     def _check_stop(self) -> bool:
         if not self._stop:

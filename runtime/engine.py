@@ -281,31 +281,36 @@ class Engine:
         tracked = self._tracked.get(req.request_id)
         if tracked is None:
             return None
-        new_ids = req.output_token_ids[tracked.sent_tokens :]
+        num_output = req.num_output_tokens
+        # Only the new ids: slicing output_token_ids would copy the whole output every step.
+        new_ids = tuple(req.token_ids[len(req.token_ids) - (num_output - tracked.sent_tokens) :])
         text = ""
-        if tracked.detok is not None:
-            text = tracked.detok.add_tokens(new_ids)
-            if tracked.detok.stop_matched is not None and not req.is_finished:
-                req.stop_reason = tracked.detok.stop_matched
+        detok = tracked.detok
+        if detok is not None:
+            text = detok.add_tokens(new_ids)
+            if detok.stop_matched is not None and not req.is_finished:
+                req.stop_reason = detok.stop_matched
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
-                text += tracked.detok.flush()
-        tracked.sent_tokens = req.num_output_tokens
-        logprobs, tracked.pending_logprobs = tuple(tracked.pending_logprobs), []
+                text += detok.flush()
+        tracked.sent_tokens = num_output
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if tracked.pending_logprobs:
+            logprobs, tracked.pending_logprobs = tuple(tracked.pending_logprobs), []
         finish = req.status.finish_reason
         if finish is not None:
             del self._tracked[req.request_id]
             self.runner.release(req.request_id)
         return RequestDelta(
-            request_id=req.request_id,
-            new_token_ids=tuple(new_ids),
-            new_text=text,
-            finish_reason=finish,
-            stop_reason=req.stop_reason,
-            logprobs=logprobs,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
+            req.request_id,
+            new_ids,
+            text,
+            finish,
+            req.stop_reason,
+            logprobs,
+            req.num_prompt_tokens,
+            num_output,
+            req.num_cached_tokens,
         )
 
     def stats(self) -> EngineStats:

@@ -22,15 +22,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
-        return self.value if self.finished else None
+        return self.value if self in _FINISHED else None
+
+
+_FINISHED = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
 
 
 @dataclass(eq=False)
@@ -53,10 +54,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self._num_prompt = len(self.prompt_token_ids)  # the prompt never changes
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def num_tokens(self) -> int:
@@ -64,11 +66,11 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self._num_prompt
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        return self.token_ids[self._num_prompt :]
 
     @property
     def is_finished(self) -> bool:

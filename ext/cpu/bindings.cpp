@@ -27,6 +27,8 @@ PYBIND11_MODULE(_tandem_cpu, m) {
   m.doc() = "Tandem CPU expert pool (C++17)";
   m.def("supported_isas", &tandem_cpu::supported_isas);
   m.def("cuda_driver_error", &tandem_cpu::cuda_driver_error);
+  m.def("check_layer_file", &tandem_cpu::check_layer_file,
+        py::call_guard<py::gil_scoped_release>());
   py::class_<ExpertPool>(m, "ExpertPool")
       .def(py::init<int, const std::string&, int>(), py::arg("num_threads"), py::arg("isa"),
            py::arg("split_nodes") = 0, py::call_guard<py::gil_scoped_release>())
@@ -86,8 +88,8 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def_property("spin_us", &ExpertPool::spin_us, &ExpertPool::set_spin_us)
       .def(
           "dequantize",
-          [](ExpertPool& p, int layer, uintptr_t w13, uintptr_t w2) {
-            p.dequantize(layer, (float*)w13, (float*)w2);
+          [](ExpertPool& p, int layer, uintptr_t w13, uintptr_t w2, std::vector<int> experts) {
+            p.dequantize(layer, (float*)w13, (float*)w2, experts);
           },
           py::call_guard<py::gil_scoped_release>())
       .def("save_layer", &ExpertPool::save_layer, py::call_guard<py::gil_scoped_release>())

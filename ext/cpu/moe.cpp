@@ -207,6 +207,62 @@ CacheHeader make_header(const Layer& L, const Shard& full, const std::string& ke
   return h;
 }
 
+// A layer's sizes, with no shards and nothing allocated; throws invalid_argument when bad.
+std::unique_ptr<Layer> layer_geometry(int E, int I, int H, int fmt, int group) {
+  if (E <= 0 || I <= 0 || H <= 0) throw std::invalid_argument("E, I and H must be positive");
+  if (fmt < FMT_BF16 || fmt > FMT_INT4) throw std::invalid_argument("unknown weight format");
+  if (fmt == FMT_INT4 && group != 32 && group != 64)
+    throw std::invalid_argument("int4 group_size must be 32 or 64");
+  auto L = std::make_unique<Layer>();
+  L->E = E;
+  L->H = H;
+  L->I = I;
+  L->Hp = (int)round_up(H, kKAlign);
+  L->fmt = fmt;
+  L->group = fmt == FMT_INT4 ? group : 0;
+  return L;
+}
+
+// Reads the header of the cache file open as `fd` and checks it against the expected values
+// (negative / check_key false: not checked), its own layout and the file's size. Throws
+// invalid_argument naming `path` and the mismatch; the caller closes `fd`.
+CacheHeader read_checked_header(int fd, const std::string& path, bool check_key,
+                                const std::string& key, int E, int I, int H, int fmt, int group,
+                                size_t* file_bytes) {
+  struct stat st;
+  CacheHeader h;
+  const bool readable = fstat(fd, &st) == 0 && (size_t)st.st_size >= kCacheHeaderBytes &&
+                        pread(fd, &h, sizeof(h), 0) == (ssize_t)sizeof(h);
+  auto fail = [&](const std::string& why) { throw std::invalid_argument(path + ": " + why); };
+  if (!readable) fail("shorter than its header");
+  if (std::memcmp(h.magic, kCacheMagic, sizeof(h.magic)) != 0) fail("not an expert cache file");
+  if (h.checksum != header_checksum(h)) fail("header checksum mismatch (corrupted)");
+  if (h.version != kLayoutVersion)
+    fail("layout version " + std::to_string(h.version) + ", expected " +
+         std::to_string(kLayoutVersion));
+  if ((E >= 0 && h.E != E) || (I >= 0 && h.I != I) || (H >= 0 && h.H != H))
+    fail("shape mismatch");
+  if ((fmt >= 0 && h.fmt != fmt) || (group >= 0 && h.fmt == FMT_INT4 && h.group != group))
+    fail("format mismatch");
+  const std::string file_key(h.key, strnlen(h.key, sizeof(h.key)));
+  if (file_key.size() == sizeof(h.key)) fail("bad header: unterminated key");
+  if (check_key && file_key != key) fail("key mismatch");
+  std::unique_ptr<Layer> L;
+  try {
+    L = layer_geometry(h.E, h.I, h.H, h.fmt, h.group);
+  } catch (const std::invalid_argument& e) {
+    fail(std::string("bad header: ") + e.what());
+  }
+  const Shard full = plan_shard(*L, 0, (int)round_up(L->I, kKAlign));
+  const CacheHeader want = make_header(*L, full, file_key);
+  if (std::memcmp(&want, &h, sizeof(h)) != 0) fail("layout mismatch");
+  const size_t size = kCacheHeaderBytes + full.mapped_bytes;
+  if ((size_t)st.st_size != size)
+    fail("size " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size));
+  *file_bytes = size;
+  return h;
+}
+
 }  // namespace
 
 Layer::~Layer() {
@@ -249,17 +305,7 @@ std::vector<int> ExpertPool::layer_ids() const {
 }
 
 std::unique_ptr<Layer> ExpertPool::plan_layer(int E, int I, int H, int fmt, int group) const {
-  if (E <= 0 || I <= 0 || H <= 0) throw std::invalid_argument("E, I and H must be positive");
-  if (fmt < FMT_BF16 || fmt > FMT_INT4) throw std::invalid_argument("unknown weight format");
-  if (fmt == FMT_INT4 && group != 32 && group != 64)
-    throw std::invalid_argument("int4 group_size must be 32 or 64");
-  auto L = std::make_unique<Layer>();
-  L->E = E;
-  L->H = H;
-  L->I = I;
-  L->Hp = (int)round_up(H, kKAlign);
-  L->fmt = fmt;
-  L->group = fmt == FMT_INT4 ? group : 0;
+  auto L = layer_geometry(E, I, H, fmt, group);
   // Split the padded intermediate dimension among nodes in chunks of kKAlign, by worker count.
   const auto& nodes = workers_->nodes();
   const int chunks = (int)(round_up(I, kKAlign) / kKAlign);
@@ -326,39 +372,16 @@ void ExpertPool::load_layer(int layer_idx, const std::string& path, bool check_k
                             const std::string& key, int E, int I, int H, int fmt, int group) {
   const int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) throw std::invalid_argument("cannot open " + path + ": " + std::strerror(errno));
-  struct stat st;
+  size_t size = 0;
   CacheHeader h;
-  const bool readable = fstat(fd, &st) == 0 && (size_t)st.st_size >= kCacheHeaderBytes &&
-                        pread(fd, &h, sizeof(h), 0) == (ssize_t)sizeof(h);
-  auto fail = [&](const std::string& why) {
-    ::close(fd);
-    throw std::invalid_argument(path + ": " + why);
-  };
-  if (!readable) fail("shorter than its header");
-  if (std::memcmp(h.magic, kCacheMagic, sizeof(h.magic)) != 0) fail("not an expert cache file");
-  if (h.checksum != header_checksum(h)) fail("header checksum mismatch (corrupted)");
-  if (h.version != kLayoutVersion)
-    fail("layout version " + std::to_string(h.version) + ", expected " +
-         std::to_string(kLayoutVersion));
-  if ((E >= 0 && h.E != E) || (I >= 0 && h.I != I) || (H >= 0 && h.H != H))
-    fail("shape mismatch");
-  if ((fmt >= 0 && h.fmt != fmt) || (group >= 0 && h.fmt == FMT_INT4 && h.group != group))
-    fail("format mismatch");
-  const std::string file_key(h.key, strnlen(h.key, sizeof(h.key)));
-  if (file_key.size() == sizeof(h.key)) fail("bad header: unterminated key");
-  if (check_key && file_key != key) fail("key mismatch");
-  std::unique_ptr<Layer> L;
   try {
-    L = plan_layer(h.E, h.I, h.H, h.fmt, h.group);
-  } catch (const std::invalid_argument& e) {
-    fail(std::string("bad header: ") + e.what());
+    h = read_checked_header(fd, path, check_key, key, E, I, H, fmt, group, &size);
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
+  std::unique_ptr<Layer> L = plan_layer(h.E, h.I, h.H, h.fmt, h.group);  // checked above
   const Shard full = plan_shard(*L, 0, (int)round_up(L->I, kKAlign));
-  const CacheHeader want = make_header(*L, full, file_key);
-  if (std::memcmp(&want, &h, sizeof(h)) != 0) fail("layout mismatch");
-  const size_t size = kCacheHeaderBytes + full.mapped_bytes;
-  if ((size_t)st.st_size != size)
-    fail("size " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size));
   void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (p == MAP_FAILED) throw std::runtime_error("cannot map " + path + ": " + std::strerror(errno));
@@ -388,6 +411,20 @@ void ExpertPool::load_layer(int layer_idx, const std::string& path, bool check_k
     munmap(p, size);
   }
   layers_[layer_idx] = std::move(L);
+}
+
+void check_layer_file(const std::string& path, bool check_key, const std::string& key, int E,
+                      int I, int H, int fmt, int group) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw std::invalid_argument("cannot open " + path + ": " + std::strerror(errno));
+  size_t size = 0;
+  try {
+    read_checked_header(fd, path, check_key, key, E, I, H, fmt, group, &size);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
 }
 
 void ExpertPool::run_convert(int worker, Layer* L, const void* w13, const void* w2, int dtype,
@@ -431,14 +468,19 @@ void ExpertPool::run_convert(int worker, Layer* L, const void* w13, const void* 
   }
 }
 
-void ExpertPool::dequantize(int layer_idx, float* w13, float* w2) {
+void ExpertPool::dequantize(int layer_idx, float* w13, float* w2,
+                            const std::vector<int>& experts) {
   workers_->wait();
   const Layer& L = layer(layer_idx);
   const int fmt = L.fmt, Hp = L.Hp, H = L.H, I = L.I;
+  for (int e : experts)
+    if (e < 0 || e >= L.E) throw std::invalid_argument("expert id out of range");
+  const int n = experts.empty() ? L.E : (int)experts.size();
   for (const Shard& s : L.shards) {
     if (s.Is == 0) continue;
     std::vector<float> row(std::max(Hp, s.Is));
-    for (int e = 0; e < L.E; ++e) {
+    for (int j = 0; j < n; ++j) {
+      const int e = experts.empty() ? j : experts[j];
       const WeightView v13{fmt, s.w13 + e * s.w13_expert, row_bytes(fmt, Hp),
                            s.s13 + e * s.s13_expert, L.group};
       for (int r = 0; r < 2 * s.Is; ++r) {
@@ -446,13 +488,13 @@ void ExpertPool::dequantize(int layer_idx, float* w13, float* w2) {
         if (gi >= I) continue;
         dequant_row(v13, r, Hp, row.data());
         const int src = (r % 64) < 32 ? gi : I + gi;
-        std::memcpy(w13 + ((size_t)e * 2 * I + src) * H, row.data(), sizeof(float) * H);
+        std::memcpy(w13 + ((size_t)j * 2 * I + src) * H, row.data(), sizeof(float) * H);
       }
       const WeightView v2{fmt, s.w2 + e * s.w2_expert, row_bytes(fmt, s.Is),
                           s.s2 + e * s.s2_expert, L.group};
       for (int h = 0; h < H; ++h) {
         dequant_row(v2, h, s.Is, row.data());
-        std::memcpy(w2 + ((size_t)e * H + h) * I + s.i0, row.data(), sizeof(float) * s.Iv);
+        std::memcpy(w2 + ((size_t)j * H + h) * I + s.i0, row.data(), sizeof(float) * s.Iv);
       }
     }
   }

@@ -65,6 +65,12 @@ struct Layer {
 // Version of the converted layout that save_layer writes; bump when Shard's layout changes.
 constexpr uint32_t kLayoutVersion = 1;
 
+// The header checks of ExpertPool::load_layer (expected values, layout, file size) without
+// mapping or reading the weights: a cheap "would load_layer accept this file?". Throws
+// invalid_argument naming the mismatch.
+void check_layer_file(const std::string& path, bool check_key, const std::string& key, int E,
+                      int I, int H, int fmt, int group);
+
 class ExpertPool {
  public:
   // split_nodes > 0 (tests): pretend the cpus form that many NUMA nodes (see Workers).
@@ -79,8 +85,9 @@ class ExpertPool {
   void submit(int layer, const float* hidden, const void* ids, bool ids_int64,
               const float* weights, float* out, int T, int k);
   void sync();  // waits for the last submit; throws runtime_error if it failed
-  // Writes the weights as the kernels see them (dequantized, unpadded) into fp32 buffers.
-  void dequantize(int layer, float* w13, float* w2);
+  // Writes the weights as the kernels see them (dequantized, unpadded) into fp32 buffers:
+  // every expert, or experts[j] into slot j.
+  void dequantize(int layer, float* w13, float* w2, const std::vector<int>& experts);
   // Writes the layer's converted weights to `path`: a 4 KiB header (shapes, format, `key`,
   // checksum), then the one-node layout whatever this pool's node split (node shards are
   // slices of it along I). Not atomic: the caller writes a temporary file and renames it.

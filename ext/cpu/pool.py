@@ -59,6 +59,32 @@ def _check_cpu_tensor(name: str, t: Any, dtypes: tuple[torch.dtype, ...], ndim: 
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
+def check_layer_file(
+    path: str | Path,
+    *,
+    key: str | None = None,
+    shape: tuple[int, int, int] | None = None,  # (E, I, H) expected
+    fmt: str | None = None,
+    group_size: int | None = None,
+) -> None:
+    """The checks of `CpuExpertPool.load_layer` (header, expected key / shape / format, file
+    size) without mapping the weights or needing a pool: reads one 4 KiB header. Raises
+    ValueError naming the mismatch, as load_layer would."""
+    if fmt is not None and fmt not in _FORMATS:
+        raise ValueError(f"fmt must be one of {tuple(_FORMATS)}, got {fmt!r}")
+    E, inter, H = shape if shape is not None else (-1, -1, -1)
+    load_extension().check_layer_file(
+        str(path),
+        key is not None,
+        key or "",
+        E,
+        inter,
+        H,
+        _FORMATS[fmt] if fmt is not None else -1,
+        group_size if group_size is not None else -1,
+    )
+
+
 class CpuExpertPool:
     """MoE experts on the CPU: one fused call per layer and step, run on pinned worker threads.
 
@@ -203,14 +229,23 @@ class CpuExpertPool:
         _, _, _, fmt, group = self._layer(layer_idx)
         return fmt, group
 
-    def dequantize(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's weights as the kernels use them: (w13 [E, 2I, H], w2 [E, H, I]) fp32."""
+    def dequantize(
+        self, layer_idx: int, experts: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's weights as the kernels use them: (w13 [E, 2I, H], w2 [E, H, I]) fp32;
+        with `experts`, only those, in that order ([len(experts), ...])."""
         pool = self._live()
         E, inter, H, _, _ = self._layer(layer_idx)
-        w13 = torch.empty(E, 2 * inter, H, dtype=torch.float32)
-        w2 = torch.empty(E, H, inter, dtype=torch.float32)
+        ids = [int(e) for e in experts] if experts is not None else []
+        if experts is not None and not all(0 <= e < E for e in ids):
+            raise ValueError(f"expert ids must lie in [0, {E}), got {ids}")
+        n = len(ids) if experts is not None else E
+        w13 = torch.empty(n, 2 * inter, H, dtype=torch.float32)
+        w2 = torch.empty(n, H, inter, dtype=torch.float32)
+        if n == 0:
+            return w13, w2
         with self._lock:
-            pool.dequantize(layer_idx, w13.data_ptr(), w2.data_ptr())
+            pool.dequantize(layer_idx, w13.data_ptr(), w2.data_ptr(), ids)
         return w13, w2
 
     # -- compute ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ nothing about requests. Checkpoint-name mapping lives in models/weights.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -100,7 +100,13 @@ class DecoderForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, weight).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        expected: Callable[[str], bool] | None = None,
+    ) -> None:
         """Fill parameters from HF-named tensors; raises UnsupportedModelError naming any
-        unexpected, mis-shaped or missing tensor."""
-        load_hf_weights(self, weights)
+        unexpected, mis-shaped or missing tensor. `expected(name)` (HF's per-expert names,
+        `mlp.experts.{e}.gate_proj`) narrows what must arrive, e.g. to leave out the experts
+        of layers whose expert backend takes them from elsewhere (models/loader)."""
+        load_hf_weights(self, weights, expected)

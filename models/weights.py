@@ -10,7 +10,7 @@ exactly as the checkpoint shapes it; anything else is an `UnsupportedModelError`
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +26,15 @@ _FUSED_EXPERTS = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$"
 )
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Any routed-expert tensor of a layer (per expert, fused 3D, or a GGUF "{e}" template); never
+# the router ("mlp.gate") or a shared expert ("mlp.shared_expert.").
+_EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.")
+
+
+def expert_layer(name: str) -> int | None:
+    """The layer of a routed-expert tensor (HF checkpoint or canonical name), else None."""
+    m = _EXPERT_TENSOR.match(name)
+    return int(m[1]) if m else None
 
 
 def _canonical(name: str) -> str:
@@ -118,9 +127,17 @@ def _split(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]
             yield f"{prefix}.{e}.up_proj.weight", up
 
 
-def load_hf_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_hf_weights(
+    model: DecoderForCausalLM,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    expected: Callable[[str], bool] | None = None,
+) -> None:
+    """Copies `weights` into `model`. `expected(canonical name)` narrows the parameters that
+    must arrive (default: all of them); a tensor outside it is unexpected."""
     arch = model.config.architecture
     targets = _targets(model)
+    if expected is not None:
+        targets = {n: t for n, t in targets.items() if expected(n)}
     filled: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:

@@ -2,12 +2,14 @@
 
 Owns the cache directory, the keys and the fall-back policy (a bad or stale file is reported
 with a warning and the caller converts instead). Reads TANDEM_EXPERT_CACHE, here and nowhere
-else. Knows nothing about models: callers pass the source's identity and the layer's tensors.
+else. Knows nothing about models: callers pass the source's identity and each layer's shapes.
 
 Layout: <root>/<model key>/layer_<i>.bin, one file per layer (CpuExpertPool.save_layer's
 format). The model key hashes the source identity (path, size and mtime of the checkpoint's
 files), the requested format and group size and LAYOUT_VERSION; each file's header carries a
-per-layer key that also covers the layer's shapes and a sampled fingerprint of its weights.
+per-layer key that also covers the layer's shapes and what the caller says the converted bytes
+depend on (the source dtype; a sampled fingerprint of the weights when there is no file), so a
+loader can tell a hit from a 4 KiB header before it reads any weight (`check`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .build import tandem_home
-from .pool import CpuExpertPool
+from .pool import CpuExpertPool, check_layer_file
 
 EXPERT_CACHE_ENV = "TANDEM_EXPERT_CACHE"  # "0" disables; a path overrides the directory
 LAYOUT_VERSION = 1  # bump with ext/cpu/moe.h kLayoutVersion
@@ -87,10 +89,36 @@ class ExpertCache:
     def layer_path(self, layer_idx: int) -> Path:
         return self.dir / f"layer_{layer_idx}.bin"
 
-    def layer_key(self, layer_idx: int, w13: torch.Tensor, w2: torch.Tensor) -> str:
-        """The key a layer's file must carry: model key, index, shapes, weights' fingerprint."""
-        fp = weights_fingerprint(w13, w2)
-        return _digest(self.model_key, layer_idx, tuple(w13.shape), tuple(w2.shape), fp)
+    def layer_key(
+        self,
+        layer_idx: int,
+        w13_shape: tuple[int, ...],
+        w2_shape: tuple[int, ...],
+        weights_id: str = "",
+    ) -> str:
+        """The key a layer's file must carry: model key, index, shapes and `weights_id`, what
+        else the converted bytes depend on (the source dtype for a checkpoint file; a
+        `weights_fingerprint` when there is no file). Needs no weights: a loader can ask
+        before it reads them."""
+        return _digest(self.model_key, layer_idx, tuple(w13_shape), tuple(w2_shape), weights_id)
+
+    def _expected(self) -> tuple[str | None, int | None]:
+        fmt = None if self.fmt == "auto" else self.fmt  # auto: the key covers the choice
+        return fmt, self.group_size if fmt == "int4" else None
+
+    def check(self, layer_idx: int, key: str, shape: tuple[int, int, int]) -> bool:
+        """Whether `load` would take the layer's file, from its 4 KiB header and size alone
+        (no mapping, no weights read). Silent: a bad file is reported by `load`."""
+        path = self.layer_path(layer_idx)
+        if not path.exists():
+            return False
+        fmt, group = self._expected()
+        try:
+            check_layer_file(path, key=key, shape=shape, fmt=fmt, group_size=group)
+        except (ValueError, RuntimeError) as e:
+            logger.debug("expert cache: %s fails its header check (%s)", path, e)
+            return False
+        return True
 
     def load(
         self, pool: CpuExpertPool, layer_idx: int, key: str, shape: tuple[int, int, int]
@@ -99,8 +127,7 @@ class ExpertCache:
         if not path.exists():
             self.misses += 1
             return False
-        fmt = None if self.fmt == "auto" else self.fmt  # auto: the key covers the choice
-        group = self.group_size if fmt == "int4" else None
+        fmt, group = self._expected()
         try:
             pool.load_layer(layer_idx, path, key=key, shape=shape, fmt=fmt, group_size=group)
         except (ValueError, RuntimeError) as e:

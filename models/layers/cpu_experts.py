@@ -4,7 +4,9 @@
 Owns expert placement, the host<->device traffic of the hybrid path and its counters. Knows
 nothing about requests or scheduling. At load (`attach`) every MoE block hands its stacked
 weights to the pool, which converts them (bf16, int8 or int4), and the block's torch copies
-are replaced by empty tensors, so host memory holds the experts once.
+are replaced by empty tensors, so host memory holds the experts once. Before that, the loader
+asks `skip_expert_layers` which layers' expert tensors it need not read at all: those found in
+the expert cache (a header check) and a GGUF's stacked experts (converted from its blocks).
 
 One layer's step on CUDA (stream-ordered, the default): all of it is enqueued on the current
 stream, nothing waits on the host, so it can be captured in a decode CUDA graph:
@@ -28,9 +30,11 @@ layer split between GPU and CPU keeps `supports_cuda_graphs` False and decodes e
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +47,8 @@ from models.layers.experts import register_expert_backend
 
 if TYPE_CHECKING:
     from ext.cpu import CpuExpertPool, ExpertCache, StreamJob
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("bf16", "int8", "int4", "auto")  # auto: from the GGUF type (bf16 otherwise)
 
@@ -75,6 +81,11 @@ def num_gpu_experts(
                 "of a layer (or use cpu_experts='all')"
             )
     return gpu
+
+
+def _shape(w13: torch.Tensor) -> tuple[int, int, int]:
+    """(E, I, H) of a stacked w13 `[E, 2I, H]`."""
+    return w13.shape[0], w13.shape[1] // 2, w13.shape[2]
 
 
 @dataclass
@@ -255,9 +266,10 @@ class CpuPoolExpertBackend:
     many routed tokens, re-place each layer's hottest experts on the GPU once; 0 = never),
     expert_cache (None: on when the cache directory is writable and TANDEM_EXPERT_CACHE is not
     0, see ext/cpu/cache.py; False: off; True or a directory: on) and cache_source (the
-    checkpoint path; a GGUF's comes from load_model; without one the cache is keyed by a
-    sampled fingerprint of the weights). With the cache on, each layer is loaded from its saved
-    converted file when the key matches, else converted and saved. stream_ordered (CUDA: the
+    checkpoint path; load_model's `skip_expert_layers` call sets it when not given; without one
+    the cache is keyed by a sampled fingerprint of the weights). With the cache on, each layer
+    is loaded from its saved converted file when the key matches, else converted and saved.
+    GPU-resident experts are copied from the pool's weights. stream_ordered (CUDA: the
     pool is started and awaited by host functions on the stream, capturable; False: host waits)
     and spin_us (how long idle pool workers spin before sleeping; None: the pool's default).
 
@@ -300,7 +312,9 @@ class CpuPoolExpertBackend:
         self._routed_tokens = 0
         self._rebalanced = False
         self._lock = threading.Lock()
-        self.gguf_source: Path | None = None  # set by load_model for a .gguf checkpoint
+        self.gguf_source: Path | None = None  # set by skip_expert_layers for a .gguf file
+        self._gguf_layers: frozenset[int] = frozenset()  # its layers with stacked experts
+        self._skipped: set[int] = set()  # layers whose expert tensors the loader did not read
         self.cache_source = Path(cache_source) if cache_source is not None else None
         self._cache_option = expert_cache
         self._cache: ExpertCache | None = None
@@ -333,36 +347,83 @@ class CpuPoolExpertBackend:
 
         return cuda_host_funcs_error() is None
 
-    @torch.no_grad()
-    def attach(self, model: nn.Module) -> None:
-        """Moves every MoE block's experts into the pool (converting them) and frees the torch
-        copies; keeps each layer's first `gpu` experts on the model's device until routing
-        counts say which are hottest (`rebalance`)."""
-        for block in model.modules():
-            if not (
-                hasattr(block, "w13") and hasattr(block, "layer_idx") and block.backend is self
+    def _blocks(self, model: nn.Module) -> list[nn.Module]:
+        return [
+            block
+            for block in model.modules()
+            if hasattr(block, "w13") and hasattr(block, "layer_idx") and block.backend is self
+        ]
+
+    def skip_expert_layers(
+        self, model: nn.Module, checkpoint: str | Path, checkpoint_format: str
+    ) -> frozenset[int]:
+        """Asked by the loader before it reads any weight: the MoE layers whose routed-expert
+        tensors it need not read. Those are the layers whose expert-cache entry passes its
+        header check (no weight is mapped or read), and, for a GGUF file, every layer with
+        stacked experts (`add_block` converts them from the file's own blocks). `attach` then
+        maps or converts them; it must be given `read_experts` in case an entry has gone bad
+        in between. Records `checkpoint` as the cache's source identity."""
+        checkpoint = Path(checkpoint)
+        self._skipped = set()
+        if checkpoint_format == "gguf":
+            from models.gguf_reader import GGUFReader
+            from models.loader.gguf_experts import gguf_expert_layers
+
+            self.gguf_source = checkpoint
+            self._gguf_layers = frozenset(gguf_expert_layers(GGUFReader(checkpoint)))
+        elif self.cache_source is None:
+            self.cache_source = checkpoint
+        cache = self._expert_cache()
+        for block in self._blocks(model):
+            layer, w13, w2 = block.layer_idx, block.w13, block.w2
+            if layer in self._gguf_layers or (
+                cache is not None
+                and cache.check(layer, self._layer_key(cache, layer, w13, w2), _shape(w13))
             ):
-                continue
-            self.add_block(block)
+                self._skipped.add(layer)
+        return frozenset(self._skipped)
+
+    @torch.no_grad()
+    def attach(self, model: nn.Module, read_experts: Callable[[int], None] | None = None) -> None:
+        """Moves every MoE block's experts into the pool (converting them, or mapping them
+        from the expert cache) and frees the torch copies; keeps each layer's first `gpu`
+        experts on the model's device until routing counts say which are hottest
+        (`rebalance`). `read_experts(layer)` fills a block's w13/w2 from the checkpoint: the
+        fall-back for a layer `skip_expert_layers` left unread whose cache entry went bad."""
+        for block in self._blocks(model):
+            self.add_block(block, read_experts)
         self._t_attach = time.perf_counter()
 
     @torch.no_grad()
-    def add_block(self, block: nn.Module) -> None:
+    def add_block(
+        self, block: nn.Module, read_experts: Callable[[int], None] | None = None
+    ) -> None:
         layer, w13, w2 = block.layer_idx, block.w13, block.w2
         # the router and the shared expert live on the model's device (the pool's thread count
         # depends on it; decided before the first access to `pool` below)
         self._on_cuda = self._on_cuda or any(p.is_cuda for p in block.parameters())
         E = w13.shape[0]
         device = block.gate.weight.device
-        cache = self._expert_cache(w13, w2)
-        key = cache.layer_key(layer, w13, w2) if cache is not None else ""
-        shape = (E, w13.shape[1] // 2, w13.shape[2])
-        if cache is None or not cache.load(self.pool, layer, key, shape):
-            if self.gguf_source is not None:  # from the file's own blocks, decoded to fp32
+        unread = layer in self._skipped  # the loader left w13/w2 uninitialized
+        cache = self._expert_cache(None if unread else (w13, w2))
+        key = self._layer_key(cache, layer, w13, w2) if cache is not None else ""
+        if cache is None or not cache.load(self.pool, layer, key, _shape(w13)):
+            if layer in self._gguf_layers:  # from the file's own blocks, decoded to fp32
                 from models.loader.gguf_experts import load_gguf_experts
 
                 load_gguf_experts(self.gguf_source, self.pool, self.fmt, [layer])
             else:
+                if unread:
+                    if read_experts is None:
+                        raise RuntimeError(
+                            f"cpu_pool: layer {layer}'s experts were not read and its cache "
+                            "entry is unusable; attach needs read_experts"
+                        )
+                    logger.warning(
+                        "expert cache: re-reading layer %d's experts from the checkpoint", layer
+                    )
+                    read_experts(layer)
+                    w13, w2 = block.w13, block.w2
                 fmt = "bf16" if self.fmt == "auto" else self.fmt
                 w13_h, w2_h = w13.detach().cpu(), w2.detach().cpu()
                 self.pool.add_layer(layer, w13_h, w2_h, fmt, self.group_size)
@@ -372,20 +433,42 @@ class CpuPoolExpertBackend:
         self._counts[layer] = torch.zeros(E, dtype=torch.int64, device=device)
         gpu = num_gpu_experts(E, self.cpu_experts, self.gpu_experts)
         if gpu:
-            self._place(layer, torch.arange(gpu), w13, w2, device)
+            self._place(layer, torch.arange(gpu), w13.dtype, device)
         # Free the torch copies: the pool holds the experts now.
         empty13 = torch.empty(E, 0, w13.shape[2], dtype=w13.dtype, device=w13.device)
         empty2 = torch.empty(E, w2.shape[1], 0, dtype=w2.dtype, device=w2.device)
         block.w13 = nn.Parameter(empty13, requires_grad=False)
         block.w2 = nn.Parameter(empty2, requires_grad=False)
 
-    def _expert_cache(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertCache | None:
-        """The cache of this model, made at the first layer (None when off or unwritable)."""
+    def _layer_key(
+        self, cache: ExpertCache, layer: int, w13: torch.Tensor, w2: torch.Tensor
+    ) -> str:
+        """Besides shapes, what the converted bytes depend on: nothing more for a GGUF layer
+        (converted from the file's blocks), the dtype the loader casts a checkpoint to, or,
+        without a checkpoint file, a sampled fingerprint of the weights themselves."""
+        if layer in self._gguf_layers:
+            weights_id = "gguf"
+        elif self.gguf_source is not None or self.cache_source is not None:
+            weights_id = f"file:{w13.dtype}"
+        else:
+            from ext.cpu.cache import weights_fingerprint
+
+            weights_id = f"weights:{weights_fingerprint(w13, w2)}"
+        return cache.layer_key(layer, tuple(w13.shape), tuple(w2.shape), weights_id)
+
+    def _expert_cache(
+        self, weights: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> ExpertCache | None:
+        """The cache of this model, made at the first call (None when off or unwritable, or
+        when there is neither a checkpoint file nor `weights` to key it by)."""
         if self._cache is not None or self._cache_option is False:
             return self._cache
         from ext.cpu import ExpertCache, default_cache_root, source_identity
         from ext.cpu.cache import weights_fingerprint
 
+        src = self.gguf_source or self.cache_source
+        if src is None and weights is None:
+            return None
         if self._cache_option is None or self._cache_option is True:
             root = default_cache_root()
         else:
@@ -393,11 +476,10 @@ class CpuPoolExpertBackend:
         if root is None:
             self._cache_option = False
             return None
-        src = self.gguf_source or self.cache_source
         source = (
             f"file:{source_identity(src)}"
             if src is not None
-            else f"weights:{weights_fingerprint(w13, w2)}"
+            else f"weights:{weights_fingerprint(*weights)}"
         )
         self._cache = ExpertCache(root, source, self.fmt, self.group_size)
         return self._cache
@@ -406,17 +488,18 @@ class CpuPoolExpertBackend:
         self,
         layer: int,
         expert_ids: torch.Tensor,  # [G] int64, CPU
-        w13: torch.Tensor,  # [E, 2I, H] any dtype/device
-        w2: torch.Tensor,
+        dtype: torch.dtype,
         device: torch.device,
-        dtype: torch.dtype | None = None,
     ) -> None:
-        dtype = dtype or w13.dtype
-        E = w13.shape[0]
+        """Puts `expert_ids` of the layer on `device`, from the pool's weights (what the pool
+        computes with): the same whether the layer was converted or mapped from the cache."""
+        E = self._num_experts[layer]
         local = torch.full((E,), -1, dtype=torch.int64)
         local[expert_ids] = torch.arange(len(expert_ids))
-        g13 = w13.index_select(0, expert_ids.to(w13.device)).to(device=device, dtype=dtype)
-        g2 = w2.index_select(0, expert_ids.to(w2.device)).to(device=device, dtype=dtype)
+        p13, p2 = self.pool.dequantize(layer, expert_ids.tolist())  # [G, ...] fp32
+        g13 = p13.to(device=device, dtype=dtype)
+        g2 = p2.to(device=device, dtype=dtype)
+        del p13, p2
         if device.type == "cuda":
             self._stats.h2d_bytes += (
                 g13.numel() * g13.element_size() + g2.numel() * g2.element_size()
@@ -443,8 +526,7 @@ class CpuPoolExpertBackend:
             hottest = torch.topk(counts[layer].cpu().float(), G).indices.sort().values
             if torch.equal(hottest, place.expert_ids.cpu()):
                 continue
-            w13, w2 = self.pool.dequantize(layer)  # fp32, what the pool computes with
-            self._place(layer, hottest, w13, w2, place.w13.device, place.w13.dtype)
+            self._place(layer, hottest, place.w13.dtype, place.w13.device)
 
     # -- forward -----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from models.layers.experts import get_expert_backend
 from models.loader.dummy import init_dummy_weights
 from models.loader.safetensors import iter_safetensors_weights
 from models.registry import get_model_class
+from models.weights import expert_layer
 
 log = logging.getLogger(__name__)
 
@@ -137,21 +139,21 @@ def load_model(
     expert_options: dict[str, Any] | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """`expert_options` go to the expert backend's factory (cpu_pool: fmt, cpu_experts,
-    gpu_experts, num_threads, ...); a backend with `attach(model)` gets the loaded model."""
+    gpu_experts, num_threads, ...). An expert backend may have, and is then called with:
+    `skip_expert_layers(model, path, format)` before any weight is read: the MoE layers whose
+    routed-expert tensors it does not need (cpu_pool: cached or taken from a GGUF's blocks),
+    which are then neither read nor expected; `attach(model, read_experts)` once the weights
+    are in, where `read_experts(layer)` reads one skipped layer's experts after all."""
     fmt = resolve_load_format(model_path, load_format) if load_format != "dummy" else "dummy"
     path = Path(model_path)
     if fmt == "gguf":
-        from models.loader.gguf import gguf_model_config, load_gguf_weights
+        from models.loader.gguf import gguf_model_config
 
         config = config or gguf_model_config(path)
-        weights = load_gguf_weights(path, dtype)
     elif fmt == "safetensors":
         config = config or ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
-        weights = iter_safetensors_weights(path, dtype)
-    else:
-        if config is None:
-            config = ModelConfig.from_pretrained(path)
-        weights = None
+    elif config is None:
+        config = ModelConfig.from_pretrained(path)
     model = build_model(
         config,
         dtype=dtype,
@@ -160,18 +162,43 @@ def load_model(
         expert_backend=expert_backend,
         expert_options=expert_options,
     )
-    if weights is None:
+    backend = getattr(model, "expert_backend", None)
+    read_experts = None
+    if fmt == "dummy":
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(weights)
-    backend = getattr(model, "expert_backend", None)
-    if fmt == "gguf" and hasattr(backend, "gguf_source"):
-        backend.gguf_source = path  # convert experts from the file's blocks, not the copy
+        skip_layers = getattr(backend, "skip_expert_layers", None)
+        skip = skip_layers(model, path, fmt) if skip_layers is not None else frozenset()
+
+        def wanted(name: str) -> bool:  # every tensor but the skipped layers' experts
+            return expert_layer(name) not in skip
+
+        select = wanted if skip else None
+        model.load_weights(_checkpoint_weights(path, fmt, dtype, select), expected=select)
+
+        def read_experts(layer: int) -> None:
+            def only(name: str) -> bool:
+                return expert_layer(name) == layer
+
+            model.load_weights(_checkpoint_weights(path, fmt, dtype, only), expected=only)
+
     attach = getattr(backend, "attach", None)
     if attach is not None:
-        attach(model)  # e.g. cpu_pool: experts into the pool, torch copies freed
+        attach(model, read_experts)  # e.g. cpu_pool: experts into the pool, torch copies freed
     apply_fast_linears(model, device, dtype)
     return model, config
+
+
+def _checkpoint_weights(
+    path: Path, fmt: str, dtype: torch.dtype, select: Callable[[str], bool] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of a "gguf" or "safetensors" checkpoint; `select(name)` False: not
+    read at all."""
+    if fmt == "gguf":
+        from models.loader.gguf import load_gguf_weights
+
+        return load_gguf_weights(path, dtype, select)
+    return iter_safetensors_weights(path, dtype, select)
 
 
 def apply_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,13 +189,16 @@ def _hf_name(gguf_name: str, mlp: str) -> tuple[str, str | None]:
 
 
 def load_gguf_weights(
-    path: str | Path | GGUFReader, dtype: torch.dtype = torch.float32
+    path: str | Path | GGUFReader,
+    dtype: torch.dtype = torch.float32,
+    select: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_checkpoint_name, tensor)` for every tensor in the file, dequantized to `dtype`.
 
     q/k of "llama"-architecture files are un-permuted to HF's layout. Stacked expert tensors
     `[num_experts, out, in]` are yielded one expert at a time under HF's per-expert names.
-    An unknown tensor name raises `UnsupportedModelError` naming it.
+    An unknown tensor name raises `UnsupportedModelError` naming it. `select(hf name)` (a
+    stacked tensor's name has `{e}` for the expert) leaves out, undecoded, what it refuses.
     """
     reader = _open(path)
     config = gguf_model_config(reader)
@@ -211,6 +214,8 @@ def load_gguf_weights(
             logger.warning("ignoring GGUF tensor %s (derived from the config instead)", info.name)
             continue
         hf_name, stacked = names[info.name]
+        if select is not None and not select(hf_name):
+            continue
         with one_thread():  # memory-bound work; see models.gguf_dequant
             tensor = dequantize_tensor(reader, info, dtype)
             if permute and ".self_attn.q_proj." in hf_name:

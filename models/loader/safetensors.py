@@ -6,7 +6,7 @@ each tensor is materialized and cast to the target dtype only when the consumer 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,12 +31,17 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def iter_safetensors_weights(
-    path: str | Path, dtype: torch.dtype | None = None
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    select: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, CPU tensor) for every tensor; floating tensors cast to `dtype`."""
+    """Yield (HF name, CPU tensor) for every tensor, or those whose name `select` accepts (the
+    others are never read); floating tensors cast to `dtype`."""
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if select is not None and not select(name):
+                    continue
                 tensor = f.get_tensor(name)
                 if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)

@@ -12,6 +12,7 @@ import torch
 
 from ext.cpu import CpuExpertPool, ExpertCache, default_cache_root
 from ext.cpu.cache import EXPERT_CACHE_ENV
+from ext.cpu.pool import check_layer_file
 
 CASES = [("bf16", 64), ("int8", 64), ("int4", 32), ("int4", 64)]
 E, INTER, H = 6, 160, 200  # I and H not multiples of 64: padding is saved too
@@ -87,12 +88,16 @@ def _saved(tmp_path: Path, fmt: str = "int4") -> Path:
     ],
 )
 def test_bad_files_are_refused(damage, match: str, tmp_path: Path) -> None:
+    """By load_layer, and by the header check a loader runs before it reads any weight."""
     path = _saved(tmp_path)
+    check_layer_file(path, key="k", shape=(E, INTER, H), fmt="int4", group_size=32)
     path.write_bytes(damage(path.read_bytes()))
     pool = CpuExpertPool(1)
     with pytest.raises(ValueError, match=match):
         pool.load_layer(0, path, key="k")
     assert pool.info()["layers"] == []
+    with pytest.raises(ValueError, match=match):
+        check_layer_file(path, key="k")
 
 
 def test_expectations_are_checked(tmp_path: Path) -> None:
@@ -108,6 +113,16 @@ def test_expectations_are_checked(tmp_path: Path) -> None:
         pool.load_layer(0, path, fmt="int4", group_size=64)
     with pytest.raises(ValueError, match="cannot open"):
         pool.load_layer(0, tmp_path / "missing.bin")
+    for kwargs, match in [
+        ({"key": "other"}, "key mismatch"),
+        ({"shape": (E, INTER + 1, H)}, "shape"),
+        ({"fmt": "int8"}, "format"),
+        ({"fmt": "int4", "group_size": 64}, "format"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_layer_file(path, **kwargs)
+    with pytest.raises(ValueError, match="cannot open"):
+        check_layer_file(tmp_path / "missing.bin")
     pool.load_layer(0, path, key="k", shape=(E, INTER, H), fmt="int4", group_size=32)
 
 
@@ -124,13 +139,13 @@ def test_save_error_leaves_no_file(tmp_path: Path) -> None:
 def test_cache_falls_back_with_a_warning(tmp_path: Path, caplog) -> None:
     w13, w2 = _layer()
     cache = ExpertCache(tmp_path, "file:x", "int8", 64)
-    key = cache.layer_key(0, w13, w2)
+    key = cache.layer_key(0, w13.shape, w2.shape, "file:torch.float32")
     pool = CpuExpertPool(1)
     assert not cache.load(pool, 0, key, (E, INTER, H))  # nothing saved yet: a silent miss
     pool.add_layer(0, w13, w2, "int8")
     cache.save(pool, 0, key)
     assert cache.load(CpuExpertPool(1), 0, key, (E, INTER, H))
-    other = cache.layer_key(0, w13 + 1, w2)  # different weights: a different key
+    other = cache.layer_key(0, w13.shape, w2.shape, "file:torch.bfloat16")  # other source dtype
     assert other != key
     with caplog.at_level(logging.WARNING):
         assert not cache.load(CpuExpertPool(1), 0, other, (E, INTER, H))
@@ -140,6 +155,10 @@ def test_cache_falls_back_with_a_warning(tmp_path: Path, caplog) -> None:
         assert not cache.load(CpuExpertPool(1), 0, key, (E, INTER, H))
     assert "size" in caplog.text
     assert (cache.hits, cache.misses, cache.writes) == (1, 3, 1)
+    assert not cache.check(0, key, (E, INTER, H))  # the short file, by its header and size
+    cache.save(pool, 0, key)
+    assert cache.check(0, key, (E, INTER, H)) and not cache.check(0, other, (E, INTER, H))
+    assert not cache.check(1, key, (E, INTER, H))  # no file
     assert ExpertCache(tmp_path, "file:y", "int8", 64).dir != cache.dir
     assert ExpertCache(tmp_path, "file:x", "int4", 64).dir != cache.dir
 
@@ -152,3 +171,16 @@ def test_default_root_from_environment(tmp_path: Path, monkeypatch) -> None:
     assert default_cache_root() is None
     monkeypatch.setenv(EXPERT_CACHE_ENV, str(tmp_path / "elsewhere"))
     assert default_cache_root() == tmp_path / "elsewhere"
+
+
+@pytest.mark.parametrize("fmt,group", CASES)
+def test_dequantize_a_subset_of_experts(fmt: str, group: int) -> None:
+    """What GPU placement copies: chosen experts, in the order asked, as the whole layer has them."""
+    pool = CpuExpertPool(2, split_nodes=2)
+    pool.add_layer(0, *_layer(), fmt, group)
+    w13, w2 = pool.dequantize(0)
+    s13, s2 = pool.dequantize(0, [4, 1, 4])
+    assert torch.equal(s13, w13[[4, 1, 4]]) and torch.equal(s2, w2[[4, 1, 4]])
+    assert pool.dequantize(0, [])[0].shape == (0, 2 * INTER, H)
+    with pytest.raises(ValueError):
+        pool.dequantize(0, [E])

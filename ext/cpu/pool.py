@@ -70,10 +70,22 @@ def check_layer_file(
     """The checks of `CpuExpertPool.load_layer` (header, expected key / shape / format, file
     size) without mapping the weights or needing a pool: reads one 4 KiB header. Raises
     ValueError naming the mismatch, as load_layer would."""
+    load_extension().check_layer_file(*_layer_file_args(path, key, shape, fmt, group_size))
+
+
+def _layer_file_args(
+    path: str | Path,
+    key: str | None,
+    shape: tuple[int, int, int] | None,
+    fmt: str | None,
+    group_size: int | None,
+) -> tuple:
+    """The extension's (path, has_key, key, E, I, H, fmt code, group) for a layer file check
+    (-1: not checked). Raises ValueError for an unknown format."""
     if fmt is not None and fmt not in _FORMATS:
         raise ValueError(f"fmt must be one of {tuple(_FORMATS)}, got {fmt!r}")
     E, inter, H = shape if shape is not None else (-1, -1, -1)
-    load_extension().check_layer_file(
+    return (
         str(path),
         key is not None,
         key or "",
@@ -204,22 +216,10 @@ class CpuExpertPool:
         pool = self._live()
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
-        if fmt is not None and fmt not in _FORMATS:
-            raise ValueError(f"fmt must be one of {tuple(_FORMATS)}, got {fmt!r}")
-        E, inter, H = shape if shape is not None else (-1, -1, -1)
+        args = _layer_file_args(path, key, shape, fmt, group_size)
         with self._lock:
             self._inflight = None
-            pool.load_layer(
-                layer_idx,
-                str(path),
-                key is not None,
-                key or "",
-                E,
-                inter,
-                H,
-                _FORMATS[fmt] if fmt is not None else -1,
-                group_size if group_size is not None else -1,
-            )
+            pool.load_layer(layer_idx, *args)
             E, inter, H, fmt_code, group = pool.layer_shape(layer_idx)
             self._layers[layer_idx] = (E, inter, H, _FORMAT_NAMES[fmt_code], group)
             self.layers_loaded += 1

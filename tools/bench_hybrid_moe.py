@@ -22,6 +22,7 @@ from one random layer (random init of 29 B host parameters would dominate the ru
     python tools/bench_hybrid_moe.py [--formats int4 bf16] [--gpu-all] [--json out.json]
         [--layers 48] [--decode-steps 16] [--batch 16] [--prefill 2048] [--threads N]
         [--attention-backend cupy|torch] [--graphs on off] [--spin-us 200]
+        [--pool-sync flags host_func]
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--formats", nargs="+", default=["int4", "bf16"])
-    p.add_argument("--threads", type=int, default=None, help="pool threads (default: the backend's, cpus - 2 on CUDA)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="pool threads (default: the backend's, cpus - 2 on CUDA)",
+    )
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
@@ -77,6 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="decode through CUDA graphs, eagerly, or both (each measured on the same model)",
     )
     p.add_argument("--spin-us", type=int, default=None, help="pool spin before sleep (us)")
+    p.add_argument(
+        "--pool-sync",
+        nargs="+",
+        default=[None],
+        choices=["flags", "host_func"],
+        help="how the stream starts and awaits the pool (default: the backend's, flags where "
+        "the driver has stream memory operations); several: one run each, same process",
+    )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -358,9 +372,10 @@ def shared_layer(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
-def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
+def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
     t0 = time.perf_counter()
     opts = {
+        "sync": sync,
         "fmt": fmt,
         "num_threads": a.threads,
         "cpu_experts": "all",
@@ -379,7 +394,7 @@ def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
     init_dummy_weights(model)  # everything else (the expert tensors are empty now)
     load_s = time.perf_counter() - t0
     runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
-    results = measure_modes(runner, a, f"hybrid_{fmt}")
+    results = measure_modes(runner, a, f"hybrid_{fmt}" + (f"_{sync}" if sync else ""))
     s = backend.stats()
     info = backend.pool.info()
     for res in results.values():
@@ -393,6 +408,7 @@ def run_hybrid(cfg, fmt, shared, a, dtype) -> dict:
             h2d_GB=s.h2d_bytes / 1e9,
             pool_utilisation=s.pool_utilisation,
             stream_errors=s.stream_errors,
+            pool_sync=backend.sync,
         )
         res.update(floors(cfg, fmt, a))
     backend.close()
@@ -435,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         results.update(runs)
 
     for fmt in a.formats:
-        show(run_hybrid(cfg, fmt, shared, a, dtype))
+        for sync in a.pool_sync:
+            show(run_hybrid(cfg, fmt, shared, a, dtype, sync))
     del shared
     if a.gpu_all:
         show(run_gpu_all(cfg, a, dtype))

@@ -3,7 +3,14 @@ worker threads, built just in time. See ext/cpu/pool.py for the contract."""
 
 from .build import CpuExtensionError, load_extension
 from .cache import EXPERT_CACHE_ENV, ExpertCache, default_cache_root, source_identity
-from .pool import ISA_ENV, CpuExpertPool, StreamJob, cuda_host_funcs_error, supported_isas
+from .pool import (
+    ISA_ENV,
+    CpuExpertPool,
+    StreamJob,
+    cuda_host_funcs_error,
+    cuda_memops_error,
+    supported_isas,
+)
 from .reference import moe_reference, quantize
 
 __all__ = [
@@ -16,6 +23,7 @@ __all__ = [
     "CpuExtensionError",
     "StreamJob",
     "cuda_host_funcs_error",
+    "cuda_memops_error",
     "load_extension",
     "moe_reference",
     "quantize",

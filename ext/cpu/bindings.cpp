@@ -27,6 +27,7 @@ PYBIND11_MODULE(_tandem_cpu, m) {
   m.doc() = "Tandem CPU expert pool (C++17)";
   m.def("supported_isas", &tandem_cpu::supported_isas);
   m.def("cuda_driver_error", &tandem_cpu::cuda_driver_error);
+  m.def("cuda_memops_error", &tandem_cpu::cuda_memops_error);
   m.def("check_layer_file", &tandem_cpu::check_layer_file,
         py::call_guard<py::gil_scoped_release>());
   py::class_<ExpertPool>(m, "ExpertPool")
@@ -50,11 +51,38 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def("sync", &ExpertPool::sync, py::call_guard<py::gil_scoped_release>())
       .def("make_stream_job",
            [](ExpertPool& p, int layer, uintptr_t hidden, uintptr_t ids, uintptr_t weights,
-              uintptr_t out, uintptr_t num_tokens, int capacity, int k) {
+              uintptr_t out, uintptr_t num_tokens, int capacity, int k, uintptr_t flags) {
              return reinterpret_cast<uintptr_t>(p.make_stream_job(
                  layer, (const float*)hidden, (const int64_t*)ids, (const float*)weights,
-                 (float*)out, (const int32_t*)num_tokens, capacity, k));
-           })
+                 (float*)out, (const int32_t*)num_tokens, capacity, k, (uint32_t*)flags));
+           },
+           py::arg("layer"), py::arg("hidden"), py::arg("ids"), py::arg("weights"),
+           py::arg("out"), py::arg("num_tokens"), py::arg("capacity"), py::arg("k"),
+           py::arg("flags") = 0)
+      .def(
+          "enqueue_go",
+          [](ExpertPool& p, uintptr_t stream, uintptr_t job, int rows) {
+            tandem_cpu::enqueue_go(stream, job_of(p, job), rows);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "enqueue_done_wait",
+          [](ExpertPool& p, uintptr_t stream, uintptr_t job) {
+            tandem_cpu::enqueue_done_wait(stream, job_of(p, job));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "host_go",
+          [](ExpertPool& p, uintptr_t job, int rows) { tandem_cpu::host_go(job_of(p, job), rows); })
+      .def(
+          "host_done_wait",
+          [](ExpertPool& p, uintptr_t job, double timeout_s) {
+            return tandem_cpu::host_done_wait(job_of(p, job), timeout_s);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("kick", &ExpertPool::kick)
+      .def_property("poll_spin_us", &ExpertPool::poll_spin_us, &ExpertPool::set_poll_spin_us)
+      .def_property_readonly("flag_jobs_run", &ExpertPool::flag_jobs_run)
       .def(
           "enqueue_submit",
           [](ExpertPool& p, uintptr_t stream, uintptr_t job) {

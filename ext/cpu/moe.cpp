@@ -287,6 +287,7 @@ ExpertPool::ExpertPool(int num_threads, const std::string& isa, int split_nodes)
 }
 
 ExpertPool::~ExpertPool() {
+  stop_poller();  // finishes a flag job already started, then runs no more
   workers_->wait();
   std::lock_guard<std::mutex> lk(stream_mu_);
   for (StreamJob* job : stream_jobs_) job->pool = nullptr;  // a late host function: no-op

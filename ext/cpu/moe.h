@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels.h"
@@ -35,6 +36,13 @@ struct StreamJob {
   const int32_t* num_tokens = nullptr;  // rows of this call, read when the submit runs
   int tokens = 0;                    // rows of the call in flight (submit -> wait)
   int64_t t_submit_ns = 0;
+  // Flag-synchronized jobs (no host functions): the stream writes `*go = rows + 1` after its
+  // copies, the pool's poller thread runs the job and writes `*done = 1`, the stream waits for
+  // done == 1 and writes it back to 0. Both words sit in pinned, device-mapped host memory
+  // (different cache lines); null for host-function jobs.
+  uint32_t* go = nullptr;
+  uint32_t* done = nullptr;
+  uint64_t go_dev = 0, done_dev = 0;  // their device addresses, resolved at the first enqueue
 };
 
 struct StreamStats {
@@ -104,13 +112,22 @@ class ExpertPool {
   // functions, so the pool can sit inside a captured CUDA graph.
   // A fixed descriptor over fixed buffers; the pool owns it, it is never freed while the pool
   // lives (graphs keep its address) and is detached, not freed, when the pool goes.
+  // flags (may be null): two words 64 bytes apart in pinned host memory, for a flag job; the
+  // pool's poller thread starts with the first one.
   StreamJob* make_stream_job(int layer, const float* hidden, const int64_t* ids,
                              const float* weights, float* out, const int32_t* num_tokens,
-                             int capacity, int k);
+                             int capacity, int k, uint32_t* flags = nullptr);
   // The two host functions' bodies. Never throw: a failure zeroes the job's output rows and is
   // counted (stream_stats().errors, last_stream_error()).
-  void stream_submit(StreamJob& job) noexcept;
+  void stream_submit(StreamJob& job) noexcept;  // rows from *job.num_tokens
+  void stream_start(StreamJob& job, int rows) noexcept;
   void stream_wait(StreamJob& job) noexcept;
+  // The poller of flag jobs spins for poll_spin_us after its last job (or kick()) before it
+  // naps between looks (poll_nap_us); a decode step's next layer then finds it awake.
+  void set_poll_spin_us(int us) { poll_spin_us_.store(us < 0 ? 0 : us); }
+  int poll_spin_us() const { return poll_spin_us_.load(); }
+  void kick() noexcept;  // work is coming: spin again
+  uint64_t flag_jobs_run() const { return flag_runs_.load(); }
   StreamStats stream_stats() const;
   std::string last_stream_error() const;
   void set_spin_us(int us) { workers_->set_spin_us(us); }
@@ -165,6 +182,19 @@ class ExpertPool {
   mutable std::mutex stream_mu_;  // guards stream_jobs_ and last_error_
   std::string last_error_;
   void stream_error(StreamJob& job, const char* what) noexcept;
+
+  // Flag jobs and their poller (ext/cpu/stream.cpp). The array only grows; readers take the
+  // count with acquire, writers publish the pointer before the count.
+  static constexpr int kMaxFlagJobs = 4096;
+  std::unique_ptr<StreamJob*[]> flag_jobs_{new StreamJob*[kMaxFlagJobs]()};
+  std::atomic<int> num_flag_jobs_{0};
+  std::thread poller_;
+  std::atomic<bool> poller_stop_{false};
+  std::atomic<int> poll_spin_us_{20000};
+  std::atomic<int64_t> kick_ns_{0};
+  std::atomic<uint64_t> flag_runs_{0};
+  void poll_loop() noexcept;
+  void stop_poller() noexcept;
 };
 
 }  // namespace tandem_cpu

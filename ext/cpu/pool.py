@@ -33,15 +33,31 @@ def cuda_host_funcs_error() -> str | None:
     return load_extension().cuda_driver_error() or None
 
 
+def cuda_memops_error() -> str | None:
+    """None when the CUDA driver's stream memory operations (cuStreamWriteValue32 and
+    cuStreamWaitValue32) can be used (flag jobs); else why not."""
+    return load_extension().cuda_memops_error() or None
+
+
+FLAG_WORDS = 32  # int32 words of a flag job's pinned flags: go at [0], done at [16]
+
+
 class StreamJob:
     """A fixed job descriptor of one layer over fixed host buffers (see
     `CpuExpertPool.stream_job`). Holds the buffers alive; its address is what a captured graph
     keeps, so it lives (inside the pool, which never frees it) as long as the pool."""
 
-    def __init__(self, handle: int, layer_idx: int, tensors: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self,
+        handle: int,
+        layer_idx: int,
+        tensors: tuple[torch.Tensor, ...],
+        flags: torch.Tensor | None = None,
+    ) -> None:
         self.handle = handle
         self.layer_idx = layer_idx
         self.hidden, self.topk_ids, self.topk_weights, self.out, self.num_tokens = tensors
+        self.flags = flags  # [FLAG_WORDS] int32 pinned: a flag job (enqueue_go / done_wait)
 
     @property
     def capacity(self) -> int:
@@ -130,6 +146,7 @@ class CpuExpertPool:
             self.spin_us = spin_us
         self._layers: dict[int, tuple[int, int, int, str, int]] = {}  # E, I, H, fmt, group
         self._inflight: tuple[torch.Tensor, ...] | None = None
+        self._stream_tensors: list[tuple[torch.Tensor | None, ...]] = []  # of stream jobs
         self._lock = threading.Lock()
         self.layers_converted = 0  # add_layer calls (conversion work done)
         self.layers_loaded = 0  # load_layer calls that installed a saved layer
@@ -331,12 +348,18 @@ class CpuExpertPool:
         topk_weights: torch.Tensor,  # [C, k] float32
         out: torch.Tensor,  # [C, H] float32
         num_tokens: torch.Tensor,  # [1] int32: the rows of a call, written before its submit
+        flags: bool = False,
     ) -> StreamJob:
         """A fixed descriptor of a call over these buffers for `enqueue_submit`/`enqueue_wait`.
 
         Every call reads `num_tokens[0]` when its submit host function runs (0 to C rows), so
         one job serves every token count. The buffers must stay at their addresses for as long
-        as any stream or captured graph may run the job (the job keeps them alive)."""
+        as any stream or captured graph may run the job (the pool keeps them alive until it
+        closes).
+
+        flags=True makes a flag job instead, for `enqueue_go` / `enqueue_done_wait`: no host
+        function; the pool's poller thread watches two pinned words that the stream writes
+        and waits on (the row count travels in the go word; `num_tokens` is not read)."""
         self._live()
         _, _, H, _, _ = self._layer(layer_idx)
         _check_cpu_tensor("hidden", hidden, (torch.float32,), 2)
@@ -360,8 +383,68 @@ class CpuExpertPool:
                 raise ValueError(f"{name} must be contiguous")
         if _overlaps(out, hidden):
             raise ValueError("out must not overlap hidden")
-        handle = self._pool.make_stream_job(layer_idx, *(t.data_ptr() for t in tensors), C, k)
-        return StreamJob(handle, layer_idx, tensors)
+        flag_words = None
+        if flags:
+            pin = torch.cuda.is_available()  # device-mapped where a GPU will write it
+            flag_words = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=pin)
+        handle = self._pool.make_stream_job(
+            layer_idx, *(t.data_ptr() for t in tensors), C, k,
+            flag_words.data_ptr() if flag_words is not None else 0,
+        )  # fmt: skip
+        # the poller may read them (and a graph write them) until the pool is gone
+        self._stream_tensors.append((*tensors, flag_words))
+        return StreamJob(handle, layer_idx, tensors, flag_words)
+
+    def enqueue_go(self, stream: int, job: StreamJob, rows: int) -> None:
+        """Flag job: enqueues on `stream` a 4-byte write that tells the pool's poller to run
+        `job` on its first `rows` rows (after a memory barrier: the copies queued before it
+        have landed). Capturable; a graph replays it with the same `rows`."""
+        self._flag_job(job)
+        if not 0 <= rows <= job.capacity:
+            raise ValueError(f"rows must be in [0, {job.capacity}], got {rows}")
+        self._live().enqueue_go(int(stream), job.handle, rows)
+
+    def enqueue_done_wait(self, stream: int, job: StreamJob) -> None:
+        """Flag job: enqueues a wait of `stream` until the poller has finished `job` (the GPU
+        polls the done word; no host function, no host thread blocks), then resets it."""
+        self._flag_job(job)
+        self._live().enqueue_done_wait(int(stream), job.handle)
+
+    def host_go(self, job: StreamJob, rows: int) -> None:
+        """What `enqueue_go` does on the GPU, from this thread (tests without a GPU)."""
+        self._flag_job(job)
+        if not 0 <= rows <= job.capacity:
+            raise ValueError(f"rows must be in [0, {job.capacity}], got {rows}")
+        self._live().host_go(job.handle, rows)
+
+    def host_done_wait(self, job: StreamJob, timeout_s: float = 10.0) -> bool:
+        """What `enqueue_done_wait` does on the GPU: False if the job did not finish in time."""
+        self._flag_job(job)
+        return bool(self._live().host_done_wait(job.handle, float(timeout_s)))
+
+    def kick(self) -> None:
+        """Flag jobs are coming: the poller spins (instead of napping) for `poll_spin_us`."""
+        self._live().kick()
+
+    @property
+    def poll_spin_us(self) -> int:
+        """How long the poller of flag jobs spins after the last job before it naps (50 us)
+        between looks."""
+        return self._live().poll_spin_us
+
+    @poll_spin_us.setter
+    def poll_spin_us(self, value: int) -> None:
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"poll_spin_us must be a non-negative int, got {value!r}")
+        self._live().poll_spin_us = value
+
+    @property
+    def flag_jobs_run(self) -> int:
+        return int(self._live().flag_jobs_run)
+
+    def _flag_job(self, job: StreamJob) -> None:
+        if job.flags is None:
+            raise ValueError("not a flag job: make it with stream_job(..., flags=True)")
 
     def enqueue_submit(self, stream: int, job: StreamJob) -> None:
         """Enqueues on CUDA stream `stream` (a cudaStream_t as an int, e.g. torch's
@@ -426,8 +509,9 @@ class CpuExpertPool:
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
             pool.sync()
-            del pool
+            del pool  # stops the poller of flag jobs before their buffers go
         self._inflight = None
+        self._stream_tensors = []
 
     def __enter__(self) -> CpuExpertPool:
         return self

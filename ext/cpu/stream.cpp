@@ -2,9 +2,11 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
 
 namespace tandem_cpu {
 namespace {
@@ -14,12 +16,27 @@ namespace {
 using HostFn = void (*)(void*);
 using LaunchHostFunc = int (*)(void* stream, HostFn fn, void* user);
 using GetErrorString = int (*)(int error, const char** text);
+// cuStreamWriteValue32 / cuStreamWaitValue32 (CUdeviceptr is 64-bit, cuuint32_t 32-bit) and
+// cuMemHostGetDevicePointer (host pointer -> CUdeviceptr of pinned memory).
+using WriteValue32 = int (*)(void* stream, uint64_t addr, uint32_t value, unsigned flags);
+using WaitValue32 = int (*)(void* stream, uint64_t addr, uint32_t value, unsigned flags);
+using HostGetDevicePointer = int (*)(uint64_t* dptr, void* p, unsigned flags);
+constexpr unsigned kWaitValueEq = 0x1;  // CU_STREAM_WAIT_VALUE_EQ
+constexpr unsigned kWriteValueDefault = 0x0;  // with a memory barrier before the write
 
 struct Driver {
   LaunchHostFunc launch = nullptr;
   GetErrorString error_string = nullptr;
-  std::string error;
+  WriteValue32 write32 = nullptr;
+  WaitValue32 wait32 = nullptr;
+  HostGetDevicePointer host_dev_ptr = nullptr;
+  std::string error, memops_error;
 };
+
+void* symbol(void* lib, const char* v2, const char* v1) {
+  void* f = dlsym(lib, v2);
+  return f ? f : dlsym(lib, v1);
+}
 
 const Driver& driver() {
   static const Driver d = [] {
@@ -30,8 +47,15 @@ const Driver& driver() {
       const char* why = dlerror();
       out.error = std::string("cannot load libcuda.so.1 (the CUDA driver), needed for the CPU "
                               "expert pool's CUDA path: ") + (why ? why : "not found");
+      out.memops_error = out.error;
       return out;
     }
+    out.write32 = (WriteValue32)symbol(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32");
+    out.wait32 = (WaitValue32)symbol(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32");
+    out.host_dev_ptr = (HostGetDevicePointer)symbol(lib, "cuMemHostGetDevicePointer_v2",
+                                                    "cuMemHostGetDevicePointer");
+    if (!out.write32 || !out.wait32)
+      out.memops_error = "libcuda.so.1 has no cuStreamWriteValue32/cuStreamWaitValue32";
     // The legacy-stream variant: handle 0 means the legacy default stream, as in torch.
     out.launch = (LaunchHostFunc)dlsym(lib, "cuLaunchHostFunc");
     out.error_string = (GetErrorString)dlsym(lib, "cuGetErrorString");
@@ -57,25 +81,85 @@ void host_wait(void* user) {
   if (job->pool) job->pool->stream_wait(*job);
 }
 
+void check(int rc, const char* what) {
+  if (rc == 0) return;
+  const char* text = nullptr;
+  if (driver().error_string) driver().error_string(rc, &text);
+  throw std::runtime_error(std::string(what) + " failed (CUresult " + std::to_string(rc) +
+                           (text ? std::string(": ") + text : std::string()) + ")");
+}
+
 void enqueue(uintptr_t stream, HostFn fn, StreamJob* job) {
   const Driver& d = driver();
   if (!d.launch) throw std::runtime_error(d.error);
   if (!job) throw std::invalid_argument("null stream job");
-  const int rc = d.launch(reinterpret_cast<void*>(stream), fn, job);
-  if (rc != 0) {
-    const char* text = nullptr;
-    if (d.error_string) d.error_string(rc, &text);
-    throw std::runtime_error("cuLaunchHostFunc failed (CUresult " + std::to_string(rc) +
-                             (text ? std::string(": ") + text : std::string()) + ")");
+  check(d.launch(reinterpret_cast<void*>(stream), fn, job), "cuLaunchHostFunc");
+}
+
+// The device address of a word of pinned host memory (the host address itself under UVA when
+// the driver has no answer).
+uint64_t device_address(uint32_t* p) {
+  uint64_t dptr = 0;
+  if (driver().host_dev_ptr && driver().host_dev_ptr(&dptr, p, 0) == 0 && dptr) return dptr;
+  return reinterpret_cast<uint64_t>(p);
+}
+
+StreamJob* flag_job(StreamJob* job) {
+  const Driver& d = driver();
+  if (!d.memops_error.empty()) throw std::runtime_error(d.memops_error);
+  if (!job || !job->go) throw std::invalid_argument("not a flag stream job");
+  if (!job->go_dev) {
+    job->done_dev = device_address(job->done);
+    job->go_dev = device_address(job->go);
   }
+  return job;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
 }
 
 }  // namespace
 
 std::string cuda_driver_error() { return driver().error; }
+std::string cuda_memops_error() { return driver().memops_error; }
 
 void enqueue_submit(uintptr_t stream, StreamJob* job) { enqueue(stream, host_submit, job); }
 void enqueue_wait(uintptr_t stream, StreamJob* job) { enqueue(stream, host_wait, job); }
+
+void enqueue_go(uintptr_t stream, StreamJob* job, int rows) {
+  flag_job(job);
+  if (rows < 0 || rows > job->capacity)
+    throw std::invalid_argument("rows out of range [0, capacity]");
+  check(driver().write32(reinterpret_cast<void*>(stream), job->go_dev, (uint32_t)rows + 1,
+                         kWriteValueDefault),
+        "cuStreamWriteValue32");
+}
+
+void enqueue_done_wait(uintptr_t stream, StreamJob* job) {
+  flag_job(job);
+  void* s = reinterpret_cast<void*>(stream);
+  check(driver().wait32(s, job->done_dev, 1, kWaitValueEq), "cuStreamWaitValue32");
+  check(driver().write32(s, job->done_dev, 0, kWriteValueDefault), "cuStreamWriteValue32");
+}
+
+void host_go(StreamJob* job, int rows) {
+  if (!job || !job->go) throw std::invalid_argument("not a flag stream job");
+  __atomic_store_n(job->go, (uint32_t)rows + 1, __ATOMIC_RELEASE);
+}
+
+bool host_done_wait(StreamJob* job, double timeout_s) {
+  if (!job || !job->done) throw std::invalid_argument("not a flag stream job");
+  const int64_t deadline = now_ns() + (int64_t)(timeout_s * 1e9);
+  while (__atomic_load_n(job->done, __ATOMIC_ACQUIRE) != 1) {
+    if (now_ns() > deadline) return false;
+    cpu_relax();
+  }
+  __atomic_store_n(job->done, 0u, __ATOMIC_RELAXED);
+  return true;
+}
 
 void run_inline(StreamJob* job) {
   host_submit(job);
@@ -84,7 +168,8 @@ void run_inline(StreamJob* job) {
 
 StreamJob* ExpertPool::make_stream_job(int layer, const float* hidden, const int64_t* ids,
                                        const float* weights, float* out,
-                                       const int32_t* num_tokens, int capacity, int k) {
+                                       const int32_t* num_tokens, int capacity, int k,
+                                       uint32_t* flags) {
   const Layer& L = this->layer(layer);  // throws invalid_argument for an unknown layer
   if (capacity <= 0 || k <= 0) throw std::invalid_argument("capacity and k must be positive");
   StreamJob* job = new StreamJob();
@@ -100,7 +185,69 @@ StreamJob* ExpertPool::make_stream_job(int layer, const float* hidden, const int
   job->num_tokens = num_tokens;
   std::lock_guard<std::mutex> lk(stream_mu_);
   stream_jobs_.push_back(job);
+  if (flags) {
+    const int n = num_flag_jobs_.load();
+    if (n >= kMaxFlagJobs) throw std::runtime_error("too many flag stream jobs");
+    job->go = flags;
+    job->done = flags + 16;  // its own cache line
+    __atomic_store_n(job->go, 0u, __ATOMIC_RELAXED);
+    __atomic_store_n(job->done, 0u, __ATOMIC_RELAXED);
+    flag_jobs_[n] = job;
+    num_flag_jobs_.store(n + 1, std::memory_order_release);
+    kick();
+    if (!poller_.joinable()) poller_ = std::thread([this] { poll_loop(); });
+  }
   return job;
+}
+
+void ExpertPool::kick() noexcept {
+  kick_ns_.store(now_ns(), std::memory_order_relaxed);
+}
+
+// One thread looks at every flag job's `go` word, starting after the last one that ran (the
+// next layer of a forward is usually the next job). A job it finds it runs to the end on the
+// workers, then raises `done`. While jobs keep coming it spins; poll_spin_us after the last
+// one (or kick) it naps poll_nap_us between looks, so an idle server costs no core.
+void ExpertPool::poll_loop() noexcept {
+  constexpr int kNapUs = 50;
+  int next = 0;
+  int64_t last_active = now_ns();
+  unsigned spins = 0;
+  while (!poller_stop_.load(std::memory_order_acquire)) {
+    const int n = num_flag_jobs_.load(std::memory_order_acquire);
+    bool ran = false;
+    for (int i = 0; i < n; ++i) {
+      const int j = (next + i) % n;
+      StreamJob* job = flag_jobs_[j];
+      const uint32_t v = __atomic_load_n(job->go, __ATOMIC_ACQUIRE);
+      if (v == 0) continue;
+      __atomic_store_n(job->go, 0u, __ATOMIC_RELAXED);
+      stream_start(*job, (int)v - 1);
+      stream_wait(*job);
+      flag_runs_.fetch_add(1, std::memory_order_relaxed);
+      __atomic_store_n(job->done, 1u, __ATOMIC_RELEASE);  // after the output rows
+      next = (j + 1) % n;
+      ran = true;
+      break;
+    }
+    if (ran) {
+      last_active = now_ns();
+      continue;
+    }
+    if ((++spins & 255) != 0) {
+      cpu_relax();
+      continue;
+    }
+    const int64_t now = now_ns();
+    const int64_t since = now - std::max(last_active, kick_ns_.load(std::memory_order_relaxed));
+    if (since > (int64_t)poll_spin_us_.load(std::memory_order_relaxed) * 1000)
+      std::this_thread::sleep_for(std::chrono::microseconds(kNapUs));
+  }
+}
+
+void ExpertPool::stop_poller() noexcept {
+  poller_stop_.store(true, std::memory_order_release);
+  if (poller_.joinable()) poller_.join();
 }
 
 void ExpertPool::stream_error(StreamJob& job, const char* what) noexcept {
@@ -113,8 +260,9 @@ void ExpertPool::stream_error(StreamJob& job, const char* what) noexcept {
   }
 }
 
-void ExpertPool::stream_submit(StreamJob& job) noexcept {
-  const int T = *job.num_tokens;
+void ExpertPool::stream_submit(StreamJob& job) noexcept { stream_start(job, *job.num_tokens); }
+
+void ExpertPool::stream_start(StreamJob& job, int T) noexcept {
   job.tokens = 0;
   if (T < 0 || T > job.capacity) {
     stream_error(job, "stream job: token count out of range [0, capacity]");

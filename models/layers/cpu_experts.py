@@ -12,10 +12,16 @@ One layer's step on CUDA (stream-ordered, the default): all of it is enqueued on
 stream, nothing waits on the host, so it can be captured in a decode CUDA graph:
   1. hidden (fp32), the CPU-routed ids (GPU-placed experts -> -1), the routing weights and the
      row count -> fixed pinned buffers (non_blocking D2H copies);
-  2. a host function starts the pool on those buffers (`CpuExpertPool.enqueue_submit`);
+  2. the stream starts the pool on those buffers: by default ("flags" sync) it writes the row
+     count into a pinned go word that the pool's poller thread watches
+     (`CpuExpertPool.enqueue_go`); with "host_func" sync a host function starts it
+     (`enqueue_submit`, rows from a pinned word copied in step 1);
   3. meanwhile the GPU runs the GPU-resident experts and, in the MoE block, the shared expert;
-  4. a host function blocks the stream until the pool is done (`enqueue_wait`);
+  4. the stream waits until the pool is done: the GPU polls the job's done word
+     (`enqueue_done_wait`), or a host function blocks it (`enqueue_wait`);
   5. the pinned output -> a fixed device buffer (non_blocking H2D), then added.
+Flags cost no CUDA driver thread and no host-function launch (each host-function round trip
+cost ~100 us a layer on an H100 host); TANDEM_POOL_SYNC=host_func selects the older way.
 The pinned buffers are shared by all layers: the stream orders layer l's output copy before
 layer l+1's input copies, so one set suffices (one stream at a time). They are sized for the
 largest call seen and only grow outside graph capture (a capture is preceded by warm-up runs
@@ -51,6 +57,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FORMATS = ("bf16", "int8", "int4", "auto")  # auto: from the GGUF type (bf16 otherwise)
+SYNC_ENV = "TANDEM_POOL_SYNC"
+SYNC_MODES = ("flags", "host_func")
 
 
 def parse_cpu_experts(value: str | int | None) -> int | None:
@@ -146,9 +154,11 @@ class _StreamStaging:
     """Fixed buffers of the stream-ordered CUDA path and one pool job per layer over them.
     Never freed while the backend lives: a captured graph keeps their addresses."""
 
-    def __init__(self, capacity: int, hidden: int, k: int, device: torch.device) -> None:
+    def __init__(
+        self, capacity: int, hidden: int, k: int, device: torch.device, flags: bool
+    ) -> None:
         pin = {"pin_memory": True}
-        self.capacity, self.hidden, self.k = capacity, hidden, k
+        self.capacity, self.hidden, self.k, self.flags = capacity, hidden, k, flags
         self.x = torch.zeros(capacity, hidden, dtype=torch.float32, **pin)  # [C, H] pinned
         self.ids = torch.full((capacity, k), -1, dtype=torch.int64, **pin)  # [C, k]
         self.w = torch.zeros(capacity, k, dtype=torch.float32, **pin)  # [C, k]
@@ -166,7 +176,7 @@ class _StreamStaging:
         job = self.jobs.get(layer_idx)
         if job is None:
             job = self.jobs[layer_idx] = pool.stream_job(
-                layer_idx, self.x, self.ids, self.w, self.out, self.rows
+                layer_idx, self.x, self.ids, self.w, self.out, self.rows, flags=self.flags
             )
         return job
 
@@ -246,9 +256,9 @@ def _grouped_experts(
 
 
 def default_cuda_pool_threads() -> int:
-    """Pool workers when the model runs on CUDA: every usable core but two. The CUDA driver's
-    host-function thread (it runs the pool's submit/wait) and the engine's thread need cores of
-    their own; with one worker per core but one, a descheduled worker stalls each layer's job
+    """Pool workers when the model runs on CUDA: every usable core but two. The thread that
+    starts the pool's jobs (the poller of flag jobs, or the CUDA driver's host-function thread)
+    and the engine's thread need cores of their own; with one worker per core but one, a descheduled worker stalls each layer's job
     (Qwen3-30B-A3B shape, int4, 16 cores: batch-1 decode 8.3 tok/s with 15 workers, 28.4 with
     14, 24.9 with 12; docs/BENCHMARKS.md "Hybrid MoE")."""
     try:
@@ -270,8 +280,10 @@ class CpuPoolExpertBackend:
     the cache is keyed by a sampled fingerprint of the weights). With the cache on, each layer
     is loaded from its saved converted file when the key matches, else converted and saved.
     GPU-resident experts are copied from the pool's weights. stream_ordered (CUDA: the
-    pool is started and awaited by host functions on the stream, capturable; False: host waits)
-    and spin_us (how long idle pool workers spin before sleeping; None: the pool's default).
+    pool is started and awaited in stream order, capturable; False: host waits), sync (how a
+    stream-ordered call reaches the pool: "flags" or "host_func"; None: TANDEM_POOL_SYNC, else
+    flags where the driver has stream memory operations) and spin_us (how long idle pool
+    workers spin before sleeping; None: the pool's default).
 
     Besides `forward`, `start` + `finish` split a call so that the caller (the MoE block) can
     enqueue GPU work, such as a shared expert, while the pool computes.
@@ -294,9 +306,14 @@ class CpuPoolExpertBackend:
         cache_source: str | Path | None = None,
         stream_ordered: bool = True,
         spin_us: int | None = None,
+        sync: str | None = None,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+        sync = sync or os.environ.get(SYNC_ENV) or None
+        if sync is not None and sync not in SYNC_MODES:
+            raise ValueError(f"sync ({SYNC_ENV}) must be one of {SYNC_MODES}, got {sync!r}")
+        self._sync_option = sync
         parse_cpu_experts(cpu_experts)  # validate early
         self.fmt, self.group_size = fmt, group_size
         self.cpu_experts, self.gpu_experts = cpu_experts, gpu_experts
@@ -343,9 +360,20 @@ class CpuPoolExpertBackend:
         rebalance rewrites their tensors in place."""
         if not self.stream_ordered:
             return False
-        from ext.cpu import cuda_host_funcs_error
+        from ext.cpu import cuda_host_funcs_error, cuda_memops_error
 
-        return cuda_host_funcs_error() is None
+        check = cuda_memops_error if self.sync == "flags" else cuda_host_funcs_error
+        return check() is None
+
+    @property
+    def sync(self) -> str:
+        """How stream-ordered calls reach the pool: "flags" (the stream writes and waits on
+        pinned words, the pool polls) or "host_func" (cuLaunchHostFunc)."""
+        if self._sync_option is not None:
+            return self._sync_option
+        from ext.cpu import cuda_memops_error
+
+        return "flags" if cuda_memops_error() is None else "host_func"
 
     def _blocks(self, model: nn.Module) -> list[nn.Module]:
         return [
@@ -593,7 +621,10 @@ class CpuPoolExpertBackend:
         st, job = pending.staging, pending.job
         assert st is not None and job is not None
         T = hidden.shape[0]
-        self.pool.enqueue_wait(pending.stream, job)
+        if st.flags:
+            self.pool.enqueue_done_wait(pending.stream, job)
+        else:
+            self.pool.enqueue_wait(pending.stream, job)
         out = st.out_d[:T]
         out.copy_(st.out[:T], non_blocking=True)  # [T, H] f32 cuda, after the wait node
         if pending.extra is not None:
@@ -610,8 +641,12 @@ class CpuPoolExpertBackend:
         st.x[:T].copy_(hidden.float().contiguous(), non_blocking=True)  # [T, H] f32 pinned
         st.ids[:T].copy_(cpu_ids.contiguous(), non_blocking=True)
         st.w[:T].copy_(topk_weights.float().contiguous(), non_blocking=True)
-        st.rows.copy_(st.rows_d[T : T + 1], non_blocking=True)
-        self.pool.enqueue_submit(stream, job)
+        if st.flags:
+            self.pool.kick()  # the poller: spin, layers are coming (eager steps, captures)
+            self.pool.enqueue_go(stream, job, T)
+        else:
+            st.rows.copy_(st.rows_d[T : T + 1], non_blocking=True)
+            self.pool.enqueue_submit(stream, job)
         extra = None
         if place is not None:  # the GPU-resident experts run while the pool computes
             extra = _local_experts(hidden, place.local[topk_ids], topk_weights, place.w13, place.w2)
@@ -629,7 +664,7 @@ class CpuPoolExpertBackend:
             )
         last = self._staging[-1].capacity if self._staging else 0
         capacity = max(tokens, 2 * last, 256)
-        self._staging.append(_StreamStaging(capacity, hidden, k, device))
+        self._staging.append(_StreamStaging(capacity, hidden, k, device, self.sync == "flags"))
         return self._staging[-1]
 
     def _forward_cpu(self, layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place):

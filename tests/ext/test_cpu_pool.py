@@ -14,6 +14,7 @@ from ext.cpu import (
     CpuExpertPool,
     CpuExtensionError,
     cuda_host_funcs_error,
+    cuda_memops_error,
     moe_reference,
     quantize,
     supported_isas,
@@ -375,6 +376,89 @@ def test_stream_job_validation(pools):
     other.close()
 
 
+def _flag_job(pool, layer, C, H, k):
+    tensors = (
+        torch.zeros(C, H),
+        torch.zeros(C, k, dtype=torch.int64),
+        torch.zeros(C, k),
+        torch.full((C, H), 7.0),
+        torch.zeros(1, dtype=torch.int32),
+    )
+    return pool.stream_job(layer, *tensors, flags=True)
+
+
+@pytest.mark.parametrize("poll_spin_us", [20000, 0])
+def test_flag_jobs_run_like_submit(poll_spin_us):
+    """Flag jobs, with this thread playing the GPU's part (write go = rows + 1, wait for done,
+    reset it): the poller runs each job on the rows the go word names, leaves the other rows
+    alone, raises done after the output is written, and serves several layers' jobs in any
+    order; with poll_spin_us=0 it naps between looks and still answers. The pool closes with
+    its poller idle."""
+    pool = CpuExpertPool(num_threads=2, isa="scalar")
+    pool.poll_spin_us = poll_spin_us
+    E, inter, H, k, C = 6, 64, 128, 3, 16
+    layers = {}
+    for layer in (0, 1):
+        w13, w2 = make_layer(E, inter, H, seed=40 + layer)
+        pool.add_layer(layer, w13, w2, "int8")
+        layers[layer] = _flag_job(pool, layer, C, H, k)
+    before = pool.stream_stats()
+    total = 0
+    for i, (layer, T) in enumerate([(0, 1), (1, 16), (0, 5), (1, 0), (1, 9), (0, 16)]):
+        job = layers[layer]
+        hidden, ids, weights = make_inputs(max(T, 1), H, E, k, seed=60 + i)
+        job.hidden[:T], job.topk_ids[:T], job.topk_weights[:T] = hidden[:T], ids[:T], weights[:T]
+        job.out.fill_(7.0)
+        pool.host_go(job, T)
+        assert pool.host_done_wait(job, timeout_s=10.0)
+        assert not pool.host_done_wait(job, timeout_s=0.01)  # reset: one done per go
+        ref = pool.forward(layer, hidden[:T].clone(), ids[:T].clone(), weights[:T].clone())
+        torch.testing.assert_close(job.out[:T], ref, rtol=0, atol=0)
+        assert bool((job.out[T:] == 7.0).all())
+        total += T
+    s = pool.stream_stats()
+    assert pool.flag_jobs_run == 6
+    assert s["calls"] - before["calls"] == 6 and s["errors"] == before["errors"]
+    assert s["tokens"] - before["tokens"] == total
+    t0 = time.perf_counter()
+    pool.close()
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_flag_job_failure_still_raises_done(pools):
+    """A failing flag job must not leave the stream waiting: its rows are zeroed, the error is
+    counted and done comes all the same; a row count beyond the job is refused before it
+    reaches the stream; host-function jobs are not flag jobs."""
+    pool = pools("scalar")
+    E, inter, H, k = 4, 64, 64, 2
+    w13, w2 = make_layer(E, inter, H, seed=18)
+    pool.add_layer(75, w13, w2, "bf16")
+    job = _flag_job(pool, 75, 4, H, k)
+    job.hidden.normal_()
+    job.topk_ids[:3] = torch.tensor([[0, 1], [2, 9], [3, 0]])  # 9: out of range
+    job.topk_weights.fill_(0.5)
+    errors = pool.stream_stats()["errors"]
+    pool.host_go(job, 3)
+    assert pool.host_done_wait(job, timeout_s=10.0)
+    assert pool.stream_stats()["errors"] == errors + 1
+    assert "out of range" in pool.last_stream_error()
+    assert bool((job.out[:3] == 0).all()) and bool((job.out[3] == 7.0).all())
+    with pytest.raises(ValueError, match="rows"):
+        pool.host_go(job, 5)
+    with pytest.raises(ValueError, match="rows"):
+        pool.enqueue_go(0, job, -1)
+    plain = _stream_job(pool, 75, 4, H, k, 1)
+    for call in (lambda: pool.host_go(plain, 1), lambda: pool.enqueue_done_wait(0, plain)):
+        with pytest.raises(ValueError, match="not a flag job"):
+            call()
+    job.topk_ids[1, 1] = 1
+    pool.host_go(job, 3)
+    assert pool.host_done_wait(job, timeout_s=10.0)
+    ref = moe_reference(job.hidden[:3], quantize(w13, "bf16"), quantize(w2, "bf16"),
+                        job.topk_ids[:3], job.topk_weights[:3])  # fmt: skip
+    assert rel_err(job.out[:3], ref) < 2e-5
+
+
 def test_extension_loads_without_libcuda_and_enqueue_says_why(pools):
     """The extension never links CUDA. Without the driver, the CUDA path's enqueue calls raise
     a RuntimeError that names libcuda (before touching any stream)."""
@@ -389,15 +473,23 @@ def test_extension_loads_without_libcuda_and_enqueue_says_why(pools):
     for enqueue in (pool.enqueue_submit, pool.enqueue_wait):
         with pytest.raises(RuntimeError, match="libcuda"):
             enqueue(0, job)
+    assert "libcuda" in cuda_memops_error()
+    flag = _flag_job(pool, 74, 2, 64, 2)
+    with pytest.raises(RuntimeError, match="libcuda"):
+        pool.enqueue_go(0, flag, 1)
+    with pytest.raises(RuntimeError, match="libcuda"):
+        pool.enqueue_done_wait(0, flag)
 
 
 @pytest.mark.gpu
-def test_stream_jobs_in_a_captured_cuda_graph():
-    """D2H copies -> submit host node -> wait host node -> H2D copy, captured once; replays
-    with new inputs and other row counts equal the pool's own submit/sync; eager enqueue too."""
+@pytest.mark.parametrize("sync", ["host_func", "flags"])
+def test_stream_jobs_in_a_captured_cuda_graph(sync):
+    """D2H copies -> submit (host node, or a write of the go word) -> wait (host node, or the
+    GPU waiting on the done word) -> H2D copy, captured once; replays with new inputs and other
+    row counts equal the pool's own submit/sync; eager enqueue too."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    assert cuda_host_funcs_error() is None
+    assert cuda_host_funcs_error() is None and cuda_memops_error() is None
     E, inter, H, k, C = 8, 64, 128, 2, 8
     w13, w2 = make_layer(E, inter, H, seed=17)
     pool = CpuExpertPool(num_threads=2, isa="scalar")
@@ -410,6 +502,7 @@ def test_stream_jobs_in_a_captured_cuda_graph():
         torch.zeros(C, k, **pin),
         torch.zeros(C, H, **pin),
         torch.zeros(1, dtype=torch.int32, **pin),
+        flags=sync == "flags",
     )
     dev = torch.device("cuda")
     x_d = torch.zeros(C, H, device=dev)  # static graph inputs
@@ -423,11 +516,17 @@ def test_stream_jobs_in_a_captured_cuda_graph():
         job.hidden[:T].copy_(x_d[:T] * 1.0, non_blocking=True)  # a kernel, then the copy
         job.topk_ids[:T].copy_(ids_d[:T], non_blocking=True)
         job.topk_weights[:T].copy_(w_d[:T], non_blocking=True)
-        job.num_tokens.copy_(rows_d[T : T + 1], non_blocking=True)
         s = torch.cuda.current_stream().cuda_stream
-        pool.enqueue_submit(s, job)
+        if sync == "flags":
+            pool.enqueue_go(s, job, T)
+        else:
+            job.num_tokens.copy_(rows_d[T : T + 1], non_blocking=True)
+            pool.enqueue_submit(s, job)
         out_d[:T].mul_(0.0)  # GPU work between submit and wait
-        pool.enqueue_wait(s, job)
+        if sync == "flags":
+            pool.enqueue_done_wait(s, job)
+        else:
+            pool.enqueue_wait(s, job)
         out_d[:T].copy_(job.out[:T], non_blocking=True)
 
     def fill(T: int, seed: int) -> tuple[torch.Tensor, ...]:

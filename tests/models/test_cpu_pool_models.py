@@ -446,13 +446,15 @@ def test_engine_on_cuda_with_cpu_experts_decodes_in_graphs_with_and_without_over
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_experts", [0, 2])
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("sync", ["flags", "host_func"])
 def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(
-    name: str, gpu_experts: int, tmp_path: Path
+    name: str, gpu_experts: int, sync: str, tmp_path: Path
 ) -> None:
     """One MoE block with the cpu_pool backend captured in a CUDA graph (D2H copies, the pool's
-    submit and wait host nodes, H2D copy, the shared expert and any GPU-resident experts in
-    between): replays with new inputs equal the eager block, and the torch expert backend on
-    the pool's own weights; with GPU experts, also after a rebalance moved them (in place)."""
+    start and wait in stream order: go/done words or host nodes, H2D copy, the shared expert
+    and any GPU-resident experts in between): replays with new inputs equal the eager block,
+    and the torch expert backend on the pool's own weights; with GPU experts, also after a
+    rebalance moved them (in place)."""
     from models.layers.experts import TorchExpertBackend
 
     if not torch.cuda.is_available():
@@ -463,10 +465,13 @@ def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(
         dtype=torch.float32,
         device="cuda",
         expert_backend="cpu_pool",
-        expert_options={"isa": "scalar", "gpu_experts": gpu_experts, "rebalance_after_tokens": 0},
-    )
+        expert_options={
+            "isa": "scalar", "gpu_experts": gpu_experts, "rebalance_after_tokens": 0,
+            "sync": sync,
+        },
+    )  # fmt: skip
     backend = model.expert_backend
-    assert backend.supports_cuda_graphs
+    assert backend.sync == sync and backend.supports_cuda_graphs
     block = [m for m in model.modules() if hasattr(m, "w13") and hasattr(m, "layer_idx")][-1]
     w13, w2 = (w.cuda() for w in backend.pool.dequantize(block.layer_idx))
     torch_backend = TorchExpertBackend()

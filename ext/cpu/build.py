@@ -36,6 +36,8 @@ AVX512_FLAGS = AVX2_FLAGS + [
     "-mavx512vnni",
 ]
 AMX_FLAGS = AVX512_FLAGS + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+# The integer path: VNNI without BF16 (so nothing in it needs more than AVX512-VNNI).
+VNNI_FLAGS = AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
 # (source, extra flags, define that says it was built); define None: always built.
 CORE_UNITS = [
@@ -51,14 +53,30 @@ CORE_UNITS = [
 X86_UNITS = [
     ("kernels_avx2.cpp", AVX2_FLAGS, "TANDEM_HAVE_AVX2"),
     ("kernels_avx512.cpp", AVX512_FLAGS, "TANDEM_HAVE_AVX512"),
+    ("kernels_vnni.cpp", VNNI_FLAGS, "TANDEM_HAVE_VNNI"),
     ("kernels_amx.cpp", AMX_FLAGS, "TANDEM_HAVE_AMX"),
+    ("kernels_amx_int8.cpp", AMX_FLAGS, "TANDEM_HAVE_AMX_INT8"),
 ]
+# Units built only when the units whose defines are listed were built.
+UNIT_NEEDS = {
+    "TANDEM_HAVE_AMX": ["TANDEM_HAVE_AVX512"],
+    "TANDEM_HAVE_AMX_INT8": ["TANDEM_HAVE_AMX", "TANDEM_HAVE_VNNI"],
+}
 # Dense-linear kernels of an ISA: built with its flags, only when its expert unit was built.
 LINEAR_UNITS = {
     "TANDEM_HAVE_AVX2": ("linear_avx2.cpp", AVX2_FLAGS),
     "TANDEM_HAVE_AVX512": ("linear_avx512.cpp", AVX512_FLAGS),
 }
-HEADERS = ["kernels.h", "isa.h", "workers.h", "moe.h", "stream.h", "linear.h", "simd_avx512.h"]
+HEADERS = [
+    "kernels.h",
+    "isa.h",
+    "workers.h",
+    "moe.h",
+    "stream.h",
+    "linear.h",
+    "simd_avx512.h",
+    "simd_q8.h",
+]
 
 
 class CpuExtensionError(RuntimeError):
@@ -110,7 +128,7 @@ def _build_key(cxx: str) -> str:
         h.update(name.encode())
         h.update((SRC_DIR / name).read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    flags = [BASE_FLAGS, AVX2_FLAGS, AVX512_FLAGS, AMX_FLAGS]
+    flags = [BASE_FLAGS, AVX2_FLAGS, AVX512_FLAGS, VNNI_FLAGS, AMX_FLAGS, UNIT_NEEDS]
     for part in (
         version,
         repr(flags),
@@ -140,8 +158,9 @@ def _build(cxx: str, target: Path) -> list[str]:
         if _is_x86():
             for src, flags, define in X86_UNITS:
                 obj = os.path.join(tmp, src + ".o")
-                if define == "TANDEM_HAVE_AMX" and "-DTANDEM_HAVE_AVX512" not in defines:
-                    skipped.append(f"{src}: needs the AVX-512 unit")
+                missing = [d for d in UNIT_NEEDS.get(define, []) if f"-D{d}" not in defines]
+                if missing:
+                    skipped.append(f"{src}: needs {', '.join(missing)}")
                     continue
                 try:
                     _run(

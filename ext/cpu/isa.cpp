@@ -55,6 +55,7 @@ CpuCaps probe() {
   const bool amx_bf16 = (d7 >> 22) & 1, amx_tile = (d7 >> 24) & 1, amx_int8 = (d7 >> 25) & 1;
   caps.avx2 = os_avx && avx2 && fma && f16c;
   caps.avx512 = caps.avx2 && os_avx512 && avx512f && avx512bw && avx512vl && avx512vnni && avx512bf16;
+  caps.vnni = os_avx512 && avx512f && avx512bw && avx512vl && avx512vnni;
   caps.amx = caps.avx512 && os_amx && amx_tile && amx_bf16 && amx_int8 && request_amx_permission();
 #endif
 #ifndef TANDEM_HAVE_AVX2
@@ -65,6 +66,9 @@ CpuCaps probe() {
 #endif
 #ifndef TANDEM_HAVE_AMX
   caps.amx = false;
+#endif
+#ifndef TANDEM_HAVE_VNNI
+  caps.vnni = false;
 #endif
   return caps;
 }
@@ -106,6 +110,19 @@ KernelSet select_kernels(const std::string& want) {
   if (name == "avx2") return kernels_avx2();
 #endif
   return kernels_scalar();
+}
+
+KernelSet select_int_kernels(const std::string& isa) {
+  const CpuCaps& c = cpu_caps();
+  (void)c;
+#ifdef TANDEM_HAVE_AMX_INT8
+  if (isa == "amx" && c.amx && c.vnni) return kernels_amx_int8();
+#endif
+#ifdef TANDEM_HAVE_VNNI
+  if ((isa == "amx" || isa == "avx512") && c.vnni) return kernels_vnni();
+#endif
+  (void)isa;
+  return KernelSet{nullptr, nullptr, nullptr, nullptr};
 }
 
 }  // namespace tandem_cpu

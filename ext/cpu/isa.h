@@ -12,6 +12,7 @@ struct CpuCaps {
   bool avx2 = false;    // AVX2 + FMA + F16C, OS saves YMM
   bool avx512 = false;  // F/BW/VL/VNNI/BF16, OS saves ZMM
   bool amx = false;     // AMX tile/bf16/int8 and XTILEDATA granted by the kernel
+  bool vnni = false;    // AVX512 F/BW/VL/VNNI, OS saves ZMM (the integer path)
 };
 
 const CpuCaps& cpu_caps();
@@ -19,5 +20,9 @@ const CpuCaps& cpu_caps();
 std::vector<std::string> supported_isas();
 // want: "" for the best available, or one of supported_isas(); otherwise invalid_argument.
 KernelSet select_kernels(const std::string& want);
+// The integer path (kernels.h: kQBlock) that goes with kernel set `isa` (a name from
+// supported_isas()): "amx-int8" with "amx", "vnni" with "avx512" (the CPU has VNNI), else none
+// (name null): the scalar and AVX2 sets keep widening int8/int4 weights to floats.
+KernelSet select_int_kernels(const std::string& isa);
 
 }  // namespace tandem_cpu

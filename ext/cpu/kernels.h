@@ -36,17 +36,34 @@ struct WeightView {
 //   prep(x, Kv, K, n, dst): x[t] holds Kv <= K floats; elements past Kv are taken as zero.
 //   gemm(w, R, K, xp, n, C, ldc, scratch): C[t * ldc + r] = sum_k W[r, k] * x_t[k]
 //     for r < R (a multiple of 32), t < n; scratch holds gemm_scratch_bytes(R, K) bytes.
+//   scratch_bytes(R, K): gemm's scratch; null: gemm_scratch_bytes.
 struct KernelSet {
   const char* name;
   size_t (*prep_bytes)(int K, int n);
   void (*prep)(const float* const* x, int Kv, int K, int n, void* dst);
   void (*gemm)(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
                uint8_t* scratch);
+  size_t (*scratch_bytes)(int R, int K) = nullptr;
 };
 
 static inline size_t gemm_scratch_bytes(int R, int K) {
   return (size_t)R * K * 2 + (size_t)K * 4 + 8192;
 }
+
+static inline size_t kernel_scratch_bytes(const KernelSet& ks, int R, int K) {
+  return ks.scratch_bytes ? ks.scratch_bytes(R, K) : gemm_scratch_bytes(R, K);
+}
+
+// The integer path for int8/int4 weights (kernels_vnni.cpp, kernels_amx_int8.cpp): the
+// quantized weights are multiplied as integers, never widened to floats. Activations are
+// quantized per token and per block of kQBlock elements: scale = absmax / 127 (fp32),
+// q = round-half-even(x / scale) in [-127, 127] (ext/cpu/reference.py: quantize_activations).
+// Products of one block are summed in int32, then scaled by the activation block's scale and
+// the weight's (int4 group / int8 row) scale in fp32. Its KernelSet only takes int8/int4
+// weights; the pool uses it for experts with at least int_min_tokens tokens.
+constexpr int kQBlock = 32;
+constexpr int kQSuper = 16 * kQBlock;  // VNNI: one int32 lane per block, 16 blocks a vector
+static inline int qsuper_pad(int K) { return (K + kQSuper - 1) / kQSuper * kQSuper; }
 
 static inline size_t row_bytes(int fmt, int K) {
   return fmt == FMT_BF16 ? (size_t)K * 2 : fmt == FMT_INT8 ? (size_t)K : (size_t)K / 2;
@@ -109,6 +126,19 @@ void avx512_gemm(const WeightView& w, int R, int K, const void* xp, int n, float
 #endif
 #ifdef TANDEM_HAVE_AMX
 KernelSet kernels_amx();
+#endif
+// Tokens per expert from which the integer path beats widening the weights (measured).
+constexpr int kVnniMinTokens = 2;
+#ifdef TANDEM_HAVE_VNNI
+KernelSet kernels_vnni();
+size_t vnni_prep_bytes(int K, int n);
+void vnni_prep(const float* const* x, int Kv, int K, int n, void* dst);
+void vnni_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
+               uint8_t* scratch);
+size_t vnni_scratch_bytes(int R, int K);
+#endif
+#ifdef TANDEM_HAVE_AMX_INT8
+KernelSet kernels_amx_int8();  // tdpbssd from kAmxMinTokens tokens, VNNI below
 #endif
 
 }  // namespace tandem_cpu

@@ -10,6 +10,12 @@ reads are mostly not in the last-level cache (a fixed routing would time the L3,
 
     python tools/bench_cpu_moe.py [--tokens 1 8 64 256] [--formats bf16 int8 int4]
         [--threads N] [--isa amx] [--floor-gbps 68] [--experts 128] [--json out.json]
+        [--int-path auto|off|N] [--phases]
+
+--int-path: int8/int4 experts with >= N tokens multiply the quantized weights as integers
+(VNNI / AMX int8; "auto": the pool's default, "off": never). --phases: per measurement, where
+a call's time went (ms per call: route on the caller, then per phase the wall time as worker 0
+sees it and the busy time summed over workers) and how many experts took the integer path.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--int-path", default="auto", help="auto | off | min tokens per expert")
+    p.add_argument("--phases", action="store_true", help="print the per-phase breakdown")
     return p.parse_args()
 
 
@@ -60,6 +68,32 @@ def time_call(fn, min_time: float, min_reps: int = 3) -> float:
         if len(times) >= 1000:
             break
     return statistics.median(times)
+
+
+PHASES = ("wake", "prep_x", "gate_up", "silu", "prep_act", "down", "reduce")
+
+
+def phase_row(stats: dict) -> dict[str, float]:
+    """ms per call: route, job, then wall/busy per phase; share of experts on the int path."""
+    calls = max(1, stats["calls"])
+    row = {"route_ms": stats["route_ns"] / calls / 1e6, "job_ms": stats["job_ns"] / calls / 1e6}
+    for ph in PHASES:
+        row[f"{ph}_wall_ms"] = stats["wall_ns"][ph] / calls / 1e6
+        row[f"{ph}_busy_ms"] = stats["busy_ns"][ph] / calls / 1e6
+    experts = stats["int_experts"] + stats["float_experts"]
+    row["int_fraction"] = stats["int_experts"] / experts if experts else 0.0
+    return row
+
+
+def print_phases(row: dict[str, float], threads: int) -> None:
+    parts = [f"route {row['route_ms']:.2f}"]
+    for ph in PHASES:
+        wall, busy = row[f"{ph}_wall_ms"], row[f"{ph}_busy_ms"]
+        parts.append(f"{ph} {wall:.2f}/{busy / threads:.2f}")
+    print(
+        f"{'':>13} phases ms (wall/busy per thread): {' '.join(parts)}; "
+        f"job {row['job_ms']:.2f}; int path {100 * row['int_fraction']:.0f}% of experts"
+    )
 
 
 def torch_moe(hidden, w13, w2, ids, weights) -> torch.Tensor:
@@ -114,7 +148,10 @@ def main() -> None:
         f"{'torch ms':>9} {'speedup':>8} {'rel err':>8}"
     )
     for fmt in args.formats:
-        with CpuExpertPool(num_threads=args.threads, isa=args.isa) as pool:
+        int_min = {"auto": None, "off": 0}.get(args.int_path)
+        if int_min is None and args.int_path != "auto":
+            int_min = int(args.int_path)
+        with CpuExpertPool(num_threads=args.threads, isa=args.isa, int_min_tokens=int_min) as pool:
             t0 = time.perf_counter()
             pool.add_layer(0, w13, w2, fmt, args.group_size)
             convert_s = time.perf_counter() - t0
@@ -122,16 +159,19 @@ def main() -> None:
             bytes_per_expert = info["bytes_per_format"][fmt] / E
             if fmt == args.formats[0]:
                 print(
-                    f"pool: isa={info['isa']} threads={info['num_threads']} "
+                    f"pool: isa={info['isa']} int path={info['int_isa'] or 'none'} "
+                    f"(from {info['int_min_tokens']} tokens/expert) threads={info['num_threads']} "
                     f"nodes={[n['node'] for n in info['numa_nodes']]}"
                 )
                 print(header)
             for T, hidden, routings in cases:
                 out = torch.empty_like(hidden)
+                pool.reset_phase_stats()
                 ms = 1e3 * time_call(
                     lambda i, h=hidden, r=routings, o=out: pool.forward(0, h, *r[i % len(r)], o),
                     args.min_time,
                 )
+                phases = phase_row(pool.phase_stats())
                 active = statistics.mean(int(ids.unique().numel()) for ids, _ in routings)
                 pool.forward(0, hidden, *routings[0], out)
                 gbps = active * bytes_per_expert / (ms * 1e-3) / 1e9
@@ -144,7 +184,10 @@ def main() -> None:
                     "floor_fraction": gbps / args.floor_gbps,
                     "convert_s": convert_s,
                     "isa": info["isa"],
+                    "int_isa": info["int_isa"],
+                    "int_min_tokens": info["int_min_tokens"],
                     "threads": info["num_threads"],
+                    "phases": phases,
                 }
                 tms = torch_ms.get(T)
                 if tms is not None:
@@ -160,6 +203,8 @@ def main() -> None:
                     f"{row.get('speedup', float('nan')):>7.2f}x "
                     f"{row.get('rel_err_vs_torch_bf16', float('nan')):>8.1e}"
                 )
+                if args.phases:
+                    print_phases(phases, info["num_threads"])
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -131,6 +131,35 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def("layer_bytes", [](const ExpertPool& p, int layer) { return p.layer(layer).weight_bytes(); })
       .def("layer_ids", &ExpertPool::layer_ids)
       .def_property_readonly("isa", &ExpertPool::isa)
+      .def_property_readonly("int_isa", &ExpertPool::int_isa)
+      .def_property("int_min_tokens", &ExpertPool::int_min_tokens,
+                    &ExpertPool::set_int_min_tokens)
+      .def("reset_phase_stats", &ExpertPool::reset_phase_stats,
+           py::call_guard<py::gil_scoped_release>())
+      .def("phase_stats",
+           [](const ExpertPool& p) {
+             static const char* names[tandem_cpu::kNumPhases] = {
+                 "wake", "prep_x", "gate_up", "silu", "prep_act", "down", "reduce"};
+             const auto s = p.phase_stats();
+             py::dict d, wall, busy;
+             for (int i = 0; i < tandem_cpu::kNumPhases; ++i) {
+               wall[names[i]] = s.wall_ns[i];
+               busy[names[i]] = s.busy_ns[i];
+             }
+             d["calls"] = s.calls;
+             d["tokens"] = s.tokens;
+             d["pairs"] = s.pairs;
+             d["active_experts"] = s.active_experts;
+             d["route_ns"] = s.route_ns;
+             d["job_ns"] = s.job_ns;
+             d["wall_ns"] = wall;
+             d["busy_ns"] = busy;
+             d["int_experts"] = s.int_experts;
+             d["float_experts"] = s.float_experts;
+             d["int_items"] = s.int_items;
+             d["float_items"] = s.float_items;
+             return d;
+           })
       .def_property_readonly("num_threads", [](const ExpertPool& p) { return p.workers().size(); })
       .def("busy_ns", [](const ExpertPool& p) { return p.workers().busy_ns(); })
       .def_property_readonly("nodes", [](const ExpertPool& p) {

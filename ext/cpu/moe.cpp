@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -18,6 +19,12 @@ namespace tandem_cpu {
 namespace {
 
 inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+inline int64_t mono_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 float f16_to_f32(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -278,7 +285,8 @@ size_t Layer::weight_bytes() const {
 }
 
 ExpertPool::ExpertPool(int num_threads, const std::string& isa, int split_nodes)
-    : kernels_(select_kernels(isa)) {
+    : kernels_(select_kernels(isa)), ikernels_(select_int_kernels(kernels_.name)) {
+  int_min_tokens_ = ikernels_.name ? kVnniMinTokens : 0;
   workers_ = std::make_unique<Workers>(num_threads, split_nodes);
   scratch_.resize(workers_->size());
   scratch_failed_.assign(workers_->size(), 0);
@@ -291,6 +299,45 @@ ExpertPool::~ExpertPool() {
   workers_->wait();
   std::lock_guard<std::mutex> lk(stream_mu_);
   for (StreamJob* job : stream_jobs_) job->pool = nullptr;  // a late host function: no-op
+}
+
+void ExpertPool::set_int_min_tokens(int n) {
+  if (n < 0) throw std::invalid_argument("int_min_tokens must be >= 0");
+  if (n > 0 && !ikernels_.name)
+    throw std::invalid_argument(std::string("no integer path for CPU ISA '") + kernels_.name +
+                                "' (needs avx512 with VNNI, or amx)");
+  workers_->wait();
+  int_min_tokens_ = n;
+}
+
+PhaseStats ExpertPool::phase_stats() const {
+  PhaseStats p;
+  p.calls = ph_calls_.load();
+  p.tokens = ph_tokens_.load();
+  p.pairs = ph_pairs_.load();
+  p.active_experts = ph_active_.load();
+  p.route_ns = ph_route_.load();
+  p.job_ns = ph_job_.load();
+  for (int i = 0; i < kNumPhases; ++i) {
+    p.wall_ns[i] = ph_wall_[i].load();
+    p.busy_ns[i] = ph_busy_[i].load();
+  }
+  p.int_experts = ph_int_experts_.load();
+  p.float_experts = ph_float_experts_.load();
+  p.int_items = ph_int_items_.load();
+  p.float_items = ph_float_items_.load();
+  return p;
+}
+
+void ExpertPool::reset_phase_stats() {
+  workers_->wait();
+  for (auto* c : {&ph_calls_, &ph_tokens_, &ph_pairs_, &ph_active_, &ph_route_, &ph_job_,
+                  &ph_int_experts_, &ph_float_experts_, &ph_int_items_, &ph_float_items_})
+    c->store(0);
+  for (int i = 0; i < kNumPhases; ++i) {
+    ph_wall_[i].store(0);
+    ph_busy_[i].store(0);
+  }
 }
 
 const Layer& ExpertPool::layer(int layer) const {
@@ -504,6 +551,7 @@ void ExpertPool::dequantize(int layer_idx, float* w13, float* w2,
 void ExpertPool::submit(int layer_idx, const float* hidden, const void* ids, bool ids_int64,
                         const float* weights, float* out, int T, int k) {
   workers_->wait();
+  const int64_t t_start = mono_ns();
   auto it = layers_.find(layer_idx);
   if (it == layers_.end()) throw std::invalid_argument("no layer " + std::to_string(layer_idx));
   Layer* L = it->second.get();
@@ -547,8 +595,13 @@ void ExpertPool::submit(int layer_idx, const float* hidden, const void* ids, boo
     pair_token_[p] = s / k;
     pair_slot_[p] = s;
   }
-  // Per-node buffers (grown, never shrunk).
+  // Path per expert: the integer path for int8/int4 experts with enough tokens.
   const int na = (int)active_.size();
+  use_int_.assign(na, 0);
+  int n_int = 0;
+  if (L->fmt != FMT_BF16 && int_min_tokens_ > 0)
+    for (int a = 0; a < na; ++a) n_int += use_int_[a] = count_[a] >= int_min_tokens_;
+  // Per-node buffers (grown, never shrunk).
   for (size_t n = 0; n < node_state_.size(); ++n) {
     NodeState& ns = *node_state_[n];
     const Shard& sh = L->shards[n];
@@ -557,8 +610,9 @@ void ExpertPool::submit(int layer_idx, const float* hidden, const void* ids, boo
     ns.a_off.resize(na + 1);
     ns.x_off[0] = ns.a_off[0] = 0;
     for (int a = 0; a < na; ++a) {
-      ns.x_off[a + 1] = ns.x_off[a] + round_up(kernels_.prep_bytes(L->Hp, count_[a]), 64);
-      ns.a_off[a + 1] = ns.a_off[a] + round_up(kernels_.prep_bytes(sh.Is, count_[a]), 64);
+      const KernelSet& ks = kernels_for(a);
+      ns.x_off[a + 1] = ns.x_off[a] + round_up(ks.prep_bytes(L->Hp, count_[a]), 64);
+      ns.a_off[a + 1] = ns.a_off[a] + round_up(ks.prep_bytes(sh.Is, count_[a]), 64);
     }
     if (sh.Is == 0) continue;
     if (ns.xprep.size() < ns.x_off[na]) ns.xprep.resize(ns.x_off[na]);
@@ -574,6 +628,18 @@ void ExpertPool::submit(int layer_idx, const float* hidden, const void* ids, boo
   k_ = k;
   reduce_ = 0;
   global_barrier_ = 0;
+  workers_done_ = 0;
+  size_t nodes_used = 0;
+  for (const Shard& sh : L->shards) nodes_used += sh.Is > 0;
+  ph_calls_.fetch_add(1, std::memory_order_relaxed);
+  ph_tokens_.fetch_add(T, std::memory_order_relaxed);
+  ph_pairs_.fetch_add(pairs, std::memory_order_relaxed);
+  ph_active_.fetch_add(na, std::memory_order_relaxed);
+  ph_int_experts_.fetch_add(n_int * nodes_used, std::memory_order_relaxed);
+  ph_float_experts_.fetch_add((na - n_int) * nodes_used, std::memory_order_relaxed);
+  t_start_ns_ = t_start;
+  t_wake_ns_ = mono_ns();
+  ph_route_.fetch_add(t_wake_ns_ - t_start, std::memory_order_relaxed);
   workers_->start([this](int w) { run_step(w); });
 }
 
@@ -595,6 +661,22 @@ uint8_t* ExpertPool::scratch_for(int worker, size_t bytes) {
 }
 
 void ExpertPool::run_step(int worker) {
+  int64_t t_mark = mono_ns();  // end of the last phase, for wall (worker 0) and busy times
+  const bool timer = worker == 0;
+  if (timer) ph_wall_[PH_WAKE].fetch_add(t_mark - t_wake_ns_, std::memory_order_relaxed);
+  // busy(p) after a phase's work: the time since t_mark (its start) into its busy time.
+  // wall(p) after its barrier: worker 0 adds the time since the previous barrier; t_mark = now.
+  auto busy = [&](int phase) {
+    const int64_t now = mono_ns();
+    ph_busy_[phase].fetch_add(now - t_mark, std::memory_order_relaxed);
+    return now;
+  };
+  int64_t t_phase = t_mark;
+  auto wall = [&](int phase) {
+    t_mark = mono_ns();
+    if (timer) ph_wall_[phase].fetch_add(t_mark - t_phase, std::memory_order_relaxed);
+    t_phase = t_mark;
+  };
   const int ni = workers_->node_of(worker);
   NodeState& ns = *node_state_[ni];
   const int nt = workers_->nodes()[ni].num_threads;
@@ -602,7 +684,10 @@ void ExpertPool::run_step(int worker) {
   const Shard& sh = L.shards[ni];
   const int na = (int)active_.size(), H = L.H, Hp = L.Hp, Is = sh.Is, fmt = L.fmt;
   const size_t ctile = round_up((size_t)max_count_ * kRowBlock * sizeof(float), 64);
-  uint8_t* scratch = scratch_for(worker, ctile + gemm_scratch_bytes(kRowBlock, std::max(Hp, Is)) + 64);
+  const int Kmax = std::max(Hp, Is);
+  size_t kbytes = kernel_scratch_bytes(kernels_, kRowBlock, Kmax);
+  if (ikernels_.name) kbytes = std::max(kbytes, kernel_scratch_bytes(ikernels_, kRowBlock, Kmax));
+  uint8_t* scratch = scratch_for(worker, ctile + kbytes + 64);
   if (!scratch) failed_.store(true);
   float* C = (float*)scratch;  // [tokens][kRowBlock]
   uint8_t* kscratch = scratch + ctile;
@@ -613,36 +698,50 @@ void ExpertPool::run_step(int worker) {
       if (!scratch) continue;
       rows.resize(count_[a]);
       for (int p = 0; p < count_[a]; ++p) rows[p] = hidden_ + (size_t)pair_token_[first_[a] + p] * H;
-      kernels_.prep(rows.data(), H, Hp, count_[a], ns.xprep.data() + ns.x_off[a]);
+      kernels_for(a).prep(rows.data(), H, Hp, count_[a], ns.xprep.data() + ns.x_off[a]);
     }
+    busy(PH_PREP_X);
     ns.barrier.fetch_add(1);
     spin_until(ns.barrier, nt);
+    wall(PH_PREP_X);
     // Phase 1: gate and up rows, 32 + 32 per item, then SiLU(gate) * up.
     const size_t rb13 = row_bytes(fmt, Hp);
     const int spr13 = scales_per_row(fmt, Hp, L.group), nb1 = Is / 32;
+    int64_t silu_ns = 0;
+    uint64_t int_items = 0, items = 0;
     for (int i; (i = ns.gate_up.fetch_add(1)) < na * nb1;) {
       if (!scratch) continue;
       const int a = i / nb1, b = i % nb1, e = active_[a], n = count_[a];
       const WeightView w{fmt, sh.w13 + e * sh.w13_expert + (size_t)b * 64 * rb13, rb13,
                          sh.s13 + e * sh.s13_expert + (size_t)b * 64 * spr13, L.group};
-      kernels_.gemm(w, kRowBlock, Hp, ns.xprep.data() + ns.x_off[a], n, C, kRowBlock, kscratch);
+      kernels_for(a).gemm(w, kRowBlock, Hp, ns.xprep.data() + ns.x_off[a], n, C, kRowBlock,
+                          kscratch);
+      ++items;
+      int_items += use_int_[a];
+      const int64_t t_silu = mono_ns();
       for (int p = 0; p < n; ++p) {
         const float* c = C + (size_t)p * kRowBlock;
         float* dst = ns.act.data() + (size_t)(first_[a] + p) * Is + b * 32;
         for (int j = 0; j < 32; ++j) dst[j] = c[j] / (1.f + std::exp(-c[j])) * c[32 + j];
       }
+      silu_ns += mono_ns() - t_silu;
     }
+    ph_busy_[PH_GATE_UP].fetch_add(mono_ns() - t_mark - silu_ns, std::memory_order_relaxed);
+    ph_busy_[PH_SILU].fetch_add(silu_ns, std::memory_order_relaxed);
     ns.barrier.fetch_add(1);
     spin_until(ns.barrier, 2 * nt);
+    wall(PH_GATE_UP);
     // Phase 1b: the intermediate activations in the kernel's layout.
     for (int a; (a = ns.prep_a.fetch_add(1)) < na;) {
       if (!scratch) continue;
       rows.resize(count_[a]);
       for (int p = 0; p < count_[a]; ++p) rows[p] = ns.act.data() + (size_t)(first_[a] + p) * Is;
-      kernels_.prep(rows.data(), Is, Is, count_[a], ns.aprep.data() + ns.a_off[a]);
+      kernels_for(a).prep(rows.data(), Is, Is, count_[a], ns.aprep.data() + ns.a_off[a]);
     }
+    busy(PH_PREP_ACT);
     ns.barrier.fetch_add(1);
     spin_until(ns.barrier, 3 * nt);
+    wall(PH_PREP_ACT);
     // Phase 2: down projection, 64 output rows per item, into per-(token, slot) rows.
     const size_t rb2 = row_bytes(fmt, Is);
     const int spr2 = scales_per_row(fmt, Is, L.group), nb2 = Hp / kRowBlock;
@@ -651,14 +750,21 @@ void ExpertPool::run_step(int worker) {
       const int a = i / nb2, hb = i % nb2, e = active_[a], n = count_[a];
       const WeightView w{fmt, sh.w2 + e * sh.w2_expert + (size_t)hb * kRowBlock * rb2, rb2,
                          sh.s2 + e * sh.s2_expert + (size_t)hb * kRowBlock * spr2, L.group};
-      kernels_.gemm(w, kRowBlock, Is, ns.aprep.data() + ns.a_off[a], n, C, kRowBlock, kscratch);
+      kernels_for(a).gemm(w, kRowBlock, Is, ns.aprep.data() + ns.a_off[a], n, C, kRowBlock,
+                          kscratch);
+      ++items;
+      int_items += use_int_[a];
       for (int p = 0; p < n; ++p)
         std::memcpy(ns.y.data() + (size_t)pair_slot_[first_[a] + p] * Hp + hb * kRowBlock,
                     C + (size_t)p * kRowBlock, sizeof(float) * kRowBlock);
     }
+    ph_int_items_.fetch_add(int_items, std::memory_order_relaxed);
+    ph_float_items_.fetch_add(items - int_items, std::memory_order_relaxed);
+    busy(PH_DOWN);
   }
   global_barrier_.fetch_add(1);
   spin_until(global_barrier_, workers_->size());
+  wall(PH_DOWN);
   // Phase 3: out[t] = sum over nodes and slots of weight * expert output.
   const int k = k_;
   for (int t; (t = reduce_.fetch_add(1)) < T_;) {
@@ -682,6 +788,11 @@ void ExpertPool::run_step(int worker) {
     }
     if (first) std::memset(o, 0, sizeof(float) * H);
   }
+  const int64_t t_end = busy(PH_REDUCE);
+  if (timer) ph_wall_[PH_REDUCE].fetch_add(t_end - t_phase, std::memory_order_relaxed);
+  // The last worker out closes the call: start of submit -> now.
+  if (workers_done_.fetch_add(1) + 1 == (int)workers_->size())
+    ph_job_.fetch_add(mono_ns() - t_start_ns_, std::memory_order_relaxed);
 }
 
 }  // namespace tandem_cpu

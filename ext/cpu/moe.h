@@ -52,6 +52,31 @@ struct StreamStats {
   uint64_t d2h_bytes = 0, h2d_bytes = 0;
 };
 
+// Where submit's time goes, summed over calls since the last reset. Always on: a few clock reads
+// per worker and phase. Phases in run order. wall: worker 0's view, from the end of the previous
+// phase (its barrier) to the end of this one, so waiting for the slowest worker counts here;
+// PH_WAKE is submit's start_job -> worker 0 running. busy: summed over workers, work only (no
+// barrier); PH_SILU is SiLU(gate) * up inside PH_GATE_UP (its wall stays 0).
+enum Phase : int {
+  PH_WAKE = 0,
+  PH_PREP_X,    // hidden rows -> each kernel's activation layout
+  PH_GATE_UP,   // gate and up projections (+ SiLU * up)
+  PH_SILU,
+  PH_PREP_ACT,  // intermediate activations -> kernel layout
+  PH_DOWN,      // down projection
+  PH_REDUCE,    // weighted sum over slots (and nodes)
+  kNumPhases
+};
+
+struct PhaseStats {
+  uint64_t calls = 0, tokens = 0, pairs = 0, active_experts = 0;
+  uint64_t route_ns = 0;  // submit on the caller: check ids, group pairs by expert, size buffers
+  uint64_t job_ns = 0;    // submit's start -> the last worker done
+  uint64_t wall_ns[kNumPhases] = {}, busy_ns[kNumPhases] = {};
+  // Per path: (expert, node) pairs of each call, and gemm work items (both projections).
+  uint64_t int_experts = 0, float_experts = 0, int_items = 0, float_items = 0;
+};
+
 struct Shard {  // one node's slice [i0, i0 + Is) of every expert's intermediate dimension
   int i0 = 0, Is = 0, Iv = 0;  // Is padded to kKAlign; Iv = real (unpadded) columns
   uint8_t* w13 = nullptr;      // [E][Is/32 blocks][32 gate rows + 32 up rows][row_bytes(Hp)]
@@ -134,6 +159,14 @@ class ExpertPool {
   int spin_us() const { return workers_->spin_us(); }
 
   std::string isa() const { return kernels_.name; }
+  // The integer path (kernels.h: kQBlock) for int8/int4 layers: "vnni", "amx-int8" or "" (none).
+  std::string int_isa() const { return ikernels_.name ? ikernels_.name : ""; }
+  // Experts of an int8/int4 layer with at least this many tokens in a call take the integer
+  // path; 0: never. Default kVnniMinTokens where the CPU has the path, else 0. Between calls.
+  void set_int_min_tokens(int n);
+  int int_min_tokens() const { return int_min_tokens_; }
+  PhaseStats phase_stats() const;
+  void reset_phase_stats();
   const Workers& workers() const { return *workers_; }
   bool has_layer(int layer) const { return layers_.count(layer) > 0; }
   const Layer& layer(int layer) const;
@@ -171,6 +204,16 @@ class ExpertPool {
   std::vector<int> count_, first_;  // per active expert: routed pairs, offset into pair lists
   std::vector<int> pair_token_, pair_slot_;  // grouped by expert
   std::vector<int> expert_slot_;  // scratch: active index of each expert
+  std::vector<char> use_int_;     // per active expert: the integer path
+  KernelSet ikernels_{};          // the integer path; name null: none
+  int int_min_tokens_ = 0;
+  const KernelSet& kernels_for(int a) const { return use_int_[a] ? ikernels_ : kernels_; }
+  int64_t t_start_ns_ = 0;        // submit's start (job_ns)
+  std::atomic<int> workers_done_{0};
+  std::atomic<uint64_t> ph_calls_{0}, ph_tokens_{0}, ph_pairs_{0}, ph_active_{0}, ph_route_{0},
+      ph_job_{0}, ph_int_experts_{0}, ph_float_experts_{0}, ph_int_items_{0}, ph_float_items_{0};
+  std::atomic<uint64_t> ph_wall_[kNumPhases] = {}, ph_busy_[kNumPhases] = {};
+  int64_t t_wake_ns_ = 0;         // submit's start_job (PH_WAKE)
   int max_count_ = 0;
   std::vector<std::unique_ptr<NodeState>> node_state_;
   std::atomic<int> reduce_{0}, global_barrier_{0};

@@ -16,6 +16,9 @@ import torch
 from .build import load_extension
 
 ISA_ENV = "TANDEM_CPU_ISA"
+# The integer path for int8/int4 experts (ext/cpu/kernels.h: kQBlock): "off", "auto" (default)
+# or the minimum tokens per expert from which it is used.
+INT_PATH_ENV = "TANDEM_CPU_INT_PATH"
 ISAS = ("scalar", "avx2", "avx512", "amx")
 _FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
 _FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
@@ -25,6 +28,22 @@ _SRC_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def supported_isas() -> list[str]:
     """ISAs this CPU and build can run, slowest first ("scalar" always)."""
     return list(load_extension().supported_isas())
+
+
+def _int_min_tokens_from_env() -> int | None:
+    """TANDEM_CPU_INT_PATH as a minimum token count: None for unset/"auto", 0 for "off"."""
+    raw = os.environ.get(INT_PATH_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("off", "0", "no", "false"):
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise ValueError(f"{INT_PATH_ENV} must be 'auto', 'off' or a positive int, got {raw!r}")
+    return value
 
 
 def cuda_host_funcs_error() -> str | None:
@@ -128,8 +147,13 @@ class CpuExpertPool:
         *,
         split_nodes: int = 0,
         spin_us: int | None = None,
+        int_min_tokens: int | None = None,
     ) -> None:
         """`split_nodes` > 0 (tests): pretend the allowed cpus form that many NUMA nodes.
+        `int_min_tokens`: int8/int4 experts with at least this many tokens in a call multiply
+        the quantized weights as integers (`int_isa`: "vnni" on AVX-512 VNNI, "amx-int8" on
+        AMX; activations quantized to int8 per 32-element block); 0: never; None: $TANDEM_CPU_INT_PATH,
+        else the C++ default where the CPU has the path.
         `spin_us`: how long idle workers (and a waiting caller) spin before they sleep (None:
         the C++ default, 200; 0: sleep at once). A forward's layers come tens of microseconds
         apart, so spinning keeps the workers hot from one layer's job to the next."""
@@ -144,6 +168,10 @@ class CpuExpertPool:
         self._pool = ext.ExpertPool(num_threads or 0, isa or "", int(split_nodes))
         if spin_us is not None:
             self.spin_us = spin_us
+        if int_min_tokens is None:
+            int_min_tokens = _int_min_tokens_from_env()
+        if int_min_tokens is not None:
+            self.int_min_tokens = int_min_tokens
         self._layers: dict[int, tuple[int, int, int, str, int]] = {}  # E, I, H, fmt, group
         self._inflight: tuple[torch.Tensor, ...] | None = None
         self._stream_tensors: list[tuple[torch.Tensor | None, ...]] = []  # of stream jobs
@@ -483,6 +511,35 @@ class CpuExpertPool:
             raise ValueError(f"spin_us must be a non-negative int, got {value!r}")
         self._live().spin_us = value
 
+    @property
+    def int_isa(self) -> str:
+        """The integer path of this pool ("vnni", "amx-int8"), or "" where the ISA has none."""
+        return self._live().int_isa
+
+    @property
+    def int_min_tokens(self) -> int:
+        return self._live().int_min_tokens
+
+    @int_min_tokens.setter
+    def int_min_tokens(self, value: int) -> None:
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"int_min_tokens must be a non-negative int, got {value!r}")
+        if value > 0 and not self.int_isa:
+            raise ValueError(f"no integer path for CPU ISA {self._live().isa!r}")
+        self._live().int_min_tokens = value
+
+    def phase_stats(self) -> dict[str, Any]:
+        """Where the calls' time went since the last `reset_phase_stats` (ns, summed over
+        calls): route_ns (submit on the caller), job_ns (submit to last worker done), wall_ns
+        per phase (worker 0's view, barriers included) and busy_ns per phase (summed over
+        workers); phases: wake, prep_x, gate_up, silu (busy only, inside gate_up), prep_act,
+        down, reduce. int_experts / float_experts and int_items / float_items count which path
+        the experts and gemm work items took."""
+        return dict(self._live().phase_stats())
+
+    def reset_phase_stats(self) -> None:
+        self._live().reset_phase_stats()
+
     # -- lifecycle and introspection -------------------------------------------------------
 
     def busy_seconds(self) -> list[float]:
@@ -497,6 +554,8 @@ class CpuExpertPool:
             bytes_per_format[fmt] = bytes_per_format.get(fmt, 0) + pool.layer_bytes(idx)
         return {
             "isa": pool.isa,
+            "int_isa": pool.int_isa,
+            "int_min_tokens": pool.int_min_tokens,
             "supported_isas": supported_isas(),
             "num_threads": pool.num_threads,
             "numa_nodes": pool.nodes,

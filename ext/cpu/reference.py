@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 FORMATS = ("bf16", "int8", "int4")
+QBLOCK = 32  # activation elements per scale on the integer path (ext/cpu/kernels.h: kQBlock)
 
 
 def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
@@ -39,14 +40,33 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
 
 
+def quantize_activations(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
+    """Activations as the pool's integer path sees them, dequantized to float32 (same shape).
+
+    Per row (last dimension, zero-padded to a whole block) and block of `block` elements:
+    scale = absmax / 127 in float32, q = round-half-even(x / scale) in [-127, 127]; an all-zero
+    block is zero. The error per element is at most scale / 2 = absmax / 254.
+    """
+    x = x.float()
+    k = x.shape[-1]
+    xb = F.pad(x, (0, (-k) % block)).reshape(*x.shape[:-1], -1, block)
+    scale = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(xb / scale), torch.zeros_like(xb)).clamp(-127, 127)
+    return (q * scale).reshape(*x.shape[:-1], -1)[..., :k]
+
+
 def moe_reference(
     hidden: torch.Tensor,  # [T, H] float32
     w13: torch.Tensor,  # [E, 2I, H] gate rows then up rows
     w2: torch.Tensor,  # [E, H, I]
     topk_ids: torch.Tensor,  # [T, k] int; -1 skips the slot
     topk_weights: torch.Tensor,  # [T, k] float32
+    quantize_acts: bool = False,
 ) -> torch.Tensor:
-    """out[t] = sum_j weight[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert ids[t, j], fp32."""
+    """out[t] = sum_j weight[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert ids[t, j], fp32.
+    quantize_acts: both projections' inputs go through quantize_activations first (what the
+    integer path computes, up to the order of float sums)."""
+    q = quantize_activations if quantize_acts else (lambda t: t)
     hidden = hidden.float()
     out = torch.zeros_like(hidden)
     inter = w13.shape[1] // 2
@@ -55,8 +75,8 @@ def moe_reference(
         if e < 0:
             continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        gu = hidden[tok] @ w13[e].float().t()
+        gu = q(hidden[tok]) @ w13[e].float().t()
         act = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = act @ w2[e].float().t()
+        y = q(act) @ w2[e].float().t()
         out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
     return out

@@ -1,6 +1,7 @@
 #include "stream.h"
 
 #include <dlfcn.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -210,6 +211,16 @@ void ExpertPool::kick() noexcept {
 // one (or kick) it naps poll_nap_us between looks, so an idle server costs no core.
 void ExpertPool::poll_loop() noexcept {
   constexpr int kNapUs = 50;
+  // On a core of its own where the workers left one (the highest spare cpu; the lowest stays
+  // for the caller's event loop): a spinning worker or the engine thread sharing its core
+  // would delay every layer's start.
+  const std::vector<int>& spare = workers_->spare_cpus();
+  if (!spare.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(spare.back(), &set);
+    sched_setaffinity(0, sizeof(set), &set);  // best effort
+  }
   int next = 0;
   int64_t last_active = now_ns();
   unsigned spins = 0;

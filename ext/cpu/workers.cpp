@@ -141,6 +141,12 @@ Workers::Workers(int num_threads, int split_nodes) {
     }
     nodes_.push_back(node);
   }
+  std::set<int> used;
+  for (const auto& p : placement) used.insert(p.second);
+  for (const auto& n : all)
+    for (int c : n.cpus)
+      if (!used.count(c)) spare_cpus_.push_back(c);
+  std::sort(spare_cpus_.begin(), spare_cpus_.end());
   busy_ns_.reset(new std::atomic<uint64_t>[placement.size()]);
   for (size_t i = 0; i < placement.size(); ++i) busy_ns_[i].store(0);
   for (const auto& p : placement) threads_.emplace_back([this, p] { loop(p.first, p.second); });
@@ -208,19 +214,21 @@ void Workers::loop(int worker, int cpu) {
   sched_setaffinity(0, sizeof(set), &set);  // best effort
   uint64_t seen = 0;
   for (;;) {
-    // Spin (a forward submits layer after layer), then sleep.
-    spin_for(spin_us(), [&] {
+    // Spin (a forward submits layer after layer), then sleep. A job seen while spinning is
+    // taken without the mutex: start() wrote job_ before it published the generation
+    // (release), and job_ does not change until every worker has finished this job.
+    const bool woke = spin_for(spin_us(), [&] {
       return generation_.load(std::memory_order_acquire) != seen ||
              stop_.load(std::memory_order_relaxed);
     });
-    std::function<void(int)>* job;
-    {
+    if (!woke) {
       std::unique_lock<std::mutex> lk(mu_);
       work_cv_.wait(lk, [&] { return generation_.load() != seen || stop_.load(); });
-      if (generation_.load() == seen) return;  // stopping
-      seen = generation_.load();
-      job = &job_;
     }
+    const uint64_t gen = generation_.load(std::memory_order_acquire);
+    if (gen == seen) return;  // stopping
+    seen = gen;
+    std::function<void(int)>* job = &job_;
     const auto t0 = std::chrono::steady_clock::now();
     (*job)(worker);
     busy_ns_[worker].fetch_add(

@@ -1,7 +1,8 @@
 // Worker threads grouped by NUMA node and pinned to that node's cores. Runs one job at a time:
 // every worker calls job(worker_id) once; the job splits its own work (atomic counters).
 // After a job each worker spins (pause) for spin_us before it sleeps, so the next job of a
-// forward (the next layer, tens of microseconds later) needs no wake-up; wait() spins as long
+// forward (the next layer, tens of microseconds later) needs no wake-up (nor any lock: a worker
+// that sees the new job while spinning takes it without the mutex); wait() spins as long
 // before it sleeps too. Knows nothing about experts.
 #pragma once
 
@@ -47,12 +48,15 @@ class Workers {
   int node_of(int worker) const { return worker_node_[worker]; }
   // Nanoseconds each worker has spent inside jobs since it started (for utilisation metrics).
   std::vector<uint64_t> busy_ns() const;
+  // Allowed cpus no worker is pinned to (ascending).
+  const std::vector<int>& spare_cpus() const { return spare_cpus_; }
 
  private:
   void loop(int worker, int cpu);
 
   std::vector<NodeInfo> nodes_;
   std::vector<int> worker_node_;
+  std::vector<int> spare_cpus_;
   std::vector<std::thread> threads_;
   std::function<void(int)> job_;
   std::mutex mu_;

@@ -91,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how the stream starts and awaits the pool (default: the backend's, flags where "
         "the driver has stream memory operations); several: one run each, same process",
     )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the figures, N batch-1 decode steps under torch.profiler: device time per "
+        "kernel/copy per step against the step's wall time (what the GPU side costs)",
+    )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -350,6 +358,35 @@ def measure(runner: Runner, a: argparse.Namespace, prefill: bool = True) -> dict
     return out
 
 
+def profile_decode(runner: Runner, a: argparse.Namespace, name: str) -> None:
+    """--profile N: N batch-1 decode steps (graphs as measured) under torch.profiler; prints
+    the device time per step of each kernel / copy name (top 15) and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.reset()
+    runner.step([(0, a.prompt)])
+    for _ in range(3):
+        runner.step([(0, 1)])
+    _sync(a.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(a.profile):
+            runner.step([(0, 1)])
+        _sync(a.device)
+        wall = (time.perf_counter() - t0) / a.profile
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+        if dev_us > 0:
+            rows.append((dev_us / a.profile, ev.count / a.profile, ev.key))
+    rows.sort(reverse=True)
+    busy = sum(r[0] for r in rows)
+    print(f"# profile {name}: {a.profile} batch-1 decode steps, wall {wall * 1e3:.2f} ms/step, "
+          f"device busy {busy / 1e3:.2f} ms/step (kernels and copies)", flush=True)  # fmt: skip
+    for us, count, key in rows[:15]:
+        print(f"#   {us:9.1f} us/step  {count:6.1f}x  {key[:90]}", flush=True)
+
+
 def floors(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> dict[str, float]:
     per_elt = {"bf16": 2.0, "int8": 1.0 + 4 / cfg.hidden_size, "int4": 0.5 + 4 / 64}[fmt]
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_elt
@@ -395,6 +432,8 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
     load_s = time.perf_counter() - t0
     runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
     results = measure_modes(runner, a, f"hybrid_{fmt}" + (f"_{sync}" if sync else ""))
+    if a.profile:
+        profile_decode(runner, a, f"hybrid_{fmt}")
     s = backend.stats()
     info = backend.pool.info()
     for res in results.values():

@@ -305,6 +305,21 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _pool(runner: Runner):
+    backend = getattr(runner.model, "expert_backend", None)
+    return getattr(backend, "_pool", None)
+
+
+def _phases_per_call(ph: dict) -> dict[str, float]:
+    """The pool's phase counters as microseconds per call: route (caller), job (submit to
+    last worker done), and per phase worker 0's wall time (barrier waits included)."""
+    calls = max(int(ph.get("calls", 0)) or 1, 1)
+    out = {"calls": calls, "route": ph["route_ns"] / calls / 1e3, "job": ph["job_ns"] / calls / 1e3}
+    for name, ns in ph["wall_ns"].items():
+        out[f"wall_{name}"] = ns / calls / 1e3
+    return {k: round(v, 1) for k, v in out.items()}
+
+
 def _pool_seconds(runner: Runner) -> float:
     backend = getattr(runner.model, "expert_backend", None)
     return backend.stats().pool_seconds if hasattr(backend, "stats") else 0.0
@@ -320,12 +335,17 @@ def measure(runner: Runner, a: argparse.Namespace, prefill: bool = True) -> dict
     runner.step([(0, a.prompt)])
     runner.step([(0, 1)])
     _sync(dev)
+    pool = _pool(runner)
+    if pool is not None:
+        pool.reset_phase_stats()
     t0, p0 = time.perf_counter(), _pool_seconds(runner)
     for _ in range(a.decode_steps):
         runner.step([(0, 1)])
     _sync(dev)
     out["decode_b1_tok_s"] = a.decode_steps / (time.perf_counter() - t0)
     out["decode_b1_pool_tok_s"] = a.decode_steps / max(_pool_seconds(runner) - p0, 1e-9)
+    if pool is not None:
+        out["decode_b1_phases_us"] = _phases_per_call(pool.phase_stats())
     # Batch B: B prompts in one step, a warm-up step, then timed steps of B tokens.
     runner.reset()
     runner.step([(s, a.prompt) for s in range(a.batch)])

@@ -286,7 +286,9 @@ size_t Layer::weight_bytes() const {
 
 ExpertPool::ExpertPool(int num_threads, const std::string& isa, int split_nodes)
     : kernels_(select_kernels(isa)), ikernels_(select_int_kernels(kernels_.name)) {
-  int_min_tokens_ = ikernels_.name ? kVnniMinTokens : 0;
+  int_min_tokens_ = !ikernels_.name                              ? 0
+                   : std::string(ikernels_.name) == "amx-int8" ? kAmxIntMinTokens
+                                                                : kVnniMinTokens;
   workers_ = std::make_unique<Workers>(num_threads, split_nodes);
   scratch_.resize(workers_->size());
   scratch_failed_.assign(workers_->size(), 0);

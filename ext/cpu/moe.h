@@ -162,7 +162,8 @@ class ExpertPool {
   // The integer path (kernels.h: kQBlock) for int8/int4 layers: "vnni", "amx-int8" or "" (none).
   std::string int_isa() const { return ikernels_.name ? ikernels_.name : ""; }
   // Experts of an int8/int4 layer with at least this many tokens in a call take the integer
-  // path; 0: never. Default kVnniMinTokens where the CPU has the path, else 0. Between calls.
+  // path; 0: never. Default kAmxIntMinTokens (AMX) or kVnniMinTokens (VNNI) where the CPU has
+  // the path, else 0. Between calls.
   void set_int_min_tokens(int n);
   int int_min_tokens() const { return int_min_tokens_; }
   PhaseStats phase_stats() const;

@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("bf16", "int8", "int4", "auto")  # auto: from the GGUF type (bf16 otherwise)
 SYNC_ENV = "TANDEM_POOL_SYNC"
+# The router + the pool's input staging in one CUDA kernel (route_and_start); 0: torch router
+FUSED_MOE_STAGE = os.environ.get("TANDEM_FUSED_MOE_STAGE", "1") != "0"
 SYNC_MODES = ("flags", "host_func")
 
 
@@ -191,6 +193,7 @@ class _Pending:
     job: StreamJob | None = None
     stream: int = 0
     extra: torch.Tensor | None = None  # [T, H] f32: the GPU-resident experts' part
+    fused: bool = False  # started by route_and_start: finish gathers with one kernel
 
 
 # Up to this many tokens the GPU-resident experts run densely (every local expert on every
@@ -608,8 +611,13 @@ class CpuPoolExpertBackend:
         else:
             out = self._forward_cuda(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
             pending = _Pending(hidden, out=out)
+        self._note_routed(layer_idx, T)
+        return pending
+
+    def _note_routed(self, layer_idx: int, tokens: int) -> None:
+        """Counts routed tokens (on the first MoE layer) and rebalances once when due."""
         if layer_idx == min(self._counts):
-            self._routed_tokens += T
+            self._routed_tokens += tokens
             if (
                 self._placements
                 and not self._rebalanced
@@ -618,7 +626,54 @@ class CpuPoolExpertBackend:
             ):
                 self._rebalanced = True
                 self.rebalance()
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def route_and_start(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,  # [T, H] model dtype, cuda
+        logits: torch.Tensor,  # [T, E] the router's logits, same dtype
+        top_k: int,
+        renormalize: bool,
+    ) -> _Pending | None:
+        """The router and `start` in one kernel on CUDA (ext/cuda/moe_stage.py): softmax,
+        top-k, routing counts and the pool's inputs written straight into the pinned staging
+        buffers. None where it does not apply (CPU, the host-wait path, shapes the kernel does
+        not take, TANDEM_FUSED_MOE_STAGE=0): the caller routes in torch and calls `start`."""
+        if not (FUSED_MOE_STAGE and hidden.is_cuda and self.stream_ordered):
+            return None
+        from ext.cuda import moe_stage
+
+        if not moe_stage.supported(hidden, logits, top_k):
+            return None
+        counts = self._counts.get(layer_idx)
+        if counts is None:
+            raise RuntimeError(f"cpu_pool: layer {layer_idx} was not attached (load_model does it)")
+        T, H = hidden.shape
+        place = self._placements.get(layer_idx)
+        st = self._staging_for(T, H, top_k, hidden.device)
+        job = st.job(self.pool, layer_idx)
+        stream = torch.cuda.current_stream(hidden.device).cuda_stream
+        topk_ids, topk_weights = moe_stage.route_stage(
+            hidden, logits, top_k, renormalize, st.x, st.ids, st.w,
+            local=place.local if place is not None else None, counts=counts,
+        )  # fmt: skip
+        self._enqueue_start(st, job, stream, T)
+        extra = None
+        if place is not None:  # the GPU-resident experts run while the pool computes
+            extra = _local_experts(hidden, place.local[topk_ids], topk_weights, place.w13, place.w2)
+        pending = _Pending(hidden, staging=st, job=job, stream=stream, extra=extra, fused=True)
+        self._note_routed(layer_idx, T)
         return pending
+
+    def _enqueue_start(self, st: _StreamStaging, job: StreamJob, stream: int, rows: int) -> None:
+        if st.flags:
+            self.pool.kick()  # the poller: spin, layers are coming (eager steps, captures)
+            self.pool.enqueue_go(stream, job, rows)
+        else:
+            st.rows.copy_(st.rows_d[rows : rows + 1], non_blocking=True)
+            self.pool.enqueue_submit(stream, job)
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -634,6 +689,10 @@ class CpuPoolExpertBackend:
             self.pool.enqueue_done_wait(pending.stream, job)
         else:
             self.pool.enqueue_wait(pending.stream, job)
+        if pending.fused:
+            from ext.cuda import moe_stage
+
+            return moe_stage.gather(st.out[:T], pending.extra, hidden.dtype, st.out_d)
         out = st.out_d[:T]
         out.copy_(st.out[:T], non_blocking=True)  # [T, H] f32 cuda, after the wait node
         if pending.extra is not None:
@@ -650,12 +709,7 @@ class CpuPoolExpertBackend:
         st.x[:T].copy_(hidden.float().contiguous(), non_blocking=True)  # [T, H] f32 pinned
         st.ids[:T].copy_(cpu_ids.contiguous(), non_blocking=True)
         st.w[:T].copy_(topk_weights.float().contiguous(), non_blocking=True)
-        if st.flags:
-            self.pool.kick()  # the poller: spin, layers are coming (eager steps, captures)
-            self.pool.enqueue_go(stream, job, T)
-        else:
-            st.rows.copy_(st.rows_d[T : T + 1], non_blocking=True)
-            self.pool.enqueue_submit(stream, job)
+        self._enqueue_start(st, job, stream, T)
         extra = None
         if place is not None:  # the GPU-resident experts run while the pool computes
             extra = _local_experts(hidden, place.local[topk_ids], topk_weights, place.w13, place.w2)

@@ -37,7 +37,10 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, H]` -> topk_ids `[T, k]` int64, topk_weights `[T, k]` float32."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] float32
+        return self._route_logits(self.gate(x))
+
+    def _route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, E] float32
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
@@ -45,7 +48,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
-        topk_ids, topk_weights = self.route(x)
+        logits = self.gate(x)  # [T, E]
+        fused = getattr(self.backend, "route_and_start", None)
+        if fused is not None:  # router + staging in one kernel where the backend can
+            pending = fused(self.layer_idx, x, logits, self.top_k, self.renormalize)
+            if pending is not None:
+                shared = self._shared_expert(x)
+                out = self.backend.finish(pending)
+                return out if shared is None else out + shared
+        topk_ids, topk_weights = self._route_logits(logits)
         start = getattr(self.backend, "start", None)
         if start is not None:  # an asynchronous backend (CPU pool): shared expert meanwhile
             pending = start(self.layer_idx, x, topk_ids, topk_weights)

@@ -57,11 +57,14 @@ def test_route_stage_matches_torch_router(dtype, T, H, E, k, renorm):
     x_h, ids_h, w_h = _pinned(T, H, k)
     ids, w = moe_stage.route_stage(hidden, logits, k, renorm, x_h, ids_h, w_h, local, counts)
     torch.cuda.synchronize()
-    ref_ids, ref_w = moe_stage.route_ref(logits, k, renorm)
-    # equal ids wherever the reference has no near-tie (ties may order either way)
+    _, ref_w = moe_stage.route_ref(logits, k, renorm)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
-    same = (ids == ref_ids).all(dim=1)
-    assert same.float().mean().item() > 0.9
+    # bf16 logits tie exactly now and then, and torch.topk orders tied experts its own way: so
+    # check that every chosen expert is distinct and has the probability of its rank
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = probs.topk(k, dim=-1).values
+    torch.testing.assert_close(probs.gather(1, ids), top, rtol=1e-6, atol=0)
+    assert bool((ids.sort(dim=1).values.diff(dim=1) > 0).all())
     assert torch.equal(ids_h[:T], torch.where(local[ids] >= 0, -1, ids).cpu())
     assert torch.equal(w_h[:T], w.cpu())
     assert torch.equal(x_h[:T], hidden.float().cpu())
@@ -107,6 +110,7 @@ def test_moe_block_with_fused_stage_equals_torch_router(name, gpu_experts, tmp_p
         x.copy_(torch.randn(x.shape, generator=gen))
         calls = backend.stats().layer_calls
         fused = block(x)
+        torch.cuda.synchronize()  # stream jobs are counted when the pool has run them
         assert backend.stats().layer_calls == calls + 1
         monkeypatch.setattr(cpu_experts, "FUSED_MOE_STAGE", False)
         plain = block(x)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.batch import ForwardBatch, KVCache  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.loader import build_model  # noqa: E402
+from models.loader import apply_fast_linears, build_model  # noqa: E402
 from models.loader.dummy import init_dummy_weights  # noqa: E402
 
 
@@ -449,6 +449,7 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
             block.w2 = nn.Parameter(shared[1], requires_grad=False)
             backend.add_block(block)  # converts into the pool, frees the torch copy
     init_dummy_weights(model)  # everything else (the expert tensors are empty now)
+    apply_fast_linears(model, a.device, dtype)  # as load_model does
     load_s = time.perf_counter() - t0
     runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
     results = measure_modes(runner, a, f"hybrid_{fmt}" + (f"_{sync}" if sync else ""))
@@ -481,6 +482,7 @@ def run_gpu_all(cfg, a, dtype) -> dict:
         cfg, dtype=dtype, device=a.device, attn_backend=a.attention_backend, expert_backend="torch"
     )
     init_dummy_weights(model)
+    apply_fast_linears(model, a.device, dtype)
     load_s = time.perf_counter() - t0
     runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
     results = measure_modes(runner, a, "gpu_all_bf16")

@@ -1,8 +1,8 @@
 // The GPU side of a CPU-pool MoE layer in two kernels (ext/cuda/moe_stage.py).
 //
-// moe_route_stage_kernel: one block per token. Router softmax over the E logits (fp32, as
-// torch.softmax of the logits cast to float), top-k by repeated block argmax (the lowest
-// index wins a tie), optional renormalisation, then writes
+// moe_route_stage_kernel: one block per token. Warp 0: router softmax over the E logits (fp32,
+// as torch.softmax of the logits cast to float), top-k (k <= 32) by repeated warp argmax (the
+// lowest index wins a tie), optional renormalisation; all warps convert the hidden row. Writes
 //   - ids[t, j] (int64) and weights[t, j] (fp32) on the device (GPU-resident experts, counts),
 //   - the pool's inputs straight into pinned host memory (zero-copy through UVA): hidden as
 //     fp32, the CPU-routed ids (-1 where `local[e] >= 0`, the expert lives on the GPU) and the
@@ -18,54 +18,12 @@
 #include "common.cuh"
 
 constexpr int kMaxExperts = 1024;
-constexpr int kMaxTopK = 32;
 
 template <int DT>
 __device__ __forceinline__ float load16(const u16* p) {
   float lo, hi;
   unpack2<DT>((u32)*p, lo, hi);
   return lo;
-}
-
-// Block-wide (256 threads) max of (value, index): larger value, then lower index.
-__device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* si) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) {
-      v = ov;
-      i = oi;
-    }
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();
-  if (lane == 0) {
-    sv[warp] = v;
-    si[warp] = i;
-  }
-  __syncthreads();
-  v = sv[0];
-  i = si[0];
-#pragma unroll
-  for (int w = 1; w < 8; ++w)
-    if (sv[w] > v || (sv[w] == v && si[w] < i)) {
-      v = sv[w];
-      i = si[w];
-    }
-}
-
-__device__ __forceinline__ float block_sum(float v, float* sv) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();
-  if (lane == 0) sv[warp] = v;
-  __syncthreads();
-  float s = 0.f;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) s += sv[w];
-  return s;
 }
 
 template <int DT>
@@ -75,63 +33,69 @@ __global__ void __launch_bounds__(256) moe_route_stage_kernel(
     float* __restrict__ w_d, float* __restrict__ x_h, i64* __restrict__ ids_h,
     float* __restrict__ w_h, i64* __restrict__ counts) {
   __shared__ float p[kMaxExperts];
-  __shared__ float sv[8];
-  __shared__ int si[8];
-  __shared__ float top_w[kMaxTopK];
-  __shared__ int top_i[kMaxTopK];
   const int t = blockIdx.x;
-  const u16* lr = logits + (i64)t * ldl;
-  // softmax
-  float m = neg_inf();
-  for (int e = threadIdx.x; e < E; e += 256) {
-    p[e] = load16<DT>(lr + e);
-    m = fmaxf(m, p[e]);
-  }
-  int dummy = 0;
-  block_argmax(m, dummy, sv, si);
-  float s = 0.f;
-  for (int e = threadIdx.x; e < E; e += 256) {
-    p[e] = __expf(p[e] - m);
-    s += p[e];
-  }
-  s = block_sum(s, sv);
-  const float inv = 1.f / s;
-  for (int e = threadIdx.x; e < E; e += 256) p[e] *= inv;
-  __syncthreads();
-  // top-k
-  for (int j = 0; j < k; ++j) {
-    float v = neg_inf();
-    int i = 0x7fffffff;
-    for (int e = threadIdx.x; e < E; e += 256)
-      if (p[e] > v || (p[e] == v && e < i)) {
-        v = p[e];
-        i = e;
-      }
-    block_argmax(v, i, sv, si);
-    if (threadIdx.x == 0) {
-      top_w[j] = v;
-      top_i[j] = i;
-      p[i] = neg_inf();
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    float sum = 0.f;
-    for (int j = 0; j < k; ++j) sum += top_w[j];
-    for (int j = 0; j < k; ++j) {
-      const float w = renormalize ? top_w[j] / sum : top_w[j];
-      const int e = top_i[j];
-      ids_d[(i64)t * k + j] = e;
-      w_d[(i64)t * k + j] = w;
-      ids_h[(i64)t * k + j] = (local && local[e] >= 0) ? -1 : e;
-      w_h[(i64)t * k + j] = w;
-      if (counts) atomicAdd((unsigned long long*)(counts + e), 1ull);
-    }
-  }
-  // hidden -> fp32, pinned
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // every warp: hidden -> fp32, pinned host memory
   const u16* hr = hidden + (i64)t * ldh;
   float* xr = x_h + (i64)t * H;
   for (int c = threadIdx.x; c < H; c += 256) xr[c] = load16<DT>(hr + c);
+  if (warp != 0) return;
+  // warp 0: softmax, then top-k by k rounds of a warp argmax. Element e lives in lane e % 32
+  // (it alone reads and clears p[e]), so no block barrier is needed.
+  const u16* lr = logits + (i64)t * ldl;
+  float m = neg_inf();
+  for (int e = lane; e < E; e += 32) {
+    p[e] = load16<DT>(lr + e);
+    m = fmaxf(m, p[e]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float s = 0.f;
+  for (int e = lane; e < E; e += 32) {
+    p[e] = __expf(p[e] - m);
+    s += p[e];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const float inv = 1.f / s;
+  for (int e = lane; e < E; e += 32) p[e] *= inv;
+  float my_w = 0.f;
+  int my_i = 0;
+  for (int j = 0; j < k; ++j) {
+    float v = neg_inf();
+    int i = 0x7fffffff;
+    for (int e = lane; e < E; e += 32)
+      if (p[e] > v) {  // e ascends: the first of equal values wins
+        v = p[e];
+        i = e;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+      if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+      }
+    }
+    if (lane == j) {
+      my_w = v;
+      my_i = i;
+    }
+    if ((i & 31) == lane) p[i] = neg_inf();
+  }
+  float sum = lane < k ? my_w : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (lane < k) {
+    const float w = renormalize ? my_w / sum : my_w;
+    const i64 o = (i64)t * k + lane;
+    ids_d[o] = my_i;
+    w_d[o] = w;
+    ids_h[o] = (local && local[my_i] >= 0) ? -1 : my_i;
+    w_h[o] = w;
+    if (counts) atomicAdd((unsigned long long*)(counts + my_i), 1ull);
+  }
 }
 
 template <int DT>

@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ext.cuda import skinny  # noqa: F401  (registers torch.ops.tandem.skinny_*)
+from ext.cuda import (
+    qk_norm_rope,  # registers torch.ops.tandem.qk_norm_rope
+    skinny,  # noqa: F401  (registers torch.ops.tandem.skinny_*)
+)
 from models.batch import ForwardBatch
 from models.layers.attention import Attention
 from models.layers.mlp import GatedMLP
@@ -21,7 +24,8 @@ from models.layers.mlp import GatedMLP
 # Rows of x at or below which the kernel beats cuBLAS on every Llama-3 8B/1B projection
 # (at 4 rows it wins on some and loses on others; docs/BENCHMARKS.md "GPU").
 DEFAULT_MAX_ROWS = 2
-_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# "gate": a MoE block's router (E outputs; launch-bound in cuBLAS at decode sizes)
+_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "gate")
 
 
 class SkinnyLinear(nn.Linear):
@@ -80,6 +84,34 @@ class SkinnyAttention(Attention):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
+class NormRopeAttention(Attention):
+    """Attention with per-head q/k norms (Qwen3) whose prologue after the qkv projection (both
+    norms, rotary, KV write) is one kernel (`torch.ops.tandem.qk_norm_rope`) at any token
+    count; needs a backend with `attend` and a KV cache in the batch."""
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if batch.kv_cache is None or self.q_norm is None or self.k_norm is None:
+            return super().forward(x, cos, sin, batch)
+        t = x.shape[0]
+        q = torch.ops.tandem.qk_norm_rope(
+            self.qkv_proj(x),
+            self.q_norm.weight,
+            self.k_norm.weight,
+            cos,
+            sin,
+            batch.kv_cache.k[self.layer_idx],
+            batch.kv_cache.v[self.layer_idx],
+            batch.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.q_norm.eps,
+        )
+        out = self.backend.attend(self.layer_idx, q, batch, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
 def _swap(linear: nn.Linear, max_rows: int) -> SkinnyLinear:
     new = SkinnyLinear.__new__(SkinnyLinear)
     nn.Module.__init__(new)
@@ -106,7 +138,8 @@ class _SkinnyLogits:
 def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Swaps the dense projections (qkv/o/gate_up/down) and the logits of a fp16/bf16 CUDA model
     for the skinny path, gated MLPs for the fused gate_up + SiLU-mul and attention layers for the
-    fused qkv + rotary + KV write (backends with `attend`), in place; returns how
+    fused qkv + rotary + KV write (backends with `attend`; with q/k norms: the fused norms +
+    rotary + KV write after the projection), in place; returns how
     many linears were swapped (0 for another dtype or device). MoE expert weights are not
     nn.Linears and stay as they are."""
     params = list(model.parameters())
@@ -134,6 +167,14 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
         ):
             module.__class__ = SkinnyAttention
             module.max_rows = max_rows
+        elif (
+            type(module) is Attention
+            and module.q_norm is not None
+            and module.qkv_proj.bias is None
+            and hasattr(module.backend, "attend")
+            and module.head_dim in qk_norm_rope.HEAD_DIMS
+        ):
+            module.__class__ = NormRopeAttention
     if swapped and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens"):
         lm_head = getattr(model, "lm_head", None)
         weight = model.embed_tokens.weight if lm_head is None else lm_head.weight

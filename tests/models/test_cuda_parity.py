@@ -174,16 +174,22 @@ def test_cupy_matches_hf(name: str, tmp_path: Path, paged_runner) -> None:
     assert worst < BF16_TOL, f"{name}: {worst:.3e}"
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypatch) -> None:
     """Steps of 1-2 tokens through the skinny linears, the fused gate_up + SiLU and the fused
-    qkv + rotary + KV write (qwen2: with the q/k/v bias) against the torch backend."""
+    qkv + rotary + KV write (qwen2: with the q/k/v bias; qwen3: q/k norms, so the fused norms +
+    rotary + KV write after the projection, at every step) against the torch backend."""
     import transformers as hf
 
     from models.config import ModelConfig
-    from models.layers.cuda_linear import SkinnyAttention, SkinnyGatedMLP, use_cuda_skinny_linear
+    from models.layers.cuda_linear import (
+        NormRopeAttention,
+        SkinnyAttention,
+        SkinnyGatedMLP,
+        use_cuda_skinny_linear,
+    )
 
-    hf_cfg = _hf_config("llama") if name == "llama" else hf.Qwen2Config(
+    hf_cfg = _hf_config(name) if name != "qwen2" else hf.Qwen2Config(
         vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
     )  # fmt: skip
@@ -204,7 +210,8 @@ def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypa
         init_dummy_weights(model, seed=3)
         if backend == "cupy":
             assert use_cuda_skinny_linear(model) > 0
-            assert isinstance(model.layers[0].self_attn, SkinnyAttention)
+            attn_cls = NormRopeAttention if name == "qwen3" else SkinnyAttention
+            assert type(model.layers[0].self_attn) is attn_cls
             assert isinstance(model.layers[0].mlp, SkinnyGatedMLP)
         runner = CudaPagedRunner(paged_runner, model, config, block_size=16, seed=5)
         rows: dict[int, list[torch.Tensor]] = {0: [], 1: []}

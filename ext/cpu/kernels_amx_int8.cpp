@@ -1,16 +1,20 @@
 // The integer path on AMX (Sapphire Rapids and later): tdpbssd, s8 weights x s8 activations,
-// int32 16 x 16 tiles. Same quantization as the VNNI path (simd_q8.h: activations per token and
-// block of 32, one fp32 scale each), so the two give the same integers; only the layout differs:
-//   A (weights): row-major s8, 16 rows x 32 bytes (one block) per tile. int8 rows are read in
-//     place (they are already s8); int4 rows are unpacked once per work item to q - 8.
-//   B (activations): per 16-token block and K block, 8 rows (4-element groups) x 16 tokens x 4
-//     bytes (the VNNI pair layout for bytes), then the block's 16 token scales [16] fp32.
-// A block's products are summed in int32 by one tdpbssd, then each C tile is scaled by the
-// token scales (columns) and the int4 group scale (rows) and added into fp32 sums. Below
-// kAmxMinTokens tokens the VNNI kernels run instead (prep and gemm alike).
+// int32 16 x 16 tiles. Activations are quantized with ONE scale per token over its whole row
+// (absmax / 127; the VNNI path below kAmxMinTokens uses blocks of 32), so a tile needs no
+// rescaling between K blocks: int8 weights (one scale per row) sum all of K in one int32 tile
+// and are scaled once; int4 weights (one scale per group of 32 or 64) take one tdpbssd per
+// group and fold its row scales into 16 fp32 accumulators held in registers. (The first version
+// scaled every tile per 32-element block through memory, which cost several times the AMX work
+// at 256 tokens.)
+//   A (weights): row-major s8, 16 rows x kstep bytes. int8 rows are read in place; int4 rows
+//     are unpacked once per work item to q - 8.
+//   B (activations): per 16-token block, [K / 64][16 groups of 4][16 tokens][4] s8, then the
+//     16 token scales.
 // Compiled with the AVX-512 flags plus -mamx-tile -mamx-int8; used only after CPUID reports AMX
 // and the kernel granted XTILEDATA (isa.cpp).
 #include <immintrin.h>
+
+#include <algorithm>
 
 #include "kernels.h"
 #include "simd_q8.h"
@@ -26,53 +30,61 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-3: C (16 x 16 int32), 4-5: A (16 rows x 32 bytes), 6-7: B (8 rows x 64 bytes).
-inline void configure_tiles() {
+// Tile 0: C (16 x 16 int32); 4: A (16 weight rows x kstep bytes); 6: B (kstep / 4 rows of
+// 16 tokens x 4 bytes). kstep = 64 (int8 rows, int4 groups of 64) or 32 (int4 groups of 32).
+inline void configure_tiles(int kstep) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
-  for (int i = 0; i < 4; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  for (int i = 4; i < 6; ++i) {
-    cfg.colsb[i] = kQBlock;
-    cfg.rows[i] = 16;
-  }
-  for (int i = 6; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = kQBlock / 4;
-  }
+  cfg.colsb[0] = 64;
+  cfg.rows[0] = 16;
+  cfg.colsb[4] = (uint16_t)kstep;
+  cfg.rows[4] = 16;
+  cfg.colsb[6] = 64;
+  cfg.rows[6] = (uint8_t)(kstep / 4);
   _tile_loadconfig(&cfg);
 }
 
-constexpr size_t kBlockBytes = 16 * kQBlock;  // one B tile: 16 tokens x 32 bytes
+constexpr int kKB = 64;                   // K elements per activation block of the layout
+constexpr size_t kBlockBytes = 16 * kKB;  // 16 rows (4-element groups) x 16 tokens x 4 bytes
 
-size_t token_block_bytes(int K) { return (size_t)(K / kQBlock) * (kBlockBytes + 16 * 4); }
+size_t token_block_bytes(int K) { return (size_t)(K / kKB) * kBlockBytes + 16 * 4; }
 
 size_t prep_bytes(int K, int n) {
   if (n < kAmxMinTokens) return vnni_prep_bytes(K, n);
   return (size_t)((n + 15) / 16) * token_block_bytes(K);
 }
 
-// Token block tb: [nkb][8][16][4] s8, then [nkb][16] fp32 scales; padded tokens are zero.
+// Token block tb: [K / 64][16][16 tokens][4] s8, then the 16 tokens' scales (fp32). One scale
+// per token over its whole row (absmax / 127, q = round-half-even(x / scale)), so a tile sums
+// over all of K in int32 and is scaled once; padded tokens (and all-zero rows) are zero.
 void prep(const float* const* x, int Kv, int K, int n, void* dst) {
   if (n < kAmxMinTokens) {
     vnni_prep(x, Kv, K, n, dst);
     return;
   }
-  const int nkb = K / kQBlock;
   std::memset(dst, 0, prep_bytes(K, n));
   for (int t = 0; t < n; ++t) {
     uint8_t* blk = (uint8_t*)dst + (size_t)(t / 16) * token_block_bytes(K);
-    float* scales = (float*)(blk + (size_t)nkb * kBlockBytes);
+    float* scales = (float*)(blk + (size_t)(K / kKB) * kBlockBytes);
     const int j = t % 16;
-    for (int b = 0; b < nkb && b * kQBlock < Kv; ++b) {
-      alignas(16) int8_t q[kQBlock];
-      int32_t sum;
-      if (!q8_block32(x[t] + b * kQBlock, Kv - b * kQBlock, q, scales + b * 16 + j, &sum)) continue;
-      for (int g = 0; g < kQBlock / 4; ++g)
-        std::memcpy(blk + (size_t)b * kBlockBytes + g * 64 + j * 4, q + 4 * g, 4);
+    __m512 amax = _mm512_setzero_ps();
+    for (int k = 0; k < Kv; k += 16)
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k)));
+    const float sc = _mm512_reduce_max_ps(amax) / 127.f;
+    if (!(sc > 0.f)) continue;
+    scales[j] = sc;
+    const __m512 sv = _mm512_set1_ps(sc);
+    alignas(16) int8_t q[16];
+    for (int k = 0; k < Kv; k += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k);
+      // Division, not a reciprocal multiply: the same rounding as the torch reference.
+      _mm_store_si128((__m128i*)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(v, sv))));
+      for (int g = 0; g < 4; ++g) {  // elements k + 4g .. k + 4g + 3: one 4-byte group
+        const int kk = k + 4 * g;
+        std::memcpy(blk + (size_t)(kk / kKB) * kBlockBytes + ((kk % kKB) / 4) * 64 + j * 4,
+                    q + 4 * g, 4);
+      }
     }
   }
 }
@@ -94,20 +106,16 @@ void unpack_int4(const WeightView& w, int R, int K, int8_t* dst) {
 }
 
 size_t scratch_bytes(int R, int K) {
-  // unpacked int4 rows, fp32 sums [32 rows][32 tokens], 4 int32 C tiles, alignment
-  return (size_t)R * K + 32 * 32 * 4 + 4 * 1024 + 128 + vnni_scratch_bytes(R, K);
+  // unpacked int4 rows, two 16 x 16 staging tiles, alignment
+  return (size_t)R * K + 2 * 1024 + 128 + vnni_scratch_bytes(R, K);
 }
 
-// C tile (16 weight rows x 16 tokens, int32) into the fp32 sums acc[16][ld]:
-// acc[m][j] += tile[m][j] * xs[j] * (ws ? ws[m * ws_stride] : 1).
-inline void scale_add(const int32_t* tile, const float* xs, const float* ws, size_t ws_stride,
-                      float* acc, int ld) {
-  const __m512 xv = _mm512_loadu_ps(xs);
-  for (int m = 0; m < 16; ++m) {
-    const __m512 sc = ws ? _mm512_mul_ps(xv, _mm512_set1_ps(ws[m * ws_stride])) : xv;
-    float* a = acc + m * ld;
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(tile + m * 16)));
-    _mm512_storeu_ps(a, _mm512_fmadd_ps(v, sc, _mm512_loadu_ps(a)));
+// C[token][row] for the 16 rows r0.. and the valid tokens of token block tb: v[m * 16 + j] is
+// row m, token j (already fully scaled).
+inline void write_block(const float* v, float* C, int ldc, int r0, int tb, int n) {
+  for (int j = 0; j < 16 && tb * 16 + j < n; ++j) {
+    float* c = C + (size_t)(tb * 16 + j) * ldc + r0;
+    for (int m = 0; m < 16; ++m) c[m] = v[m * 16 + j];
   }
 }
 
@@ -127,56 +135,52 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
     ldw = (size_t)K;
     free_scratch += ((size_t)R * K + 63) & ~(size_t)63;
   }
-  float* acc = (float*)free_scratch;                      // [32 rows][32 tokens]
-  int32_t* tiles = (int32_t*)(free_scratch + 32 * 32 * 4);  // 4 x [16][16]
-  const int groups = int4 ? K / w.group : 0, per = int4 ? w.group / kQBlock : 1;
-  const int nkb = K / kQBlock, ntb = (n + 15) / 16;
+  int32_t* tile = (int32_t*)free_scratch;       // [16][16] int32
+  float* out = (float*)(free_scratch + 1024);   // [16][16] fp32
+  const int kstep = int4 ? std::min(kKB, w.group) : kKB;
+  const int groups = int4 ? K / w.group : 0;
+  const int ntb = (n + 15) / 16;
   const size_t tbb = token_block_bytes(K);
   const uint8_t* X = (const uint8_t*)xp;
-  configure_tiles();
-  for (int r0 = 0; r0 < R; r0 += 32) {
-    for (int tb = 0; tb < ntb; tb += 2) {
-      const bool two = tb + 1 < ntb;
-      const uint8_t* x0 = X + (size_t)tb * tbb;
-      const uint8_t* x1 = two ? x0 + tbb : x0;
-      const float* xs0 = (const float*)(x0 + (size_t)nkb * kBlockBytes);
-      const float* xs1 = (const float*)(x1 + (size_t)nkb * kBlockBytes);
-      std::memset(acc, 0, 32 * 32 * 4);
-      for (int b = 0; b < nkb; ++b) {
+  configure_tiles(kstep);
+  for (int r0 = 0; r0 < R; r0 += 16) {
+    const int8_t* A = W + (size_t)r0 * ldw;
+    for (int tb = 0; tb < ntb; ++tb) {
+      const uint8_t* xb = X + (size_t)tb * tbb;
+      const __m512 xs = _mm512_loadu_ps((const float*)(xb + (size_t)(K / kKB) * kBlockBytes));
+      if (!int4) {  // int8: per-row scales, the whole of K in one int32 tile
         _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_loadd(4, W + (size_t)r0 * ldw + b * kQBlock, ldw);
-        _tile_loadd(5, W + (size_t)(r0 + 16) * ldw + b * kQBlock, ldw);
-        _tile_loadd(6, x0 + (size_t)b * kBlockBytes, 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(2, 5, 6);
-        if (two) {
-          _tile_loadd(7, x1 + (size_t)b * kBlockBytes, 64);
-          _tile_dpbssd(1, 4, 7);
-          _tile_dpbssd(3, 5, 7);
+        for (int b = 0; b < K / kKB; ++b) {
+          _tile_loadd(4, A + b * kKB, ldw);
+          _tile_loadd(6, xb + (size_t)b * kBlockBytes, 64);
+          _tile_dpbssd(0, 4, 6);
         }
-        _tile_stored(0, tiles, 64);
-        _tile_stored(2, tiles + 512, 64);
-        if (two) {
-          _tile_stored(1, tiles + 256, 64);
-          _tile_stored(3, tiles + 768, 64);
+        _tile_stored(0, tile, 64);
+        for (int m = 0; m < 16; ++m) {
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(tile + m * 16)));
+          _mm512_store_ps(out + m * 16,
+                          _mm512_mul_ps(v, _mm512_mul_ps(xs, _mm512_set1_ps(w.scales[r0 + m]))));
         }
-        // int4: the group scale of rows r0 + m at block b; int8: the row scale comes last.
-        const float* ws0 = int4 ? w.scales + (size_t)r0 * groups + b / per : nullptr;
-        const float* ws1 = int4 ? ws0 + (size_t)16 * groups : nullptr;
-        scale_add(tiles, xs0 + b * 16, ws0, groups, acc, 32);
-        scale_add(tiles + 512, xs0 + b * 16, ws1, groups, acc + 16 * 32, 32);
-        if (two) {
-          scale_add(tiles + 256, xs1 + b * 16, ws0, groups, acc + 16, 32);
-          scale_add(tiles + 768, xs1 + b * 16, ws1, groups, acc + 16 * 32 + 16, 32);
+      } else {  // int4: one int32 tile per group, scaled by the group's row scales into fp32
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+        for (int k0 = 0; k0 < K; k0 += kstep) {
+          _tile_zero(0);
+          _tile_loadd(4, A + k0, ldw);
+          _tile_loadd(6, xb + (size_t)(k0 / kKB) * kBlockBytes + (k0 % kKB) / 4 * 64, 64);
+          _tile_dpbssd(0, 4, 6);
+          _tile_stored(0, tile, 64);
+          const float* ws = w.scales + (size_t)r0 * groups + k0 / w.group;
+#pragma GCC unroll 16
+          for (int m = 0; m < 16; ++m)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(tile + m * 16))),
+                                     _mm512_set1_ps(ws[(size_t)m * groups]), acc[m]);
         }
+#pragma GCC unroll 16
+        for (int m = 0; m < 16; ++m) _mm512_store_ps(out + m * 16, _mm512_mul_ps(acc[m], xs));
       }
-      for (int j = 0; j < (two ? 32 : 16) && tb * 16 + j < n; ++j) {
-        float* c = C + (size_t)(tb * 16 + j) * ldc + r0;
-        for (int m = 0; m < 32; ++m) c[m] = acc[m * 32 + j] * (int4 ? 1.f : w.scales[r0 + m]);
-      }
+      write_block(out, C, ldc, r0, tb, n);
     }
   }
   _tile_release();

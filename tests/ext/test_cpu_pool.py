@@ -26,6 +26,17 @@ FORMATS = ("bf16", "int8", "int4")
 # Relative L2 error of the pool's output against the reference on the same dequantized weights.
 # scalar/avx2 keep fp32 activations; avx512/amx round activations and the intermediate to bf16.
 REL_TOL = {"scalar": 2e-5, "avx2": 2e-5, "avx512": 1.5e-2, "amx": 1.5e-2}
+# int8/int4 layers on ISAs with the integer path (VNNI, AMX int8) also quantize activations to
+# int8 (per token and block of 32, or per token row on AMX from 4 tokens an expert): at most
+# absmax / 254 an element, measured 1.2-1.8e-2 relative on these random layers; the bound of
+# tests/ext/test_cpu_int8_path.py (INT_FP32_TOL).
+INT_PATH_TOL = 3e-2
+
+
+def tol(isa: str, fmt: str) -> float:
+    if fmt in ("int8", "int4") and isa in ("avx512", "amx"):
+        return INT_PATH_TOL
+    return REL_TOL[isa]
 
 
 def make_layer(E: int, inter: int, H: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +66,7 @@ def check(pool: CpuExpertPool, layer: int, w13, w2, fmt, group, hidden, ids, wei
     ref = moe_reference(hidden, quantize(w13, fmt, group), quantize(w2, fmt, group), ids, weights)
     assert out.shape == ref.shape and torch.isfinite(out).all()
     err = rel_err(out, ref)
-    assert err < REL_TOL[isa], f"{isa} {fmt}: relative error {err:.2e}"
+    assert err < tol(isa, fmt), f"{isa} {fmt}: relative error {err:.2e}"
     return out
 
 
@@ -181,7 +192,7 @@ def test_submit_returns_and_sync_waits(pools):
     q = quantize
     r1 = moe_reference(h1, q(w13, "int8"), q(w2, "int8"), i1, g1)
     r2 = moe_reference(h2, q(w13, "int4", 32), q(w2, "int4", 32), i2, g2)
-    assert rel_err(o1, r1) < REL_TOL[isa] and rel_err(o2, r2) < REL_TOL[isa]
+    assert rel_err(o1, r1) < tol(isa, "int8") and rel_err(o2, r2) < tol(isa, "int4")
     # Sequential reuse gives identical results.
     again = pool.forward(40, h1, i1, g1)
     torch.testing.assert_close(again, o1, rtol=0, atol=0)

@@ -68,6 +68,7 @@ LINEAR_UNITS = {
     "TANDEM_HAVE_AVX512": ("linear_avx512.cpp", AVX512_FLAGS),
 }
 HEADERS = [
+    "amx_tiles.h",
     "kernels.h",
     "isa.h",
     "workers.h",

@@ -9,22 +9,15 @@
 // reports AMX and the kernel granted XTILEDATA through arch_prctl.
 #include <immintrin.h>
 
+#include "amx_tiles.h"
 #include "kernels.h"
 
 namespace tandem_cpu {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Tiles 0-3: C, 4-5: A (weights), 6-7: B (tokens); all 16 rows x 64 bytes.
 inline void configure_tiles() {
-  TileConfig cfg;
+  AmxTileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int i = 0; i < 8; ++i) {

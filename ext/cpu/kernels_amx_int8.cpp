@@ -16,24 +16,17 @@
 
 #include <algorithm>
 
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "simd_q8.h"
 
 namespace tandem_cpu {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Tile 0: C (16 x 16 int32); 4: A (16 weight rows x kstep bytes); 6: B (kstep / 4 rows of
 // 16 tokens x 4 bytes). kstep = 64 (int8 rows, int4 groups of 64) or 32 (int4 groups of 32).
 inline void configure_tiles(int kstep) {
-  TileConfig cfg;
+  AmxTileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   cfg.colsb[0] = 64;

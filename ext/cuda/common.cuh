@@ -73,6 +73,21 @@ __device__ __forceinline__ u16 from_float(float f) {
   return r;
 }
 
+// One 16-bit element as float, and a float rounded to the 16-bit type and back.
+template <int DT>
+__device__ __forceinline__ float ld_f(const u16* p) {
+  float lo, hi;
+  unpack2<DT>((u32)*p, lo, hi);
+  return lo;
+}
+
+template <int DT>
+__device__ __forceinline__ float round_dt(float v) {
+  float lo, hi;
+  unpack2<DT>((u32)from_float<DT>(v), lo, hi);
+  return lo;
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 a;
   asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));

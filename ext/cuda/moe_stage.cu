@@ -20,13 +20,6 @@
 constexpr int kMaxExperts = 1024;
 
 template <int DT>
-__device__ __forceinline__ float load16(const u16* p) {
-  float lo, hi;
-  unpack2<DT>((u32)*p, lo, hi);
-  return lo;
-}
-
-template <int DT>
 __global__ void __launch_bounds__(256) moe_route_stage_kernel(
     const u16* __restrict__ hidden, i64 ldh, const u16* __restrict__ logits, i64 ldl, int H,
     int E, int k, int renormalize, const i64* __restrict__ local, i64* __restrict__ ids_d,
@@ -38,14 +31,14 @@ __global__ void __launch_bounds__(256) moe_route_stage_kernel(
   // every warp: hidden -> fp32, pinned host memory
   const u16* hr = hidden + (i64)t * ldh;
   float* xr = x_h + (i64)t * H;
-  for (int c = threadIdx.x; c < H; c += 256) xr[c] = load16<DT>(hr + c);
+  for (int c = threadIdx.x; c < H; c += 256) xr[c] = ld_f<DT>(hr + c);
   if (warp != 0) return;
   // warp 0: softmax, then top-k by k rounds of a warp argmax. Element e lives in lane e % 32
   // (it alone reads and clears p[e]), so no block barrier is needed.
   const u16* lr = logits + (i64)t * ldl;
   float m = neg_inf();
   for (int e = lane; e < E; e += 32) {
-    p[e] = load16<DT>(lr + e);
+    p[e] = ld_f<DT>(lr + e);
     m = fmaxf(m, p[e]);
   }
 #pragma unroll

@@ -13,20 +13,6 @@
 // It replaces two norms' kernels, ten rotary kernels and the KV write of a layer.
 #include "common.cuh"
 
-template <int DT>
-__device__ __forceinline__ float ld16(const u16* p) {
-  float lo, hi;
-  unpack2<DT>((u32)*p, lo, hi);
-  return lo;
-}
-
-template <int DT>
-__device__ __forceinline__ float rnd(float f) {
-  float lo, hi;
-  unpack2<DT>((u32)from_float<DT>(f), lo, hi);
-  return lo;
-}
-
 template <int DT, int D>
 __global__ void __launch_bounds__(256) qk_norm_rope_kernel(
     const u16* __restrict__ qkv, i64 ldq, const u16* __restrict__ q_w,
@@ -54,7 +40,7 @@ __global__ void __launch_bounds__(256) qk_norm_rope_kernel(
   float ss = 0.f;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    f[m] = ld16<DT>(src + lane + 32 * m);
+    f[m] = ld_f<DT>(src + lane + 32 * m);
     ss += f[m] * f[m];
   }
 #pragma unroll
@@ -62,7 +48,7 @@ __global__ void __launch_bounds__(256) qk_norm_rope_kernel(
   const float r = rsqrtf(ss / (float)D + eps);
   const u16* w = is_q ? q_w : k_w;
 #pragma unroll
-  for (int m = 0; m < M; ++m) f[m] = rnd<DT>(ld16<DT>(w + lane + 32 * m) * rnd<DT>(f[m] * r));
+  for (int m = 0; m < M; ++m) f[m] = round_dt<DT>(ld_f<DT>(w + lane + 32 * m) * round_dt<DT>(f[m] * r));
   const u16* cr = cos + (i64)t * ldc;
   const u16* sr = sin + (i64)t * ldc;
   u16* dst = is_q ? q_out + ((i64)t * H + h) * D : k_cache + slot * KVH * D + (i64)(h - H) * D;
@@ -70,8 +56,8 @@ __global__ void __launch_bounds__(256) qk_norm_rope_kernel(
   for (int m = 0; m < M / 2; ++m) {
     const int j = lane + 32 * m, j2 = j + D / 2;
     const float a = f[m], b = f[m + M / 2];
-    const float oa = rnd<DT>(rnd<DT>(a * ld16<DT>(cr + j)) + rnd<DT>(-b * ld16<DT>(sr + j)));
-    const float ob = rnd<DT>(rnd<DT>(b * ld16<DT>(cr + j2)) + rnd<DT>(a * ld16<DT>(sr + j2)));
+    const float oa = round_dt<DT>(round_dt<DT>(a * ld_f<DT>(cr + j)) + round_dt<DT>(-b * ld_f<DT>(sr + j)));
+    const float ob = round_dt<DT>(round_dt<DT>(b * ld_f<DT>(cr + j2)) + round_dt<DT>(a * ld_f<DT>(sr + j2)));
     dst[j] = from_float<DT>(oa);
     dst[j2] = from_float<DT>(ob);
   }

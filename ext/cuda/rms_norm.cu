@@ -9,13 +9,6 @@
 // cols % 8 == 0, rows 16-byte aligned (x, w, y), inner dimension contiguous.
 #include "common.cuh"
 
-template <int DT>
-__device__ __forceinline__ float round16(float f) {
-  float lo, hi;
-  unpack2<DT>((u32)from_float<DT>(f), lo, hi);
-  return lo;
-}
-
 template <int TPR, int DT>
 __global__ void __launch_bounds__(256) rms_norm_kernel(const u16* __restrict__ x,
                                                        const u16* __restrict__ w,
@@ -54,10 +47,10 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const u16* __restrict__ x
     unpack8<DT>(ldg16(xr + c * 8), f);
     unpack8<DT>(ldg16(w + c * 8), g);
     V16 out;
-    out.x = pack2<DT>(g[0] * round16<DT>(f[0] * r), g[1] * round16<DT>(f[1] * r));
-    out.y = pack2<DT>(g[2] * round16<DT>(f[2] * r), g[3] * round16<DT>(f[3] * r));
-    out.z = pack2<DT>(g[4] * round16<DT>(f[4] * r), g[5] * round16<DT>(f[5] * r));
-    out.w = pack2<DT>(g[6] * round16<DT>(f[6] * r), g[7] * round16<DT>(f[7] * r));
+    out.x = pack2<DT>(g[0] * round_dt<DT>(f[0] * r), g[1] * round_dt<DT>(f[1] * r));
+    out.y = pack2<DT>(g[2] * round_dt<DT>(f[2] * r), g[3] * round_dt<DT>(f[3] * r));
+    out.z = pack2<DT>(g[4] * round_dt<DT>(f[4] * r), g[5] * round_dt<DT>(f[5] * r));
+    out.w = pack2<DT>(g[6] * round_dt<DT>(f[6] * r), g[7] * round_dt<DT>(f[7] * r));
     stg16(yr + c * 8, out);
   }
 }

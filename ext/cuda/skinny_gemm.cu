@@ -84,20 +84,6 @@ __device__ __forceinline__ void warp_dot(const u16* __restrict__ x, i64 ldx,
     }
 }
 
-template <int DT>
-__device__ __forceinline__ float ld_f(const u16* p) {
-  float lo, hi;
-  unpack2<DT>((u32)*p, lo, hi);
-  return lo;
-}
-
-template <int DT>
-__device__ __forceinline__ float round_dt(float v) {
-  float lo, hi;
-  unpack2<DT>((u32)from_float<DT>(v), lo, hi);
-  return lo;
-}
-
 template <int M, int R0, int U, int DT, int GLU>
 __global__ void __launch_bounds__(256) skinny_gemm_kernel(
     const u16* __restrict__ x,  // [M, K], row stride ldx

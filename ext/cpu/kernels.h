@@ -44,6 +44,8 @@ struct KernelSet {
   void (*gemm)(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
                uint8_t* scratch);
   size_t (*scratch_bytes)(int R, int K) = nullptr;
+  // dst[i] = silu(gate[i]) * up[i] for i < n; null: the caller's scalar loop.
+  void (*silu_mul)(const float* gate, const float* up, float* dst, int n) = nullptr;
 };
 
 static inline size_t gemm_scratch_bytes(int R, int K) {
@@ -123,6 +125,9 @@ KernelSet kernels_avx512();
 void avx512_dequant_bf16(const WeightView& w, int R, int K, uint16_t* dst);
 void avx512_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
                  uint8_t* scratch);
+// silu(gate) * up, 16 lanes at a time (exp by range reduction and a degree-6 polynomial,
+// ~1e-7 relative to std::exp).
+void avx512_silu_mul(const float* gate, const float* up, float* dst, int n);
 #endif
 #ifdef TANDEM_HAVE_AMX
 KernelSet kernels_amx();

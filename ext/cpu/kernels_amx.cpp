@@ -142,6 +142,6 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
 
 }  // namespace
 
-KernelSet kernels_amx() { return {"amx", prep_bytes, prep, gemm}; }
+KernelSet kernels_amx() { return {"amx", prep_bytes, prep, gemm, nullptr, avx512_silu_mul}; }
 
 }  // namespace tandem_cpu

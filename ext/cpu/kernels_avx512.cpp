@@ -181,6 +181,37 @@ void avx512_gemm(const WeightView& w, int R, int K, const void* xp, int n, float
   }
 }
 
-KernelSet kernels_avx512() { return {"avx512", prep_bytes, prep, avx512_gemm}; }
+namespace {
+// e^x for x in float range (clamped), by 2^(x log2 e) = 2^n * e^(f ln 2), |f| <= 1/2.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 g = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+}  // namespace
+
+void avx512_silu_mul(const float* gate, const float* up, float* dst, int n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    const __m512 u = _mm512_maskz_loadu_ps(m, up + i);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_mask_storeu_ps(dst + i, m, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u));
+  }
+}
+
+KernelSet kernels_avx512() {
+  return {"avx512", prep_bytes, prep, avx512_gemm, nullptr, avx512_silu_mul};
+}
 
 }  // namespace tandem_cpu

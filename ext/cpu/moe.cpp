@@ -724,7 +724,11 @@ void ExpertPool::run_step(int worker) {
       for (int p = 0; p < n; ++p) {
         const float* c = C + (size_t)p * kRowBlock;
         float* dst = ns.act.data() + (size_t)(first_[a] + p) * Is + b * 32;
-        for (int j = 0; j < 32; ++j) dst[j] = c[j] / (1.f + std::exp(-c[j])) * c[32 + j];
+        if (kernels_.silu_mul) {
+          kernels_.silu_mul(c, c + 32, dst, 32);
+        } else {
+          for (int j = 0; j < 32; ++j) dst[j] = c[j] / (1.f + std::exp(-c[j])) * c[32 + j];
+        }
       }
       silu_ns += mono_ns() - t_silu;
     }

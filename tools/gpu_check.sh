@@ -17,7 +17,7 @@ date -u +%FT%TZ | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/device.txt"
 python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-tests=${TANDEM_GPU_TESTS:-"tests/ext/test_cuda_attention.py tests/ext/test_skinny_gemm.py tests/ext/test_rms_norm.py tests/ext/test_moe_stage.py tests/ext/test_qk_norm_rope.py tests/models/test_cuda_parity.py tests/runtime/test_cuda_runner.py tests/runtime/test_overlap_gpu.py tests/runtime/test_cuda_sampler.py tests/ext/test_cpu_pool.py tests/models/test_cpu_pool_models.py"}
+tests=${TANDEM_GPU_TESTS:-"tests/ext/test_cuda_attention.py tests/ext/test_skinny_gemm.py tests/ext/test_rms_norm.py tests/ext/test_moe_stage.py tests/ext/test_qk_norm_rope.py tests/models/test_cuda_parity.py tests/runtime/test_cuda_runner.py tests/runtime/test_overlap_gpu.py tests/runtime/test_cuda_sampler.py tests/ext/test_cpu_pool.py tests/models/test_cpu_pool_cuda.py"}
 test_rc=0
 if [ "$tests" != "none" ]; then
   t0=$(date +%s)

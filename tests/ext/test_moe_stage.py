@@ -95,7 +95,7 @@ def test_moe_block_with_fused_stage_equals_torch_router(name, gpu_experts, tmp_p
     float bits)."""
     from models.layers import cpu_experts
     from models.loader import load_model
-    from tests.models.test_cpu_pool_models import _save
+    from tests.models.moe_cases import _save
 
     _save(name, tmp_path)
     model, config = load_model(

@@ -268,8 +268,8 @@ CUDA_SPIN_US = 2000
 def default_cuda_pool_threads() -> int:
     """Pool workers when the model runs on CUDA: every usable core but two. The thread that
     starts the pool's jobs (the poller of flag jobs, or the CUDA driver's host-function thread)
-    and the engine's thread need cores of their own; with one worker per core but one, a descheduled worker stalls each layer's job
-    (Qwen3-30B-A3B shape, int4, 16 cores: batch-1 decode 8.3 tok/s with 15 workers, 28.4 with
+    and the engine's thread need cores of their own; with one worker per core but one, a
+    descheduled worker stalls each layer's job (Qwen3-30B-A3B shape, int4, 16 cores: batch-1 decode 8.3 tok/s with 15 workers, 28.4 with
     14, 24.9 with 12; docs/BENCHMARKS.md "Hybrid MoE")."""
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -594,9 +594,7 @@ class CpuPoolExpertBackend:
     ) -> _Pending:
         """Starts the layer's experts (on CUDA: enqueues them); `finish` returns the sum."""
         T = topk_ids.shape[0]
-        counts = self._counts.get(layer_idx)
-        if counts is None:
-            raise RuntimeError(f"cpu_pool: layer {layer_idx} was not attached (load_model does it)")
+        counts = self._layer_counts(layer_idx)
         flat = topk_ids.reshape(-1)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount has one)
         place = self._placements.get(layer_idx)
@@ -613,6 +611,14 @@ class CpuPoolExpertBackend:
             pending = _Pending(hidden, out=out)
         self._note_routed(layer_idx, T)
         return pending
+
+    def _layer_counts(self, layer_idx: int) -> torch.Tensor:
+        """The layer's routing counts [E] (on the router's device); its presence says the layer
+        was attached."""
+        counts = self._counts.get(layer_idx)
+        if counts is None:
+            raise RuntimeError(f"cpu_pool: layer {layer_idx} was not attached (load_model does it)")
+        return counts
 
     def _note_routed(self, layer_idx: int, tokens: int) -> None:
         """Counts routed tokens (on the first MoE layer) and rebalances once when due."""
@@ -647,33 +653,16 @@ class CpuPoolExpertBackend:
 
         if not moe_stage.supported(hidden, logits, top_k):
             return None
-        counts = self._counts.get(layer_idx)
-        if counts is None:
-            raise RuntimeError(f"cpu_pool: layer {layer_idx} was not attached (load_model does it)")
-        T, H = hidden.shape
+        counts = self._layer_counts(layer_idx)
         place = self._placements.get(layer_idx)
-        st = self._staging_for(T, H, top_k, hidden.device)
-        job = st.job(self.pool, layer_idx)
-        stream = torch.cuda.current_stream(hidden.device).cuda_stream
+        st = self._staging_for(hidden.shape[0], hidden.shape[1], top_k, hidden.device)
         topk_ids, topk_weights = moe_stage.route_stage(
             hidden, logits, top_k, renormalize, st.x, st.ids, st.w,
             local=place.local if place is not None else None, counts=counts,
         )  # fmt: skip
-        self._enqueue_start(st, job, stream, T)
-        extra = None
-        if place is not None:  # the GPU-resident experts run while the pool computes
-            extra = _local_experts(hidden, place.local[topk_ids], topk_weights, place.w13, place.w2)
-        pending = _Pending(hidden, staging=st, job=job, stream=stream, extra=extra, fused=True)
-        self._note_routed(layer_idx, T)
+        pending = self._launch(st, layer_idx, hidden, topk_ids, topk_weights, place, fused=True)
+        self._note_routed(layer_idx, hidden.shape[0])
         return pending
-
-    def _enqueue_start(self, st: _StreamStaging, job: StreamJob, stream: int, rows: int) -> None:
-        if st.flags:
-            self.pool.kick()  # the poller: spin, layers are coming (eager steps, captures)
-            self.pool.enqueue_go(stream, job, rows)
-        else:
-            st.rows.copy_(st.rows_d[rows : rows + 1], non_blocking=True)
-            self.pool.enqueue_submit(stream, job)
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -702,18 +691,31 @@ class CpuPoolExpertBackend:
 
     def _start_stream(self, layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place):
         T, H = hidden.shape
-        k = topk_ids.shape[1]
-        st = self._staging_for(T, H, k, hidden.device)
-        job = st.job(self.pool, layer_idx)
-        stream = torch.cuda.current_stream(hidden.device).cuda_stream
+        st = self._staging_for(T, H, topk_ids.shape[1], hidden.device)
         st.x[:T].copy_(hidden.float().contiguous(), non_blocking=True)  # [T, H] f32 pinned
         st.ids[:T].copy_(cpu_ids.contiguous(), non_blocking=True)
         st.w[:T].copy_(topk_weights.float().contiguous(), non_blocking=True)
-        self._enqueue_start(st, job, stream, T)
+        return self._launch(st, layer_idx, hidden, topk_ids, topk_weights, place)
+
+    def _launch(
+        self, st: _StreamStaging, layer_idx: int, hidden, topk_ids, topk_weights, place,
+        fused: bool = False,
+    ) -> _Pending:  # fmt: skip
+        """After the pool's inputs are enqueued into `st`: start the layer's job in stream
+        order, and run the GPU-resident experts while the pool computes."""
+        T = hidden.shape[0]
+        job = st.job(self.pool, layer_idx)
+        stream = torch.cuda.current_stream(hidden.device).cuda_stream
+        if st.flags:
+            self.pool.kick()  # the poller: spin, layers are coming (eager steps, captures)
+            self.pool.enqueue_go(stream, job, T)
+        else:
+            st.rows.copy_(st.rows_d[T : T + 1], non_blocking=True)
+            self.pool.enqueue_submit(stream, job)
         extra = None
-        if place is not None:  # the GPU-resident experts run while the pool computes
+        if place is not None:
             extra = _local_experts(hidden, place.local[topk_ids], topk_weights, place.w13, place.w2)
-        return _Pending(hidden, staging=st, job=job, stream=stream, extra=extra)
+        return _Pending(hidden, staging=st, job=job, stream=stream, extra=extra, fused=fused)
 
     def _staging_for(
         self, tokens: int, hidden: int, k: int, device: torch.device

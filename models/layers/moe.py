@@ -49,22 +49,23 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         logits = self.gate(x)  # [T, E]
+        pending = None
         fused = getattr(self.backend, "route_and_start", None)
         if fused is not None:  # router + staging in one kernel where the backend can
             pending = fused(self.layer_idx, x, logits, self.top_k, self.renormalize)
-            if pending is not None:
+        if pending is None:
+            topk_ids, topk_weights = self._route_logits(logits)
+            start = getattr(self.backend, "start", None)
+            if start is None:
+                out = self.backend.forward(
+                    self.layer_idx, x, topk_ids, topk_weights, self.w13, self.w2
+                )
                 shared = self._shared_expert(x)
-                out = self.backend.finish(pending)
                 return out if shared is None else out + shared
-        topk_ids, topk_weights = self._route_logits(logits)
-        start = getattr(self.backend, "start", None)
-        if start is not None:  # an asynchronous backend (CPU pool): shared expert meanwhile
             pending = start(self.layer_idx, x, topk_ids, topk_weights)
-            shared = self._shared_expert(x)
-            out = self.backend.finish(pending)
-        else:
-            out = self.backend.forward(self.layer_idx, x, topk_ids, topk_weights, self.w13, self.w2)
-            shared = self._shared_expert(x)
+        # an asynchronous backend (CPU pool): the shared expert runs meanwhile
+        shared = self._shared_expert(x)
+        out = self.backend.finish(pending)
         return out if shared is None else out + shared
 
     def _shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:

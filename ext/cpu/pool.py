@@ -427,9 +427,7 @@ class CpuExpertPool:
         """Flag job: enqueues on `stream` a 4-byte write that tells the pool's poller to run
         `job` on its first `rows` rows (after a memory barrier: the copies queued before it
         have landed). Capturable; a graph replays it with the same `rows`."""
-        self._flag_job(job)
-        if not 0 <= rows <= job.capacity:
-            raise ValueError(f"rows must be in [0, {job.capacity}], got {rows}")
+        self._flag_job(job, rows)
         self._live().enqueue_go(int(stream), job.handle, rows)
 
     def enqueue_done_wait(self, stream: int, job: StreamJob) -> None:
@@ -440,9 +438,7 @@ class CpuExpertPool:
 
     def host_go(self, job: StreamJob, rows: int) -> None:
         """What `enqueue_go` does on the GPU, from this thread (tests without a GPU)."""
-        self._flag_job(job)
-        if not 0 <= rows <= job.capacity:
-            raise ValueError(f"rows must be in [0, {job.capacity}], got {rows}")
+        self._flag_job(job, rows)
         self._live().host_go(job.handle, rows)
 
     def host_done_wait(self, job: StreamJob, timeout_s: float = 10.0) -> bool:
@@ -462,17 +458,17 @@ class CpuExpertPool:
 
     @poll_spin_us.setter
     def poll_spin_us(self, value: int) -> None:
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"poll_spin_us must be a non-negative int, got {value!r}")
-        self._live().poll_spin_us = value
+        self._live().poll_spin_us = _non_negative_int("poll_spin_us", value)
 
     @property
     def flag_jobs_run(self) -> int:
         return int(self._live().flag_jobs_run)
 
-    def _flag_job(self, job: StreamJob) -> None:
+    def _flag_job(self, job: StreamJob, rows: int | None = None) -> None:
         if job.flags is None:
             raise ValueError("not a flag job: make it with stream_job(..., flags=True)")
+        if rows is not None and not 0 <= rows <= job.capacity:
+            raise ValueError(f"rows must be in [0, {job.capacity}], got {rows}")
 
     def enqueue_submit(self, stream: int, job: StreamJob) -> None:
         """Enqueues on CUDA stream `stream` (a cudaStream_t as an int, e.g. torch's
@@ -507,9 +503,7 @@ class CpuExpertPool:
 
     @spin_us.setter
     def spin_us(self, value: int) -> None:
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"spin_us must be a non-negative int, got {value!r}")
-        self._live().spin_us = value
+        self._live().spin_us = _non_negative_int("spin_us", value)
 
     @property
     def int_isa(self) -> str:
@@ -522,8 +516,7 @@ class CpuExpertPool:
 
     @int_min_tokens.setter
     def int_min_tokens(self, value: int) -> None:
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"int_min_tokens must be a non-negative int, got {value!r}")
+        _non_negative_int("int_min_tokens", value)
         if value > 0 and not self.int_isa:
             raise ValueError(f"no integer path for CPU ISA {self._live().isa!r}")
         self._live().int_min_tokens = value
@@ -593,6 +586,12 @@ class CpuExpertPool:
         if layer_idx not in self._layers:
             raise ValueError(f"layer {layer_idx} has not been added (have {sorted(self._layers)})")
         return self._layers[layer_idx]
+
+
+def _non_negative_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

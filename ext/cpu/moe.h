@@ -148,7 +148,7 @@ class ExpertPool {
   void stream_start(StreamJob& job, int rows) noexcept;
   void stream_wait(StreamJob& job) noexcept;
   // The poller of flag jobs spins for poll_spin_us after its last job (or kick()) before it
-  // naps between looks (poll_nap_us); a decode step's next layer then finds it awake.
+  // naps 50 us between looks; a decode step's next layer then finds it awake.
   void set_poll_spin_us(int us) { poll_spin_us_.store(us < 0 ? 0 : us); }
   int poll_spin_us() const { return poll_spin_us_.load(); }
   void kick() noexcept;  // work is coming: spin again

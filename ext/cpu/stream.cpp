@@ -1,7 +1,6 @@
 #include "stream.h"
 
 #include <dlfcn.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -116,12 +115,6 @@ StreamJob* flag_job(StreamJob* job) {
   return job;
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 }  // namespace
 
 std::string cuda_driver_error() { return driver().error; }
@@ -208,19 +201,14 @@ void ExpertPool::kick() noexcept {
 // One thread looks at every flag job's `go` word, starting after the last one that ran (the
 // next layer of a forward is usually the next job). A job it finds it runs to the end on the
 // workers, then raises `done`. While jobs keep coming it spins; poll_spin_us after the last
-// one (or kick) it naps poll_nap_us between looks, so an idle server costs no core.
+// one (or kick) it naps kNapUs between looks, so an idle server costs no core.
 void ExpertPool::poll_loop() noexcept {
   constexpr int kNapUs = 50;
   // On a core of its own where the workers left one (the highest spare cpu; the lowest stays
   // for the caller's event loop): a spinning worker or the engine thread sharing its core
   // would delay every layer's start.
   const std::vector<int>& spare = workers_->spare_cpus();
-  if (!spare.empty()) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(spare.back(), &set);
-    sched_setaffinity(0, sizeof(set), &set);  // best effort
-  }
+  if (!spare.empty()) pin_to_cpu(spare.back());
   int next = 0;
   int64_t last_active = now_ns();
   unsigned spins = 0;

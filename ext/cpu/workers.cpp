@@ -13,12 +13,6 @@
 namespace tandem_cpu {
 namespace {
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 // "0-3,8-11" -> {0,1,2,3,8,9,10,11}
 std::vector<int> parse_cpulist(const std::string& text) {
   std::vector<int> out;
@@ -100,6 +94,13 @@ std::vector<NodeInfo> discover_nodes(int split_nodes) {
 }
 
 }  // namespace
+
+void pin_to_cpu(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  sched_setaffinity(0, sizeof(set), &set);
+}
 
 void spin_until(const std::atomic<int>& counter, int target) {
   int spins = 0;
@@ -208,10 +209,7 @@ bool Workers::busy() {
 }
 
 void Workers::loop(int worker, int cpu) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  sched_setaffinity(0, sizeof(set), &set);  // best effort
+  pin_to_cpu(cpu);
   uint64_t seen = 0;
   for (;;) {
     // Spin (a forward submits layer after layer), then sleep. A job seen while spinning is

@@ -75,4 +75,14 @@ class Workers {
 // Spins (then yields) until counter >= target. Used as a one-shot barrier inside a job.
 void spin_until(const std::atomic<int>& counter, int target);
 
+// The calling thread onto one cpu (best effort: an error leaves it where it was).
+void pin_to_cpu(int cpu);
+
+// One spin-wait step (the x86 `pause` hint; nothing elsewhere).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 }  // namespace tandem_cpu

@@ -18,6 +18,13 @@ import torch
 import torch.nn.functional as F
 
 
+def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, neox style (halves rotated): x `[T, heads, head_dim]` with cos/sin
+    `[T, 1, head_dim]` -> `x * cos + rotate_half(x) * sin`, in x's dtype."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

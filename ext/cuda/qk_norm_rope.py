@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from ext.attention_ref import rotate_neox, write_kv
 from ext.cuda._loader import f32, i32, i64, launch, ptr
 from ext.cuda.norm import rms_norm_ref
 
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 HEAD_DIMS = (64, 128, 256)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def qk_norm_rope_ref(qkv, q_w, k_w, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
@@ -29,14 +25,10 @@ def qk_norm_rope_ref(qkv, q_w, k_w, cos, sin, k_cache, v_cache, slot_mapping, nu
     D = q_w.shape[0]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     c, s = cos.reshape(T, 1, D), sin.reshape(T, 1, D)
-    q = _rotate(rms_norm_ref(q.reshape(T, num_heads, D), q_w, eps), c, s)
-    k = _rotate(rms_norm_ref(k.reshape(T, num_kv_heads, D), k_w, eps), c, s)
+    q = rotate_neox(rms_norm_ref(q.reshape(T, num_heads, D), q_w, eps), c, s)
+    k = rotate_neox(rms_norm_ref(k.reshape(T, num_kv_heads, D), k_w, eps), c, s)
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_flat = k_cache.view(-1, num_kv_heads, D)
-    v_flat = v_cache.view(-1, num_kv_heads, D)
-    k_flat.index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, v.reshape(T, num_kv_heads, D)[keep].to(v_cache.dtype))
+    write_kv(k_cache, v_cache, k[keep], v.reshape(T, num_kv_heads, D)[keep], slot_mapping[keep])
     return q.contiguous()
 
 

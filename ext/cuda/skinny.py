@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ext.attention_ref import rotate_neox, write_kv
 from ext.cuda._loader import i32, i64, launch, ptr
 
 MAX_ROWS = 8
@@ -181,20 +182,10 @@ def _qkv_rope_ref(
     qkv = torch.nn.functional.linear(x, weight, bias)
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     cos, sin = cos.reshape(t, 1, d), sin.reshape(t, 1, d)
-
-    def rot(z):
-        half = d // 2
-        return z * cos + torch.cat((-z[..., half:], z[..., :half]), dim=-1) * sin
-
-    q = rot(q.reshape(t, num_heads, d))
-    k = rot(k.reshape(t, num_kv_heads, d))
+    q = rotate_neox(q.reshape(t, num_heads, d), cos, sin)
+    k = rotate_neox(k.reshape(t, num_kv_heads, d), cos, sin)
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    kv_heads = k_cache.shape[2]
-    k_cache.view(-1, kv_heads, d).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, d).index_copy_(
-        0, slots, v.reshape(t, num_kv_heads, d)[keep].to(v_cache.dtype)
-    )
+    write_kv(k_cache, v_cache, k[keep], v.reshape(t, num_kv_heads, d)[keep], slot_mapping[keep])
     return q
 
 

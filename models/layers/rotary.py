@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ext.attention_ref import rotate_neox
 from models.config import UnsupportedModelError
 
 
@@ -63,6 +64,4 @@ class RotaryEmbedding:
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x `[T, heads, head_dim]` -> rotated, same shape and dtype."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return rotate_neox(x, cos, sin)

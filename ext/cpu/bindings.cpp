@@ -129,6 +129,28 @@ PYBIND11_MODULE(_tandem_cpu, m) {
              return py::make_tuple(L.E, L.I, L.H, L.fmt, L.group);
            })
       .def("layer_bytes", [](const ExpertPool& p, int layer) { return p.layer(layer).weight_bytes(); })
+      .def("layer_shards",
+           [](const ExpertPool& p, int layer) {
+             // Each node's shard as one contiguous host region [w13 | w2 | s13 | s2] (the
+             // layout of moe.h: Shard) and its geometry; sizes in bytes.
+             const auto& L = p.layer(layer);
+             py::list out;
+             for (const auto& s : L.shards) {
+               py::dict d;
+               d["ptr"] = reinterpret_cast<uintptr_t>(s.w13);
+               d["nbytes"] = (size_t)L.E * (s.w13_expert + s.w2_expert) +
+                             (size_t)L.E * (s.s13_expert + s.s2_expert) * sizeof(float);
+               d["i0"] = s.i0;
+               d["Is"] = s.Is;
+               d["Iv"] = s.Iv;
+               d["w13_expert"] = s.w13_expert;
+               d["w2_expert"] = s.w2_expert;
+               d["s13_expert"] = s.s13_expert * sizeof(float);
+               d["s2_expert"] = s.s2_expert * sizeof(float);
+               out.append(d);
+             }
+             return out;
+           })
       .def("layer_ids", &ExpertPool::layer_ids)
       .def_property_readonly("isa", &ExpertPool::isa)
       .def_property_readonly("int_isa", &ExpertPool::int_isa)

@@ -6,14 +6,17 @@ alive until `sync()`, and reads TANDEM_CPU_ISA. Knows nothing about requests or 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .build import load_extension
+from .layout import K_ALIGN, ShardLayout
 
 ISA_ENV = "TANDEM_CPU_ISA"
 # The integer path for int8/int4 experts (ext/cpu/kernels.h: kQBlock): "off", "auto" (default)
@@ -292,6 +295,29 @@ class CpuExpertPool:
         with self._lock:
             pool.dequantize(layer_idx, w13.data_ptr(), w2.data_ptr(), ids)
         return w13, w2
+
+    def layer_shards(self, layer_idx: int) -> list[ShardLayout]:
+        """Where the layer's converted weights live: one region per NUMA node shard, with its
+        layout (ext/cpu/layout.py). Valid until the layer is replaced or the pool closed."""
+        pool = self._live()
+        E, _, H, fmt, group = self._layer(layer_idx)
+        hp = -(-H // K_ALIGN) * K_ALIGN
+        return [
+            ShardLayout(E=E, H=H, Hp=hp, fmt=fmt, group=group, **d)
+            for d in pool.layer_shards(layer_idx)
+        ]
+
+    def shard_memory(self, shard: ShardLayout) -> torch.Tensor:
+        """The shard's region as a uint8 CPU tensor over the pool's memory (no copy). Read
+        only; it must not outlive the layer (replacing the layer or closing the pool unmaps
+        it)."""
+        self._live()
+        if shard.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        buf = (ctypes.c_uint8 * shard.nbytes).from_address(shard.ptr)
+        with warnings.catch_warnings():  # read-only cached layers: torch warns, we only read
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(buf, dtype=torch.uint8)
 
     # -- compute ---------------------------------------------------------------------------
 

@@ -75,7 +75,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["bf16", "int8", "int4"],
         help="weight format of the experts in the CPU pool",
     )
+    parser.add_argument(
+        "--gpu-prefill",
+        default=None,
+        type=_gpu_prefill_arg,
+        metavar="auto|off|N",
+        help="CPU-pool experts on CUDA: steps of at least N tokens compute the layer on the GPU "
+        "from the pool's weights, copied over PCIe (auto: by expert format; "
+        "env TANDEM_GPU_PREFILL)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def _gpu_prefill_arg(value: str) -> str:
+    if value in ("auto", "off") or (value.isdigit() and int(value) >= 0):
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, off or a token count, got {value!r}")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -89,6 +104,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             gpu_experts=args.gpu_experts,
             cpu_threads=args.cpu_threads,
             cpu_expert_format=args.cpu_expert_format,
+            gpu_prefill=args.gpu_prefill,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -44,6 +44,7 @@ class ModelSpec:
     gpu_experts: int | None = None
     cpu_threads: int | None = None
     cpu_expert_format: str = "bf16"  # bf16 | int8 | int4: experts' format in the CPU pool
+    gpu_prefill: str | None = None  # auto | off | N tokens: CPU-pool layers computed on the GPU
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ def load_engine_model(
             "num_threads": spec.cpu_threads,
             "cpu_experts": spec.cpu_experts or "all",
             "gpu_experts": spec.gpu_experts,
+            "gpu_prefill": spec.gpu_prefill,
             # keys the expert cache by checkpoint path, size and mtime
             "cache_source": str(model_path) if model_path is not None else None,
         }

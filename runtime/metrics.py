@@ -312,6 +312,11 @@ def render_hybrid_moe(h: HybridMoeStats) -> str:
                 h.layer_calls,
             ),
             render_counter(
+                p + "moe_gpu_prefill_calls_total",
+                "MoE layer forwards computed on the GPU from the pool's weights (prefill-sized).",
+                h.gpu_prefill_calls,
+            ),
+            render_counter(
                 p + "moe_device_to_host_bytes_total",
                 "Bytes copied GPU -> pinned host.",
                 h.d2h_bytes,

@@ -53,6 +53,7 @@ from models.layers.experts import register_expert_backend
 
 if TYPE_CHECKING:
     from ext.cpu import CpuExpertPool, ExpertCache, StreamJob
+    from models.layers.gpu_prefill import GpuExpertPrefill
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,34 @@ SYNC_ENV = "TANDEM_POOL_SYNC"
 # The router + the pool's input staging in one CUDA kernel (route_and_start); 0: torch router
 FUSED_MOE_STAGE = os.environ.get("TANDEM_FUSED_MOE_STAGE", "1") != "0"
 SYNC_MODES = ("flags", "host_func")
+# Prefill-sized steps on CUDA: the layer's packed experts go to the GPU and are computed there
+# (models/layers/gpu_prefill.py) from this many tokens; "auto": GPU_PREFILL_TOKENS by format,
+# "off" (or 0): never.
+GPU_PREFILL_ENV = "TANDEM_GPU_PREFILL"
+# Where shipping a whole layer over PCIe (~55 GB/s) beats the pool, Qwen3-30B-A3B shape on the
+# device (docs/BENCHMARKS.md, "GPU prefill from the pool's weights"): a layer of int4 experts is
+# ~320 MB (6 ms), int8 ~620 MB, bf16 ~1.2 GB (22 ms), against the pool's time at that many
+# tokens (measured: int4 pool ahead at 300 tokens, behind at 512; int8 ahead at 512, behind at
+# 1024; bf16 about even at 1024).
+GPU_PREFILL_TOKENS = {"int4": 384, "int8": 640, "bf16": 1024}
+# Never at or below the largest decode graph (runtime/cuda_graphs.py: 256 rows): a graph's
+# eager warm-up and its capture must take the same path (the pool's, inside graphs).
+GPU_PREFILL_MIN_TOKENS = 257
+
+
+def parse_gpu_prefill(value: str | int | None) -> int | None:
+    """'auto' / None -> None (by format); 'off' -> 0; N -> N (>= 0)."""
+    if value is None or value == "auto":
+        return None
+    if value == "off":
+        return 0
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise ValueError(f"gpu_prefill must be 'auto', 'off' or a token count >= 0, got {value!r}")
+    return n
 
 
 def parse_cpu_experts(value: str | int | None) -> int | None:
@@ -111,6 +140,7 @@ class HybridMoeStats:
     pool_busy_seconds: float = 0.0  # summed over worker threads
     wall_seconds: float = 0.0  # since attach
     stream_errors: int = 0  # stream-ordered calls that failed (output zeroed; see the pool)
+    gpu_prefill_calls: int = 0  # layer calls computed on the GPU from the pool's weights
     routing_counts: dict[int, list[int]] = field(default_factory=dict)  # layer -> per expert
     gpu_experts: dict[int, list[int]] = field(default_factory=dict)  # layer -> ids on the GPU
 
@@ -317,6 +347,7 @@ class CpuPoolExpertBackend:
         stream_ordered: bool = True,
         spin_us: int | None = None,
         sync: str | None = None,
+        gpu_prefill: str | int | None = None,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
@@ -324,6 +355,11 @@ class CpuPoolExpertBackend:
         if sync is not None and sync not in SYNC_MODES:
             raise ValueError(f"sync ({SYNC_ENV}) must be one of {SYNC_MODES}, got {sync!r}")
         self._sync_option = sync
+        if gpu_prefill is None:
+            gpu_prefill = os.environ.get(GPU_PREFILL_ENV) or None
+        self._gpu_prefill_option = parse_gpu_prefill(gpu_prefill)
+        self._gpu_prefill: GpuExpertPrefill | None = None
+        self._gpu_prefill_failed = False
         parse_cpu_experts(cpu_experts)  # validate early
         self.fmt, self.group_size = fmt, group_size
         self.cpu_experts, self.gpu_experts = cpu_experts, gpu_experts
@@ -604,6 +640,9 @@ class CpuPoolExpertBackend:
         if hidden.device.type != "cuda":
             out = self._forward_cpu(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
             pending = _Pending(hidden, out=out)
+        elif self._use_gpu_prefill(layer_idx, T):
+            out = self._gpu_prefill.run(layer_idx, hidden, topk_ids, topk_weights)
+            pending = _Pending(hidden, out=out)
         elif self.stream_ordered:
             pending = self._start_stream(layer_idx, hidden, cpu_ids, topk_ids, topk_weights, place)
         else:
@@ -611,6 +650,35 @@ class CpuPoolExpertBackend:
             pending = _Pending(hidden, out=out)
         self._note_routed(layer_idx, T)
         return pending
+
+    def gpu_prefill_tokens(self, layer_idx: int) -> int:
+        """From how many tokens a CUDA step computes this layer on the GPU (0: never; else at
+        least GPU_PREFILL_MIN_TOKENS)."""
+        n = self._gpu_prefill_option
+        if n is None:
+            n = GPU_PREFILL_TOKENS.get(self.pool.layer_format(layer_idx)[0], 0)
+        return max(n, GPU_PREFILL_MIN_TOKENS) if n else 0
+
+    def _use_gpu_prefill(self, layer_idx: int, tokens: int) -> bool:
+        """Whether this CUDA call goes to the GPU from the pool's weights: enough tokens, not
+        inside a graph capture (decode graphs keep the pool), and the path set up."""
+        n = self.gpu_prefill_tokens(layer_idx)
+        if not n or tokens < n or self._gpu_prefill_failed:
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        if self._gpu_prefill is None:
+            try:
+                from models.layers.gpu_prefill import GpuExpertPrefill
+
+                device = self._layer_counts(layer_idx).device
+                self._gpu_prefill = GpuExpertPrefill(self.pool, sorted(self._counts), device)
+                self._gpu_prefill.layer_bytes(layer_idx)  # the pool's layout is readable
+            except Exception as e:  # noqa: BLE001 - fall back to the pool, loudly
+                self._gpu_prefill_failed = True
+                logger.warning("cpu_pool: GPU prefill unavailable, the pool computes: %s", e)
+                return False
+        return True
 
     def _layer_counts(self, layer_idx: int) -> torch.Tensor:
         """The layer's routing counts [E] (on the router's device); its presence says the layer
@@ -649,6 +717,8 @@ class CpuPoolExpertBackend:
         not take, TANDEM_FUSED_MOE_STAGE=0): the caller routes in torch and calls `start`."""
         if not (FUSED_MOE_STAGE and hidden.is_cuda and self.stream_ordered):
             return None
+        if self._use_gpu_prefill(layer_idx, hidden.shape[0]):
+            return None  # `start` takes it to the GPU
         from ext.cuda import moe_stage
 
         if not moe_stage.supported(hidden, logits, top_k):
@@ -796,12 +866,15 @@ class CpuPoolExpertBackend:
         # Stream-ordered calls are counted by the pool's host functions (graph replays too),
         # up to where the GPU has got.
         st = self._pool.stream_stats() if self._pool is not None else {}
+        gp = self._gpu_prefill
+        gp_calls, gp_bytes = (gp.calls, gp.h2d_bytes) if gp is not None else (0, 0)
         return HybridMoeStats(
-            layer_calls=s.layer_calls + st.get("calls", 0),
+            layer_calls=s.layer_calls + st.get("calls", 0) + gp_calls,
+            gpu_prefill_calls=gp_calls,
             pool_wait_seconds=s.pool_wait_seconds + st.get("wait_ns", 0) * 1e-9,
             pool_seconds=s.pool_seconds + st.get("pool_ns", 0) * 1e-9,
             d2h_bytes=s.d2h_bytes + st.get("d2h_bytes", 0),
-            h2d_bytes=s.h2d_bytes + st.get("h2d_bytes", 0),
+            h2d_bytes=s.h2d_bytes + st.get("h2d_bytes", 0) + gp_bytes,
             stream_errors=st.get("errors", 0),
             pool_threads=len(busy),
             pool_busy_seconds=sum(busy),
@@ -816,6 +889,9 @@ class CpuPoolExpertBackend:
         if self._pool is not None:
             if self._staging:
                 torch.cuda.synchronize(self._staging[-1].rows_d.device)
+            if self._gpu_prefill is not None:  # unpin before the pool frees the memory
+                self._gpu_prefill.close()
+                self._gpu_prefill = None
             self._pool.close()
 
 
@@ -840,6 +916,7 @@ def hybrid_moe_metrics(model: nn.Module) -> dict[str, Any]:
         "tandem_moe_pool_busy_seconds_total": s.pool_busy_seconds,
         "tandem_moe_pool_utilisation": s.pool_utilisation,
         "tandem_moe_stream_errors_total": s.stream_errors,
+        "tandem_moe_gpu_prefill_calls_total": s.gpu_prefill_calls,
         "tandem_moe_expert_routed_total": {
             (layer, e): n for layer, c in s.routing_counts.items() for e, n in enumerate(c)
         },

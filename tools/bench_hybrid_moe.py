@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--gpu-all", action="store_true", help="also run every expert on the GPU")
     p.add_argument("--floor-gbps", type=float, default=68.0)
+    p.add_argument(
+        "--pcie-gbps",
+        type=float,
+        default=55.0,
+        help="pinned host -> GPU bandwidth: the floor of prefill steps on the GPU path",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument(
         "--attention-backend",
@@ -99,8 +105,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after the figures, N batch-1 decode steps under torch.profiler: device time per "
         "kernel/copy per step against the step's wall time (what the GPU side costs)",
     )
+    p.add_argument(
+        "--gpu-prefill",
+        nargs="+",
+        default=["auto", "off"],
+        help="modes of the cpu_pool backend's GPU path for prefill-sized steps, each measured "
+        "on the same model (auto: by format; off: the pool; N: from N tokens)",
+    )
+    p.add_argument(
+        "--prefill-sweep",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="T",
+        help="also one-step prefills of these lengths per --gpu-prefill mode (the crossover)",
+    )
     p.add_argument("--json", type=Path, default=None)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.prefill = max([a.prefill, *a.prefill_sweep])
+    return a
 
 
 def model_config(a: argparse.Namespace) -> ModelConfig:
@@ -363,19 +386,70 @@ def measure(runner: Runner, a: argparse.Namespace, prefill: bool = True) -> dict
         if not _pool_seconds(runner):
             out = {k: v for k, v in out.items() if "_pool_" not in k}
         return out
-    # Prefill: one warm-up of 256 tokens, then one whole prompt in one step.
+    # Prefill: one warm-up of the same length (the GPU path pins the pool's memory and sizes
+    # its buffers on first use), then one whole prompt in one step.
     runner.reset()
-    runner.step([(0, 256)])
+    runner.step([(0, a.prefill)])
     runner.reset()
     _sync(dev)
     t0, p0 = time.perf_counter(), _pool_seconds(runner)
     runner.step([(0, a.prefill)])
     _sync(dev)
     out["prefill_tok_s"] = a.prefill / (time.perf_counter() - t0)
-    out["prefill_pool_tok_s"] = a.prefill / max(_pool_seconds(runner) - p0, 1e-9)
+    if _pool_seconds(runner) > p0:  # else the step never reached the pool (GPU path)
+        out["prefill_pool_tok_s"] = a.prefill / (_pool_seconds(runner) - p0)
     if not _pool_seconds(runner):
         out = {k: v for k, v in out.items() if "_pool_" not in k}
     return out
+
+
+def prefill_sweep(runner: Runner, backend, a: argparse.Namespace) -> dict[str, dict]:
+    """One-step prefill tok/s per --gpu-prefill mode and length (--prefill and --prefill-sweep),
+    each after a warm-up step of the same length (the GPU path pins the pool's memory and
+    allocates its buffers on first use), with the layers that went to the GPU."""
+    from models.layers.cpu_experts import parse_gpu_prefill
+
+    lengths = sorted({a.prefill, *a.prefill_sweep})
+    saved = backend._gpu_prefill_option
+    out: dict[str, dict] = {}
+    for mode in a.gpu_prefill:
+        backend._gpu_prefill_option = parse_gpu_prefill(mode)
+        row: dict[str, float] = {}
+        for n in lengths:
+            for _ in range(2):  # a warm-up of the same length, then the timed step
+                runner.reset()
+                _sync(a.device)
+                calls0 = backend.stats().gpu_prefill_calls
+                t0 = time.perf_counter()
+                runner.step([(0, n)])
+                _sync(a.device)
+                dt = time.perf_counter() - t0
+            row[str(n)] = n / dt
+            row[f"{n}_gpu_layers"] = backend.stats().gpu_prefill_calls - calls0
+        out[mode] = row
+    backend._gpu_prefill_option = saved
+    gp = backend._gpu_prefill
+    if gp is not None:
+        out["pin_seconds"] = {"all": gp.register_seconds}
+    return out
+
+
+def print_sweep(name: str, sweep: dict, fl: dict, a: argparse.Namespace) -> None:
+    lengths = sorted({a.prefill, *a.prefill_sweep})
+    floor_per_token = fl["prefill_floor_tok_s"] / a.prefill  # floor tok/s per prompt token
+    pcie = a.pcie_gbps / a.floor_gbps  # the GPU path's floor: every expert over PCIe once
+    print(f"# {name} prefill tok/s by --gpu-prefill mode (% of the floor: all experts read "
+          f"once at {a.floor_gbps:g} GB/s; [layers on the GPU]); over PCIe at {a.pcie_gbps:g} "
+          "GB/s the floor is " + ", ".join(f"{floor_per_token * pcie * n:.0f}" for n in lengths),
+          flush=True)  # fmt: skip
+    print("# | mode | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    for mode in a.gpu_prefill:
+        r = sweep[mode]
+        cells = [
+            f"{r[str(n)]:.0f} ({r[str(n)] / (floor_per_token * n):.0%}) [{r[f'{n}_gpu_layers']}]"
+            for n in lengths
+        ]
+        print(f"# | {mode} | " + " | ".join(cells) + " |", flush=True)
 
 
 def profile_decode(runner: Runner, a: argparse.Namespace, name: str) -> None:
@@ -421,6 +495,20 @@ def floors(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> dict[str, float
     }
 
 
+def cpu_read_gbps(num_bytes: int = 2 << 30, reps: int = 5) -> tuple[float, int]:
+    """This machine's CPU memory read bandwidth right now (best of `reps` torch sums over a
+    buffer far larger than the L3, all intra-op threads), and the thread count. Machine
+    instances of one kind differ (BENCHMARKS: the pool's job took 294 us on one, 416-482 on
+    another), so floors are printed at this figure too."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best / 1e9, torch.get_num_threads()
+
+
 def shared_layer(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -452,7 +540,13 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
     apply_fast_linears(model, a.device, dtype)  # as load_model does
     load_s = time.perf_counter() - t0
     runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
-    results = measure_modes(runner, a, f"hybrid_{fmt}" + (f"_{sync}" if sync else ""))
+    name = f"hybrid_{fmt}" + (f"_{sync}" if sync else "")
+    results = measure_modes(runner, a, name)
+    if runner.device.type == "cuda":
+        sweep = prefill_sweep(runner, backend, a)
+        for res in results.values():
+            res["prefill_by_mode"] = sweep
+        print_sweep(name, sweep, floors(cfg, fmt, a), a)
     if a.profile:
         profile_decode(runner, a, f"hybrid_{fmt}")
     s = backend.stats()
@@ -471,6 +565,10 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
             pool_sync=backend.sync,
         )
         res.update(floors(cfg, fmt, a))
+        scale = a.measured_gbps / a.floor_gbps
+        for key in [k for k in res if k.endswith("_floor_tok_s")]:
+            res[key.replace("_floor_tok_s", "_floor_measured_tok_s")] = res[key] * scale
+        res["cpu_read_gbps"] = a.measured_gbps
     backend.close()
     del model, runner
     return results
@@ -500,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, expert inter "
           f"{cfg.moe_intermediate_size}; device {a.device}"
           + (f" ({torch.cuda.get_device_name()})" if a.device == "cuda" else ""), flush=True)  # fmt: skip
+    gbps, threads = cpu_read_gbps()
+    print(f"# CPU read bandwidth now: {gbps:.1f} GB/s ({threads} threads, torch sum); floors "
+          f"below use --floor-gbps {a.floor_gbps:g} (measured-rate floors in the JSON: "
+          "*_floor_measured_tok_s)", flush=True)  # fmt: skip
+    a.measured_gbps = gbps
     t0 = time.perf_counter()
     shared = shared_layer(cfg)
     print(f"# random expert layer: {time.perf_counter() - t0:.1f}s", flush=True)
@@ -537,6 +640,12 @@ def main(argv: list[str] | None = None) -> int:
         if "decode_b1_pool_tok_s" in r:
             print(f"| {name}, pool time only | {cell('decode_b1_pool_tok_s')} "
                   f"| {cell(f'decode_b{b}_pool_tok_s')} | {cell('prefill_pool_tok_s')} |")  # fmt: skip
+    for name, r in results.items():
+        if "decode_b1_floor_measured_tok_s" in r:
+            m = r["decode_b1_floor_measured_tok_s"]
+            print(f"# {name}: decode b=1 {r['decode_b1_tok_s']:.1f} tok/s = "
+                  f"{r['decode_b1_tok_s'] / m:.0%} of its floor at the measured "
+                  f"{r['cpu_read_gbps']:.1f} GB/s ({m:.1f} tok/s)")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "results": results},
                                      indent=2, default=str))  # fmt: skip

@@ -4,7 +4,7 @@
 # graphs, the fused MoE staging), then tools/bench_hybrid_moe.py per expert format with the
 # prefill sweep by --gpu-prefill mode. Logs and JSON go to $OUT.
 #   bash tools/hybrid_check.sh            # tests + int4 and bf16 benchmarks (about 4 min)
-# Env: HYBRID_TESTS (test files; "none" skips), HYBRID_FORMATS (default "int4 bf16"),
+# Env: HYBRID_TESTS (test files; "none" skips), HYBRID_FORMATS (default "int4 bf16"; "none"),
 #      TEST_TIMEOUT, BENCH_TIMEOUT (seconds), BENCH_ARGS (extra bench_hybrid_moe arguments).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +28,7 @@ if [ "$tests" != "none" ]; then
   [ "$t_rc" -ne 0 ] && rc=1
 fi
 for fmt in ${HYBRID_FORMATS:-int4 bf16}; do
+  [ "$fmt" = none ] && continue
   t0=$(date +%s)
   case "$fmt" in  # lengths around each format's GPU-prefill threshold, and long prompts
     int4) sweep="300 512 1024 4096" ;;

@@ -10,6 +10,7 @@ import ctypes
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,7 @@ class CpuExpertPool:
         self._inflight: tuple[torch.Tensor, ...] | None = None
         self._stream_tensors: list[tuple[torch.Tensor | None, ...]] = []  # of stream jobs
         self._lock = threading.Lock()
+        self._unmap_hooks: list[Callable[[], None]] = []
         self.layers_converted = 0  # add_layer calls (conversion work done)
         self.layers_loaded = 0  # load_layer calls that installed a saved layer
 
@@ -214,6 +216,7 @@ class CpuExpertPool:
         if w2.dtype != w13.dtype:
             w2 = w2.to(w13.dtype)
         w13, w2 = w13.contiguous(), w2.contiguous()
+        self._before_unmap(layer_idx)
         with self._lock:
             self._inflight = None
             pool.add_layer(
@@ -265,6 +268,7 @@ class CpuExpertPool:
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
         args = _layer_file_args(path, key, shape, fmt, group_size)
+        self._before_unmap(layer_idx)
         with self._lock:
             self._inflight = None
             pool.load_layer(layer_idx, *args)
@@ -295,6 +299,19 @@ class CpuExpertPool:
         with self._lock:
             pool.dequantize(layer_idx, w13.data_ptr(), w2.data_ptr(), ids)
         return w13, w2
+
+    def on_unmap(self, hook: Callable[[], None]) -> None:
+        """Calls `hook()` before any layer's memory goes away (a layer replaced, the pool
+        closed): whoever page-locked or mapped `shard_memory` regions (the GPU prefill path)
+        releases them there. Each hook runs once, then is dropped."""
+        self._unmap_hooks.append(hook)
+
+    def _before_unmap(self, layer_idx: int | None = None) -> None:
+        if layer_idx is not None and layer_idx not in self._layers:
+            return  # a new layer: nothing of it was handed out
+        hooks, self._unmap_hooks = self._unmap_hooks, []
+        for hook in hooks:
+            hook()
 
     def layer_shards(self, layer_idx: int) -> list[ShardLayout]:
         """Where the layer's converted weights live: one region per NUMA node shard, with its
@@ -584,6 +601,8 @@ class CpuExpertPool:
 
     def close(self) -> None:
         """Waits for the call in flight, stops the workers and frees the weights. Idempotent."""
+        if getattr(self, "_pool", None) is not None:
+            self._before_unmap()
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
             pool.sync()

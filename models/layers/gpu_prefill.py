@@ -118,6 +118,7 @@ class GpuExpertPrefill:
         self.calls = 0
         self.h2d_bytes = 0
         self.register_seconds = 0.0
+        self._hooked = False
 
     def layer_bytes(self, layer: int) -> int:
         """Bytes one call of the layer moves host -> device."""
@@ -133,6 +134,9 @@ class GpuExpertPrefill:
         regions = self._host.get(layer)
         if regions is None:
             regions = [self.pool.shard_memory(s) for s in self._layout(layer)]
+            if not self._hooked:  # let go before the pool unmaps anything we hold
+                self.pool.on_unmap(self.release)
+                self._hooked = True
             if self.cuda:
                 t0 = time.perf_counter()
                 for s in self._layout(layer):
@@ -261,8 +265,11 @@ class GpuExpertPrefill:
         self.h2d_bytes += self.layer_bytes(layer)
         return y
 
-    def close(self) -> None:
-        """Waits for the copies and unpins the pool's memory (before the pool frees it)."""
+    def release(self) -> None:
+        """Waits for the copies in flight and unpins the pool's memory; views, layouts and
+        the prefetch are dropped (the next `run` pins and fetches again). The pool calls it
+        before it unmaps a layer (`CpuExpertPool.on_unmap`)."""
+        self._hooked = False
         if self.cuda:
             self._copy_stream.synchronize()
             from ext.cuda._loader import cupy_module
@@ -271,10 +278,15 @@ class GpuExpertPrefill:
             for addr in self._registered:
                 try:
                     rt.hostUnregister(addr)
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
+                except Exception:  # noqa: BLE001 - best effort
+                    logger.warning("gpu prefill: could not unpin %#x", addr)
         self._registered = []
         self._host.clear()
+        self._shards.clear()
+        self._slot_of.clear()
+
+    def close(self) -> None:
+        """Releases the pool's memory and frees the device buffers."""
+        self.release()
         self._slots = []
         self._wide.clear()
-        self._slot_of.clear()

@@ -200,9 +200,11 @@ class GpuExpertPrefill:
                 at += s.nbytes
             self._copied[slot].record(self._copy_stream)
 
-    def _widen(self, raw: torch.Tensor, s: ShardLayout, dtype: torch.dtype):
-        """The shard's (w13 [E, 2Is, Hp], w2 [E, Hp, Is]) as `dtype` on the device: views of
-        the raw bytes for bf16 weights in a bf16 model, else widened into reused buffers."""
+    def _widen(self, raw: torch.Tensor, s: ShardLayout, index: int, dtype: torch.dtype):
+        """Shard `index`'s (w13 [E, 2Is, Hp], w2 [E, Hp, Is]) as `dtype` on the device: views
+        of the raw bytes for bf16 weights in a bf16 model, else widened into buffers of that
+        shard's own, reused from layer to layer (the shards of one layer split I, so all of
+        them together are one layer's worth)."""
         w13q, s13, w2q, s2 = split_shard(raw, s)
         if s.fmt == "bf16" and dtype == torch.bfloat16:
             return w13q.view(torch.bfloat16), w2q.view(torch.bfloat16)
@@ -213,7 +215,7 @@ class GpuExpertPrefill:
             ("w13", w13q, s13, (s.E, 2 * s.Is, s.Hp)),
             ("w2", w2q, s2, (s.E, s.Hp, s.Is)),
         ):
-            key = (name, shape, dtype)
+            key = (index, name, shape, dtype)
             buf = self._wide.get(key)
             if buf is None:
                 buf = self._wide[key] = torch.empty(shape, dtype=dtype, device=self.device)
@@ -250,15 +252,11 @@ class GpuExpertPrefill:
             # the other slot, once the GEMMs of the layer before this one are done with it
             self._fetch(self.layers[i + 1], self._next_slot)
         shards, at = [], 0
-        # the widening buffers are shared by the shards: one shard's GEMMs, then the next's
-        for s in self._layout(layer):
-            shards.append((raw[at : at + s.nbytes], s))
+        for index, s in enumerate(self._layout(layer)):
+            if s.Is:
+                shards.append(self._widen(raw[at : at + s.nbytes], s, index, hidden.dtype))
             at += s.nbytes
-        y = None
-        for region, s in shards:
-            w13, w2 = self._widen(region, s, hidden.dtype)
-            part = experts_from_shards(hidden, topk_ids, topk_weights, [(w13, w2)], self._mm_state)
-            y = part if y is None else y + part
+        y = experts_from_shards(hidden, topk_ids, topk_weights, shards, self._mm_state)
         if self.cuda:
             self._freed[slot].record(stream)
         self.calls += 1

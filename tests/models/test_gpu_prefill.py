@@ -84,6 +84,21 @@ def test_prefill_runs_layers_and_prefetches_the_next(fmt) -> None:
         gp.close()
 
 
+@pytest.mark.parametrize("split,inter", [(2, 200), (3, 33)])
+def test_prefill_over_node_shards(split: int, inter: int) -> None:
+    """Node shards (split_nodes) are summed in one pass; a node whose shard holds no columns
+    (I = 33 pads to one 64-column chunk, three nodes) is skipped."""
+    E, H, k, T = 6, 128, 3, 17
+    with CpuExpertPool(3, split_nodes=split) as pool:
+        weights = _layer(pool, 0, E, inter, H, "int8")
+        assert (split == 3) == any(s.Is == 0 for s in pool.layer_shards(0))
+        gp = GpuExpertPrefill(pool, [0], torch.device("cpu"))
+        ids, w = _routing(T, E, k, seed=5, skip=True)
+        x = torch.randn(T, H)
+        got = gp.run(0, x, ids, w)
+        assert torch.allclose(got, moe_reference(x, *weights, ids, w), rtol=1e-4, atol=1e-5)
+
+
 def test_pool_releases_the_prefill_before_it_unmaps() -> None:
     """Replacing a layer or closing the pool calls the prefill path's release first (on CUDA:
     unpin before munmap), once per hand-out; the path then reads the new layer."""

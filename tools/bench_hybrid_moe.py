@@ -42,6 +42,7 @@ from models.batch import ForwardBatch, KVCache  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.loader import apply_fast_linears, build_model  # noqa: E402
 from models.loader.dummy import init_dummy_weights  # noqa: E402
+from tools.bench_offline import read_bandwidth_gbps  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -495,20 +496,6 @@ def floors(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> dict[str, float
     }
 
 
-def cpu_read_gbps(num_bytes: int = 2 << 30, reps: int = 5) -> tuple[float, int]:
-    """This machine's CPU memory read bandwidth right now (best of `reps` torch sums over a
-    buffer far larger than the L3, all intra-op threads), and the thread count. Machine
-    instances of one kind differ (BENCHMARKS: the pool's job took 294 us on one, 416-482 on
-    another), so floors are printed at this figure too."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return num_bytes / best / 1e9, torch.get_num_threads()
-
-
 def shared_layer(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -598,7 +585,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, expert inter "
           f"{cfg.moe_intermediate_size}; device {a.device}"
           + (f" ({torch.cuda.get_device_name()})" if a.device == "cuda" else ""), flush=True)  # fmt: skip
-    gbps, threads = cpu_read_gbps()
+    # Machine instances of one kind differ (BENCHMARKS: the pool's job took 294 us a layer on
+    # one, 416-482 on another), so floors are also given at the rate read now, past the L3.
+    gbps, threads = read_bandwidth_gbps(2 << 30), torch.get_num_threads()
     print(f"# CPU read bandwidth now: {gbps:.1f} GB/s ({threads} threads, torch sum); floors "
           f"below use --floor-gbps {a.floor_gbps:g} (measured-rate floors in the JSON: "
           "*_floor_measured_tok_s)", flush=True)  # fmt: skip

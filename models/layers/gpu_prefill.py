@@ -32,6 +32,14 @@ _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the expert cache's read-only mappings
 
 
+def _cuda_runtime():
+    """CuPy's CUDA runtime module (page-locking, raw-pointer copies); CuPy is only needed
+    on CUDA."""
+    from ext.cuda._loader import cupy_module
+
+    return cupy_module().cuda.runtime
+
+
 def _grouped_mm(
     a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor, state: dict
 ) -> torch.Tensor:
@@ -150,7 +158,7 @@ class GpuExpertPrefill:
             return
         from ext.cuda._loader import cupy_module
 
-        rt = cupy_module().cuda.runtime
+        rt = _cuda_runtime()
         with cupy_module().cuda.Device(self.device.index or 0):
             try:
                 rt.hostRegister(addr, nbytes, _HOST_REGISTER_PORTABLE)
@@ -182,9 +190,7 @@ class GpuExpertPrefill:
                 buf[at : at + r.numel()].copy_(r)
                 at += r.numel()
             return
-        from ext.cuda._loader import cupy_module
-
-        rt = cupy_module().cuda.runtime
+        rt = _cuda_runtime()
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(self._freed[slot])
@@ -270,9 +276,7 @@ class GpuExpertPrefill:
         self._hooked = False
         if self.cuda:
             self._copy_stream.synchronize()
-            from ext.cuda._loader import cupy_module
-
-            rt = cupy_module().cuda.runtime
+            rt = _cuda_runtime()
             for addr in self._registered:
                 try:
                     rt.hostUnregister(addr)

@@ -160,7 +160,8 @@ def main() -> None:
             if fmt == args.formats[0]:
                 print(
                     f"pool: isa={info['isa']} int path={info['int_isa'] or 'none'} "
-                    f"(from {info['int_min_tokens']} tokens/expert) threads={info['num_threads']} "
+                    f"(from {info['int_min_tokens']} tokens/expert) packed rows="
+                    f"{'on' if info['pack_rows'] else 'off'} threads={info['num_threads']} "
                     f"nodes={[n['node'] for n in info['numa_nodes']]}"
                 )
                 print(header)
@@ -187,6 +188,7 @@ def main() -> None:
                     "isa": info["isa"],
                     "int_isa": info["int_isa"],
                     "int_min_tokens": info["int_min_tokens"],
+                    "pack_rows": info["pack_rows"],
                     "threads": info["num_threads"],
                     "phases": phases,
                 }

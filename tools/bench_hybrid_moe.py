@@ -543,6 +543,7 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
             load_s=load_s,
             pool_GB=sum(info["bytes_per_format"].values()) / 1e9,
             isa=info["isa"],
+            pack_rows=info["pack_rows"],
             threads=info["num_threads"],
             pool_wait_s=s.pool_wait_seconds,  # all modes together
             d2h_GB=s.d2h_bytes / 1e9,

@@ -140,6 +140,7 @@ PYBIND11_MODULE(_tandem_cpu, m) {
                d["ptr"] = reinterpret_cast<uintptr_t>(s.w13);
                d["nbytes"] = (size_t)L.E * (s.w13_expert + s.w2_expert) +
                              (size_t)L.E * (s.s13_expert + s.s2_expert) * sizeof(float);
+               d["packed"] = L.packed;
                d["i0"] = s.i0;
                d["Is"] = s.Is;
                d["Iv"] = s.Iv;
@@ -156,6 +157,8 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def_property_readonly("int_isa", &ExpertPool::int_isa)
       .def_property("int_min_tokens", &ExpertPool::int_min_tokens,
                     &ExpertPool::set_int_min_tokens)
+      .def_property("pack_rows", &ExpertPool::pack_rows, &ExpertPool::set_pack_rows)
+      .def("layer_packed", [](const ExpertPool& p, int layer) { return p.layer(layer).packed; })
       .def("reset_phase_stats", &ExpertPool::reset_phase_stats,
            py::call_guard<py::gil_scoped_release>())
       .def("phase_stats",

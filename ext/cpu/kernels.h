@@ -29,6 +29,7 @@ struct WeightView {
   size_t row_bytes;
   const float* scales;  // int8: [rows]; int4: [rows][K / group]; bf16: unused
   int group;            // int4 group size
+  bool packed = false;  // int8/int4 rows in the packed order (below: pack_row)
 };
 
 // Activations of one expert, prepared once per phase in the layout the ISA wants.
@@ -46,6 +47,9 @@ struct KernelSet {
   size_t (*scratch_bytes)(int R, int K) = nullptr;
   // dst[i] = silu(gate[i]) * up[i] for i < n; null: the caller's scalar loop.
   void (*silu_mul)(const float* gate, const float* up, float* dst, int n) = nullptr;
+  // gemm reads packed int rows (WeightView.packed) for n < packed_below tokens; from there on
+  // (and for every n where 0) the caller hands it natural rows.
+  int packed_below = 0;
 };
 
 static inline size_t gemm_scratch_bytes(int R, int K) {
@@ -75,6 +79,61 @@ static inline int scales_per_row(int fmt, int K, int group) {
   return fmt == FMT_BF16 ? 0 : fmt == FMT_INT8 ? 1 : K / group;
 }
 
+// Packed int rows (Layer::packed, on CPUs with the integer path): each row's elements are
+// stored in the order the VNNI kernel multiplies them, so it reads them with plain loads instead
+// of transposing every row on every call. A row is cut into super-blocks of kQSuper elements
+// (the last one holds m = the rest / kQBlock blocks, m even); in a super-block with m blocks:
+//   int8: 8 runs j of 4m bytes; run j holds at bytes [4 l, 4 l + 4) the elements
+//         [32 l + 4 j, 32 l + 4 j + 4) of block l (kQSuper bytes a full super-block);
+//   int4: 4 runs u of 4m bytes; byte 4 l + b holds element 32 l + 4 u + b in its low nibble and
+//         element 32 l + 16 + 4 u + b in its high one (kQSuper / 2 bytes a full super-block).
+// Scales keep their natural order. A row is a permutation of the natural row's bytes (int8) or
+// nibbles (int4): same size, and packing is per row, so row slices of a layer stay valid.
+static inline int packed_blocks(int K, int sb) {
+  const int rest = (K - sb * kQSuper) / kQBlock;
+  return rest < 16 ? rest : 16;
+}
+
+// Byte of natural element k in a packed row of K elements; *high: int4 high nibble.
+static inline size_t packed_at(int fmt, int K, int k, bool* high) {
+  const int sb = k / kQSuper, m = packed_blocks(K, sb), l = (k % kQSuper) / kQBlock, i = k % kQBlock;
+  if (fmt == FMT_INT8) {
+    *high = false;
+    return (size_t)sb * kQSuper + (size_t)(i / 4) * 4 * m + 4 * l + i % 4;
+  }
+  *high = i >= 16;
+  return (size_t)sb * (kQSuper / 2) + (size_t)((i % 16) / 4) * 4 * m + 4 * l + i % 4;
+}
+
+// Byte of natural element k in a natural int4 row (kernels.h: 64-element chunks of 32 bytes).
+static inline size_t natural_int4_at(int k, bool* high) {
+  *high = (k % 64) >= 32;
+  return (size_t)(k / 64) * 32 + k % 32;
+}
+
+// One int8/int4 row of K elements, natural -> packed (pack) or packed -> natural. Portable and
+// byte by byte: conversion, save/load and tests; the kernels use vnni_unpack_rows.
+static inline void repack_row(int fmt, int K, const uint8_t* src, uint8_t* dst, bool pack) {
+  if (fmt == FMT_INT8) {
+    for (int k = 0; k < K; ++k) {
+      bool h;
+      const size_t p = packed_at(fmt, K, k, &h);
+      if (pack) dst[p] = src[k];
+      else dst[k] = src[p];
+    }
+    return;
+  }
+  std::memset(dst, 0, (size_t)K / 2);
+  for (int k = 0; k < K; ++k) {
+    bool hp, hn;
+    const size_t p = packed_at(fmt, K, k, &hp), n = natural_int4_at(k, &hn);
+    const size_t from = pack ? n : p, to = pack ? p : n;
+    const bool from_high = pack ? hn : hp, to_high = pack ? hp : hn;
+    const uint8_t v = from_high ? src[from] >> 4 : src[from] & 15;
+    dst[to] |= to_high ? (uint8_t)(v << 4) : v;
+  }
+}
+
 static inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
   float f;
@@ -97,6 +156,14 @@ static inline void dequant_row(const WeightView& w, int r, int K, float* dst) {
   if (w.fmt == FMT_BF16) {
     const uint16_t* p = (const uint16_t*)row;
     for (int k = 0; k < K; ++k) dst[k] = bf16_to_f32(p[k]);
+  } else if (w.packed) {  // int8/int4 in the packed order: element by element
+    const float* s = w.scales + (size_t)r * (w.fmt == FMT_INT8 ? 1 : K / w.group);
+    for (int k = 0; k < K; ++k) {
+      bool high;
+      const uint8_t b = row[packed_at(w.fmt, K, k, &high)];
+      dst[k] = w.fmt == FMT_INT8 ? (float)(int8_t)b * s[0]
+                                 : (float)((int)(high ? b >> 4 : b & 15) - 8) * s[k / w.group];
+    }
   } else if (w.fmt == FMT_INT8) {
     const int8_t* p = (const int8_t*)row;
     const float s = w.scales[r];
@@ -132,11 +199,13 @@ void avx512_silu_mul(const float* gate, const float* up, float* dst, int n);
 #ifdef TANDEM_HAVE_AMX
 KernelSet kernels_amx();
 #endif
-// Tokens per expert from which the integer path beats widening the weights (measured): on a
-// 2-core AMD EPYC (VNNI) 1 token ran at 0.88x and 2 at 1.1-1.26x; on the device's Xeon (AMX),
-// one layer of the Qwen3-30B-A3B shape at 1 token took 0.254 ms (int4) / 0.517 ms (int8) on the
-// integer path against 0.462 / 0.698 ms widened, so AMX machines take it from 1 token.
-constexpr int kVnniMinTokens = 2;
+// Tokens per expert from which the integer path beats widening the weights (measured): on the
+// device's Xeon (AMX), one layer of the Qwen3-30B-A3B shape at 1 token took 0.254 ms (int4) /
+// 0.517 ms (int8) on the integer path against 0.462 / 0.698 ms widened. With packed rows
+// (packed_at) the VNNI kernel no longer transposes weights per call: on a 2-core AVX-512 VNNI
+// VM one such layer at 1 token took 1.41 ms (int4) / 2.27 ms (int8) against 2.67 / 4.03 ms
+// widened from natural rows, so both take it from 1 token.
+constexpr int kVnniMinTokens = 1;
 constexpr int kAmxIntMinTokens = 1;
 #ifdef TANDEM_HAVE_VNNI
 KernelSet kernels_vnni();
@@ -145,6 +214,8 @@ void vnni_prep(const float* const* x, int Kv, int K, int n, void* dst);
 void vnni_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
                uint8_t* scratch);
 size_t vnni_scratch_bytes(int R, int K);
+// Packed rows [0, R) of w (int8/int4) in the natural order: dst[R][row_bytes(fmt, K)].
+void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst);
 #endif
 #ifdef TANDEM_HAVE_AMX_INT8
 KernelSet kernels_amx_int8();  // tdpbssd from kAmxMinTokens tokens, VNNI below

@@ -181,6 +181,10 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
 
 }  // namespace
 
-KernelSet kernels_amx_int8() { return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes}; }
+KernelSet kernels_amx_int8() {
+  // Below kAmxMinTokens its gemm is vnni_gemm, which reads packed rows; tdpbssd wants them
+  // natural (the pool unpacks them first).
+  return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes, nullptr, kAmxMinTokens};
+}
 
 }  // namespace tandem_cpu

@@ -44,7 +44,22 @@ struct TransposeIdx {
       s2[i] = _mm512_load_si512(v[2 + i]);
       s3[i] = _mm512_load_si512(v[4 + i]);
     }
+    // Each round maps a pair of vectors (X, Y) to (perm(X, f0, Y), perm(X, f1, Y)), a bijection
+    // of their 32 lanes; the inverse round takes lane L of X (Y) back from where it went.
+    alignas(64) int32_t u[6][16];
+    for (int r = 0; r < 3; ++r)
+      for (int w = 0; w < 2; ++w)
+        for (int L = 0; L < 16; ++L) {
+          const int src = v[2 * r + w][L];
+          u[2 * r + src / 16][src % 16] = 16 * w + L;
+        }
+    for (int i = 0; i < 2; ++i) {
+      t1[i] = _mm512_load_si512(u[i]);
+      t2[i] = _mm512_load_si512(u[2 + i]);
+      t3[i] = _mm512_load_si512(u[4 + i]);
+    }
   }
+  __m512i t1[2], t2[2], t3[2];  // the inverse rounds
 };
 
 // A[i] holds blocks 2i (lanes 0-7) and 2i + 1 (lanes 8-15) as 8 dwords each, in order; out[j]
@@ -59,6 +74,45 @@ inline void transpose16x8(const __m512i* A, __m512i* out, const TransposeIdx& ix
   }
   for (int j = 0; j < 8; ++j)
     out[j] = _mm512_permutex2var_epi32(C[j / 2], ix.s3[j & 1], C[4 + j / 2]);
+}
+
+// The inverse of transpose16x8: out[j] (dword j of block l in lane l) back to A[i] (blocks 2i
+// and 2i + 1, 8 dwords each, in order).
+inline void untranspose16x8(const __m512i* O, __m512i* A, const TransposeIdx& ix) {
+  __m512i B[8], C[8];
+  for (int h = 0; h < 4; ++h) {
+    C[h] = _mm512_permutex2var_epi32(O[2 * h], ix.t3[0], O[2 * h + 1]);
+    C[4 + h] = _mm512_permutex2var_epi32(O[2 * h], ix.t3[1], O[2 * h + 1]);
+  }
+  for (int r = 0; r < 2; ++r)
+    for (int h = 0; h < 2; ++h) {
+      B[4 * r + h] = _mm512_permutex2var_epi32(C[4 * r + 2 * h], ix.t2[0], C[4 * r + 2 * h + 1]);
+      B[4 * r + 2 + h] = _mm512_permutex2var_epi32(C[4 * r + 2 * h], ix.t2[1], C[4 * r + 2 * h + 1]);
+    }
+  for (int p = 0; p < 4; ++p) {
+    A[2 * p] = _mm512_permutex2var_epi32(B[2 * p], ix.t1[0], B[2 * p + 1]);
+    A[2 * p + 1] = _mm512_permutex2var_epi32(B[2 * p], ix.t1[1], B[2 * p + 1]);
+  }
+}
+
+// Super-block s of a packed row (kernels.h: packed_at) as the 8 vectors the kernel multiplies:
+// O[j] lane l = elements [32 l + 4 j, +4) of block l as u8 (int8 stays signed here; lanes of
+// blocks past the row's end are zero).
+inline void load_packed(const uint8_t* row, int fmt, int K, int s, __m512i* O) {
+  const int m = packed_blocks(K, s);
+  const __mmask16 mask = q8_first_n(m);
+  if (fmt == FMT_INT8) {
+    const uint8_t* p = row + (size_t)s * kQSuper;
+    for (int j = 0; j < 8; ++j) O[j] = _mm512_maskz_loadu_epi32(mask, p + (size_t)j * 4 * m);
+  } else {
+    const uint8_t* p = row + (size_t)s * (kQSuper / 2);
+    const __m512i m15 = _mm512_set1_epi8(15);
+    for (int u = 0; u < 4; ++u) {
+      const __m512i v = _mm512_maskz_loadu_epi32(mask, p + (size_t)u * 4 * m);
+      O[u] = _mm512_and_si512(v, m15);
+      O[u + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+    }
+  }
 }
 
 // Rows [r0, r0 + kTileRows) of w as u8 in the VNNI layout: dst[r][Ksb]; int4 block scales into
@@ -161,6 +215,109 @@ void qtile(const uint8_t* Wq, const float* ws, const QLayout& q, const uint8_t* 
   }
 }
 
+// The 16 block scales of int4 row `sr` (K / group of them) in super-block s, zero past K.
+inline __m512 int4_block_scales(const float* sr, int groups, int group, int s) {
+  if (group == kQBlock) return _mm512_maskz_loadu_ps(q8_first_n(groups - s * 16), sr + s * 16);
+  const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  return _mm512_permutexvar_ps(twice, _mm512_maskz_loadu_ps(q8_first_n(groups - s * 8), sr + s * 8));
+}
+
+// kTileRows packed rows (read in place) against NT tokens.
+template <int NT, bool INT4>
+void qtile_packed(const WeightView& w, int r0, int K, const QLayout& q, const uint8_t* X,
+                  float* C, int ldc) {
+  const size_t tb = q.token_bytes();
+  const int8_t* xq[NT];
+  const float* xs[NT];
+  const int32_t* xsum[NT];
+  for (int t = 0; t < NT; ++t) {
+    xq[t] = (const int8_t*)(X + t * tb);
+    xs[t] = (const float*)(X + t * tb + q.Ksb);
+    xsum[t] = (const int32_t*)(X + t * tb + q.Ksb) + q.nb;
+  }
+  const uint8_t* row[kTileRows];
+  for (int r = 0; r < kTileRows; ++r) row[r] = w.data + (size_t)(r0 + r) * w.row_bytes;
+  const int groups = INT4 ? K / w.group : 0;
+  const __m512i flip = _mm512_set1_epi8((char)0x80), m15 = _mm512_set1_epi8(15);
+  __m512 facc[kTileRows][NT];
+  for (int r = 0; r < kTileRows; ++r)
+    for (int t = 0; t < NT; ++t) facc[r][t] = _mm512_setzero_ps();
+  for (int s = 0; s < q.nsb; ++s) {
+    const int m = packed_blocks(K, s);
+    const __mmask16 mask = q8_first_n(m);
+    const size_t run = (size_t)4 * m;
+    __m512i acc[kTileRows][NT];
+    for (int t = 0; t < NT; ++t) {
+      const __m512i sum = _mm512_loadu_si512((const void*)(xsum[t] + s * 16));
+      const __m512i corr = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, INT4 ? 3 : 7));
+      for (int r = 0; r < kTileRows; ++r) acc[r][t] = corr;
+    }
+    if (INT4) {
+      for (int u = 0; u < 4; ++u) {
+        __m512i xlo[NT], xhi[NT];
+        for (int t = 0; t < NT; ++t) {
+          xlo[t] = _mm512_loadu_si512((const void*)(xq[t] + (size_t)s * kQSuper + u * 64));
+          xhi[t] = _mm512_loadu_si512((const void*)(xq[t] + (size_t)s * kQSuper + (u + 4) * 64));
+        }
+        for (int r = 0; r < kTileRows; ++r) {
+          const __m512i v = _mm512_maskz_loadu_epi32(mask, row[r] + (size_t)s * (kQSuper / 2) + u * run);
+          const __m512i lo = _mm512_and_si512(v, m15);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+          for (int t = 0; t < NT; ++t) {
+            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo, xlo[t]);
+            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi, xhi[t]);
+          }
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        __m512i xv[NT];
+        for (int t = 0; t < NT; ++t)
+          xv[t] = _mm512_loadu_si512((const void*)(xq[t] + (size_t)s * kQSuper + j * 64));
+        for (int r = 0; r < kTileRows; ++r) {
+          // Lanes past the row's end load 0 and flip to 128; their activations are zero.
+          const __m512i wv = _mm512_xor_si512(
+              _mm512_maskz_loadu_epi32(mask, row[r] + (size_t)s * kQSuper + j * run), flip);
+          for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wv, xv[t]);
+        }
+      }
+    }
+    __m512 xsv[NT];
+    for (int t = 0; t < NT; ++t) xsv[t] = _mm512_loadu_ps(xs[t] + s * 16);
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512 wsv = INT4 ? int4_block_scales(w.scales + (size_t)(r0 + r) * groups, groups,
+                                                  w.group, s)
+                              : _mm512_setzero_ps();
+      for (int t = 0; t < NT; ++t) {
+        const __m512 sc = INT4 ? _mm512_mul_ps(xsv[t], wsv) : xsv[t];
+        facc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), sc, facc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < kTileRows; ++r) {
+    const float scale = INT4 ? 1.f : w.scales[r0 + r];
+    for (int t = 0; t < NT; ++t)
+      C[(size_t)t * ldc + r0 + r] = _mm512_reduce_add_ps(facc[r][t]) * scale;
+  }
+}
+
+template <bool INT4>
+void gemm_packed(const WeightView& w, int R, int K, const uint8_t* X, int n, float* C, int ldc) {
+  const QLayout q(K);
+  const size_t tb = q.token_bytes();
+  const size_t tile_bytes = kTileRows * w.row_bytes;
+  for (int r0 = 0; r0 < R; r0 += kTileRows) {
+    if (r0 + kTileRows < R) {  // the next rows toward the cache while these are multiplied
+      const char* next = (const char*)(w.data + (size_t)(r0 + kTileRows) * w.row_bytes);
+      for (size_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    }
+    int t = 0;
+    for (; t + 2 <= n; t += 2)
+      qtile_packed<2, INT4>(w, r0, K, q, X + t * tb, C + (size_t)t * ldc, ldc);
+    if (t < n) qtile_packed<1, INT4>(w, r0, K, q, X + t * tb, C + (size_t)t * ldc, ldc);
+  }
+}
+
 template <bool INT4>
 void gemm_rows(const WeightView& w, int R, int K, const uint8_t* X, int n, float* C, int ldc,
                uint8_t* scratch) {
@@ -217,12 +374,42 @@ void vnni_prep(const float* const* x, int Kv, int K, int n, void* dst) {
 
 void vnni_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
                uint8_t* scratch) {
+  if (w.packed) {
+    if (w.fmt == FMT_INT4) gemm_packed<true>(w, R, K, (const uint8_t*)xp, n, C, ldc);
+    else gemm_packed<false>(w, R, K, (const uint8_t*)xp, n, C, ldc);
+    return;
+  }
   if (w.fmt == FMT_INT4) gemm_rows<true>(w, R, K, (const uint8_t*)xp, n, C, ldc, scratch);
   else gemm_rows<false>(w, R, K, (const uint8_t*)xp, n, C, ldc, scratch);
 }
 
+void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst) {
+  static const TransposeIdx ix;
+  const size_t rb = row_bytes(w.fmt, K);
+  const int nsb = qsuper_pad(K) / kQSuper;
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* row = w.data + (size_t)r * w.row_bytes;
+    uint8_t* d = dst + (size_t)r * rb;
+    for (int s = 0; s < nsb; ++s) {
+      __m512i O[8], A[8];
+      load_packed(row, w.fmt, K, s, O);
+      untranspose16x8(O, A, ix);
+      const int pairs = packed_blocks(K, s) / 2;  // natural 64-element chunks in this one
+      for (int i = 0; i < pairs; ++i) {
+        if (w.fmt == FMT_INT8) {
+          _mm512_storeu_si512((void*)(d + (size_t)s * kQSuper + i * 64), A[i]);
+        } else {  // elements 0-31 of the chunk to the low nibbles, 32-63 to the high ones
+          const __m256i lo = _mm512_castsi512_si256(A[i]), hi = _mm512_extracti64x4_epi64(A[i], 1);
+          _mm256_storeu_si256((__m256i*)(d + (size_t)s * (kQSuper / 2) + i * 32),
+                              _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+        }
+      }
+    }
+  }
+}
+
 KernelSet kernels_vnni() {
-  return {"vnni", vnni_prep_bytes, vnni_prep, vnni_gemm, vnni_scratch_bytes};
+  return {"vnni", vnni_prep_bytes, vnni_prep, vnni_gemm, vnni_scratch_bytes, nullptr, 1 << 30};
 }
 
 }  // namespace tandem_cpu

@@ -9,6 +9,11 @@ Shard) of `[w13 of every expert][w2 of every expert][s13][s2]`:
   s13/s2: fp32 scales (int8: one a row; int4: one per `group` elements; bf16: none).
 Row encodings (ext/cpu/kernels.h): bf16; int8 (value = q * scale); int4 (value = (nibble - 8)
 * scale, each 64-element chunk 32 bytes, byte j holding element j low and j + 32 high).
+Packed layers (`packed`, kernels.h: packed_at) store each int8/int4 row permuted into the
+order the CPU's integer kernel reads: super-blocks of 512 elements (the last one m = rest / 32
+blocks), int8 as 8 runs of 4m bytes, run j holding elements [32 l + 4 j, +4) of each block l;
+int4 as 4 runs u of 4m bytes, byte 4 l + b holding element 32 l + 4 u + b (low nibble) and
+32 l + 16 + 4 u + b (high). Scales are not permuted.
 
 This is what lets another device compute with the pool's weights without converting them
 again: the raw shard goes to the GPU as it is, and `dequantize` (or its CUDA kernel,
@@ -17,6 +22,7 @@ ext/cuda/expert_dequant.py) turns it into `[E, rows, K]` matrices in the blocked
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +57,7 @@ class ShardLayout:
     w2_expert: int
     s13_expert: int
     s2_expert: int
+    packed: bool = False  # int8/int4 rows in the packed order
 
     @property
     def offsets(self) -> tuple[int, int, int]:
@@ -84,24 +91,46 @@ def split_shard(
     return w13, s13, w2, s2
 
 
+@functools.lru_cache(maxsize=64)
+def packed_index(fmt: str, k: int) -> torch.Tensor:
+    """For each natural element of a packed row of `k` elements, where it is: int8 its byte,
+    int4 2 * byte + (1 if in the high nibble) (kernels.h: packed_at). int64 [k], CPU."""
+    e = torch.arange(k)
+    sb, lane, i = e // 512, (e % 512) // 32, e % 32
+    m = ((k - sb * 512) // 32).clamp(max=16)
+    if fmt == "int8":
+        return sb * 512 + (i // 4) * 4 * m + 4 * lane + i % 4
+    if fmt == "int4":
+        byte = sb * 256 + ((i % 16) // 4) * 4 * m + 4 * lane + i % 4
+        return 2 * byte + (i >= 16).long()
+    raise ValueError(f"only int8/int4 rows are packed, not {fmt!r}")
+
+
 def dequantize(
     q: torch.Tensor,  # [E, R, row_bytes] uint8
     scales: torch.Tensor | None,  # [E, R, spr] f32
     fmt: str,
     group: int,
     dtype: torch.dtype,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Rows of the pool's encoding as `dtype` [E, R, K] (the reference of the CUDA kernel:
-    the value in fp32, rounded once to `dtype`)."""
+    the value in fp32, rounded once to `dtype`); `packed`: int rows in the packed order."""
     E, R, nb = q.shape
     if fmt == "bf16":
         return q.contiguous().view(torch.bfloat16).to(dtype)
     if fmt == "int8":
+        if packed:
+            q = q[..., packed_index(fmt, nb).to(q.device)]
         return (q.view(torch.int8).float() * scales).to(dtype)
     if fmt != "int4":
         raise ValueError(f"unknown format {fmt!r}")
-    b = q.view(E, R, nb // 32, 32)
-    nib = torch.cat([b & 15, b >> 4], dim=-1).reshape(E, R, nb * 2)  # [E, R, K]
+    if packed:  # nibbles in byte order (low, high), then each element from where it is
+        nib = torch.stack([q & 15, q >> 4], dim=-1).reshape(E, R, nb * 2)
+        nib = nib[..., packed_index(fmt, nb * 2).to(q.device)]
+    else:
+        b = q.view(E, R, nb // 32, 32)
+        nib = torch.cat([b & 15, b >> 4], dim=-1).reshape(E, R, nb * 2)  # [E, R, K]
     s = scales.repeat_interleave(group, dim=-1)
     return ((nib.float() - 8.0) * s).to(dtype)
 
@@ -113,8 +142,8 @@ def shard_weights(
     reference: (w13 [E, 2Is, Hp], w2 [E, Hp, Is]). Padded rows and columns are zero."""
     w13q, s13, w2q, s2 = split_shard(raw, s)
     return (
-        dequantize(w13q, s13, s.fmt, s.group, dtype),
-        dequantize(w2q, s2, s.fmt, s.group, dtype),
+        dequantize(w13q, s13, s.fmt, s.group, dtype, s.packed),
+        dequantize(w2q, s2, s.fmt, s.group, dtype, s.packed),
     )
 
 

@@ -105,6 +105,27 @@ void quantize_row(int fmt, int group, const float* x, int K, uint8_t* dst, float
   }
 }
 
+// quantize_row, then the row in the packed order when `packed` (int8/int4).
+void convert_row(int fmt, int group, bool packed, const float* x, int K, uint8_t* dst,
+                 float* scales, float amax = -1.f) {
+  if (!packed || fmt == FMT_BF16) {
+    quantize_row(fmt, group, x, K, dst, scales, amax);
+    return;
+  }
+  thread_local std::vector<uint8_t> natural;
+  natural.resize(row_bytes(fmt, K));
+  quantize_row(fmt, group, x, K, natural.data(), scales, amax);
+  repack_row(fmt, K, natural.data(), dst, /*pack=*/true);
+}
+
+// Rows [0, R) of w (packed int8/int4), natural, one at a time: where the CPU has no
+// vnni_unpack_rows (a layer file packed elsewhere).
+void unpack_rows_portable(const WeightView& w, int R, int K, uint8_t* dst) {
+  const size_t rb = row_bytes(w.fmt, K);
+  for (int r = 0; r < R; ++r)
+    repack_row(w.fmt, K, w.data + (size_t)r * w.row_bytes, dst + (size_t)r * rb, /*pack=*/false);
+}
+
 
 // The geometry of a node's shard [i0, i0 + Is) of L (sizes only, no memory).
 Shard plan_shard(const Layer& L, int i0, int Is) {
@@ -164,8 +185,23 @@ void copy_expert(const Layer& L, const Shard& full, const Shard& s, int e, bool 
   const size_t col0 = row_bytes(fmt, s.i0);
   const size_t spr2f = scales_per_row(fmt, full.Is, group), spr2 = scales_per_row(fmt, s.Is, group);
   const size_t scol0 = fmt == FMT_INT4 ? (size_t)s.i0 / group : 0;
+  // Packed rows are packed per row length: a column slice of a packed row is not the packed
+  // shard row, so those go through the natural order.
+  const bool repack = L.packed && full.Is != s.Is;
+  std::vector<uint8_t> nat(repack ? rb2f : 0);
   for (int h = 0; h < Hp; ++h) {
-    cp(full.w2 + e * full.w2_expert + h * rb2f + col0, s.w2 + e * s.w2_expert + h * rb2, rb2);
+    uint8_t* frow = full.w2 + e * full.w2_expert + h * rb2f;
+    uint8_t* srow = s.w2 + e * s.w2_expert + h * rb2;
+    if (!repack) {
+      cp(frow + col0, srow, rb2);
+    } else if (to_shard) {
+      repack_row(fmt, full.Is, frow, nat.data(), /*pack=*/false);
+      repack_row(fmt, s.Is, nat.data() + col0, srow, /*pack=*/true);
+    } else {  // read-modify-write: the other shards' columns of the row stay
+      repack_row(fmt, full.Is, frow, nat.data(), /*pack=*/false);
+      repack_row(fmt, s.Is, srow, nat.data() + col0, /*pack=*/false);
+      repack_row(fmt, full.Is, nat.data(), frow, /*pack=*/true);
+    }
     if (spr2)
       cp(full.s2 + e * full.s2_expert + h * spr2f + scol0, s.s2 + e * s.s2_expert + h * spr2,
          spr2 * sizeof(float));
@@ -178,7 +214,7 @@ constexpr char kCacheMagic[8] = {'T', 'N', 'D', 'M', 'X', 'P', 'C', '1'};
 struct CacheHeader {
   char magic[8];
   uint32_t version;
-  int32_t E, I, H, Hp, fmt, group, Is;
+  int32_t E, I, H, Hp, fmt, group, Is, packed;
   uint64_t w13_expert, s13_expert, w2_expert, s2_expert, data_bytes;
   char key[160];  // NUL-terminated
   uint64_t checksum;  // FNV-1a of the bytes above
@@ -204,6 +240,7 @@ CacheHeader make_header(const Layer& L, const Shard& full, const std::string& ke
   h.fmt = L.fmt;
   h.group = L.group;
   h.Is = full.Is;
+  h.packed = L.packed ? 1 : 0;
   h.w13_expert = full.w13_expert;
   h.s13_expert = full.s13_expert;
   h.w2_expert = full.w2_expert;
@@ -260,6 +297,8 @@ CacheHeader read_checked_header(int fd, const std::string& path, bool check_key,
   } catch (const std::invalid_argument& e) {
     fail(std::string("bad header: ") + e.what());
   }
+  if (h.packed != 0 && (h.packed != 1 || h.fmt == FMT_BF16)) fail("bad header: packed flag");
+  L->packed = h.packed == 1;
   const Shard full = plan_shard(*L, 0, (int)round_up(L->I, kKAlign));
   const CacheHeader want = make_header(*L, full, file_key);
   if (std::memcmp(&want, &h, sizeof(h)) != 0) fail("layout mismatch");
@@ -289,6 +328,11 @@ ExpertPool::ExpertPool(int num_threads, const std::string& isa, int split_nodes)
   int_min_tokens_ = !ikernels_.name                              ? 0
                    : std::string(ikernels_.name) == "amx-int8" ? kAmxIntMinTokens
                                                                 : kVnniMinTokens;
+  pack_rows_ = ikernels_.name != nullptr;
+  unpack_rows_ = unpack_rows_portable;
+#ifdef TANDEM_HAVE_VNNI
+  if (cpu_caps().vnni) unpack_rows_ = vnni_unpack_rows;
+#endif
   workers_ = std::make_unique<Workers>(num_threads, split_nodes);
   scratch_.resize(workers_->size());
   scratch_failed_.assign(workers_->size(), 0);
@@ -354,8 +398,10 @@ std::vector<int> ExpertPool::layer_ids() const {
   return out;
 }
 
-std::unique_ptr<Layer> ExpertPool::plan_layer(int E, int I, int H, int fmt, int group) const {
+std::unique_ptr<Layer> ExpertPool::plan_layer(int E, int I, int H, int fmt, int group,
+                                              bool packed) const {
   auto L = layer_geometry(E, I, H, fmt, group);
+  L->packed = packed && fmt != FMT_BF16;
   // Split the padded intermediate dimension among nodes in chunks of kKAlign, by worker count.
   const auto& nodes = workers_->nodes();
   const int chunks = (int)(round_up(I, kKAlign) / kKAlign);
@@ -374,7 +420,7 @@ std::unique_ptr<Layer> ExpertPool::plan_layer(int E, int I, int H, int fmt, int 
 void ExpertPool::add_layer(int layer, const void* w13, const void* w2, int src_dtype, int E,
                            int I, int H, int fmt, int group) {
   if (src_dtype < SRC_F32 || src_dtype > SRC_F16) throw std::invalid_argument("bad source dtype");
-  auto L = plan_layer(E, I, H, fmt, group);
+  auto L = plan_layer(E, I, H, fmt, group, pack_rows_);
   workers_->wait();
   // Untouched anonymous pages: the node's own workers touch them first while converting.
   for (Shard& s : L->shards) alloc_shard(s, E);
@@ -430,7 +476,7 @@ void ExpertPool::load_layer(int layer_idx, const std::string& path, bool check_k
     ::close(fd);
     throw;
   }
-  std::unique_ptr<Layer> L = plan_layer(h.E, h.I, h.H, h.fmt, h.group);  // checked above
+  std::unique_ptr<Layer> L = plan_layer(h.E, h.I, h.H, h.fmt, h.group, h.packed == 1);  // checked
   const Shard full = plan_shard(*L, 0, (int)round_up(L->I, kKAlign));
   void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
@@ -483,6 +529,7 @@ void ExpertPool::run_convert(int worker, Layer* L, const void* w13, const void* 
   const Shard& s = L->shards[ni];
   if (s.Is == 0) return;
   const int E = L->E, H = L->H, I = L->I, Hp = L->Hp, fmt = L->fmt, group = L->group;
+  const bool packed = L->packed;
   const size_t rb13 = row_bytes(fmt, Hp), rb2 = row_bytes(fmt, s.Is);
   const int spr13 = scales_per_row(fmt, Hp, group), spr2 = scales_per_row(fmt, s.Is, group);
   std::vector<float> row(std::max(Hp, s.Is)), full;
@@ -494,8 +541,8 @@ void ExpertPool::run_convert(int worker, Layer* L, const void* w13, const void* 
       std::fill(row.begin(), row.end(), 0.f);
       if (gi < I) load_src(w13, dtype, ((size_t)e * 2 * I + (j < 32 ? 0 : I) + gi) * H, H, row.data());
       const size_t r = (size_t)b * 64 + j;
-      quantize_row(fmt, group, row.data(), Hp, s.w13 + e * s.w13_expert + r * rb13,
-                   s.s13 + e * s.s13_expert + r * spr13);
+      convert_row(fmt, group, packed, row.data(), Hp, s.w13 + e * s.w13_expert + r * rb13,
+                  s.s13 + e * s.s13_expert + r * spr13);
     }
   }
   const int nh = Hp / 64;
@@ -512,8 +559,8 @@ void ExpertPool::run_convert(int worker, Layer* L, const void* w13, const void* 
         for (float v : full) amax = std::max(amax, std::fabs(v));
       }
       if (h < H && s.Iv > 0) load_src(w2, dtype, ((size_t)e * H + h) * I + s.i0, s.Iv, row.data());
-      quantize_row(fmt, group, row.data(), s.Is, s.w2 + e * s.w2_expert + (size_t)h * rb2,
-                   s.s2 + e * s.s2_expert + (size_t)h * spr2, amax);
+      convert_row(fmt, group, packed, row.data(), s.Is, s.w2 + e * s.w2_expert + (size_t)h * rb2,
+                  s.s2 + e * s.s2_expert + (size_t)h * spr2, amax);
     }
   }
 }
@@ -532,7 +579,7 @@ void ExpertPool::dequantize(int layer_idx, float* w13, float* w2,
     for (int j = 0; j < n; ++j) {
       const int e = experts.empty() ? j : experts[j];
       const WeightView v13{fmt, s.w13 + e * s.w13_expert, row_bytes(fmt, Hp),
-                           s.s13 + e * s.s13_expert, L.group};
+                           s.s13 + e * s.s13_expert, L.group, L.packed};
       for (int r = 0; r < 2 * s.Is; ++r) {
         const int gi = s.i0 + (r / 64) * 32 + (r % 32);
         if (gi >= I) continue;
@@ -541,7 +588,7 @@ void ExpertPool::dequantize(int layer_idx, float* w13, float* w2,
         std::memcpy(w13 + ((size_t)j * 2 * I + src) * H, row.data(), sizeof(float) * H);
       }
       const WeightView v2{fmt, s.w2 + e * s.w2_expert, row_bytes(fmt, s.Is),
-                          s.s2 + e * s.s2_expert, L.group};
+                          s.s2 + e * s.s2_expert, L.group, L.packed};
       for (int h = 0; h < H; ++h) {
         dequant_row(v2, h, s.Is, row.data());
         std::memcpy(w2 + ((size_t)j * H + h) * I + s.i0, row.data(), sizeof(float) * s.Iv);
@@ -689,10 +736,19 @@ void ExpertPool::run_step(int worker) {
   const int Kmax = std::max(Hp, Is);
   size_t kbytes = kernel_scratch_bytes(kernels_, kRowBlock, Kmax);
   if (ikernels_.name) kbytes = std::max(kbytes, kernel_scratch_bytes(ikernels_, kRowBlock, Kmax));
-  uint8_t* scratch = scratch_for(worker, ctile + kbytes + 64);
+  // A work item's rows, natural, for a kernel that does not read packed ones.
+  const size_t ubytes = L.packed ? round_up((size_t)kRowBlock * row_bytes(fmt, Kmax), 64) : 0;
+  uint8_t* scratch = scratch_for(worker, ctile + ubytes + kbytes + 64);
   if (!scratch) failed_.store(true);
   float* C = (float*)scratch;  // [tokens][kRowBlock]
-  uint8_t* kscratch = scratch + ctile;
+  uint8_t* unpacked = scratch + ctile;
+  uint8_t* kscratch = scratch + ctile + ubytes;
+  // w as the kernel of expert a reads it for n tokens: packed rows in place, or natural ones.
+  auto view_for = [&](int a, int n, const WeightView& w, int K) {
+    if (!w.packed || n < kernels_for(a).packed_below) return w;
+    unpack_rows_(w, kRowBlock, K, unpacked);
+    return WeightView{fmt, unpacked, row_bytes(fmt, K), w.scales, w.group, false};
+  };
   thread_local std::vector<const float*> rows;
   if (Is > 0) {
     // Phase 0: this node's copy of every active expert's tokens, in the kernel's layout.
@@ -714,8 +770,11 @@ void ExpertPool::run_step(int worker) {
     for (int i; (i = ns.gate_up.fetch_add(1)) < na * nb1;) {
       if (!scratch) continue;
       const int a = i / nb1, b = i % nb1, e = active_[a], n = count_[a];
-      const WeightView w{fmt, sh.w13 + e * sh.w13_expert + (size_t)b * 64 * rb13, rb13,
-                         sh.s13 + e * sh.s13_expert + (size_t)b * 64 * spr13, L.group};
+      const WeightView w = view_for(
+          a, n,
+          {fmt, sh.w13 + e * sh.w13_expert + (size_t)b * 64 * rb13, rb13,
+           sh.s13 + e * sh.s13_expert + (size_t)b * 64 * spr13, L.group, L.packed},
+          Hp);
       kernels_for(a).gemm(w, kRowBlock, Hp, ns.xprep.data() + ns.x_off[a], n, C, kRowBlock,
                           kscratch);
       ++items;
@@ -754,8 +813,11 @@ void ExpertPool::run_step(int worker) {
     for (int i; (i = ns.down.fetch_add(1)) < na * nb2;) {
       if (!scratch) continue;
       const int a = i / nb2, hb = i % nb2, e = active_[a], n = count_[a];
-      const WeightView w{fmt, sh.w2 + e * sh.w2_expert + (size_t)hb * kRowBlock * rb2, rb2,
-                         sh.s2 + e * sh.s2_expert + (size_t)hb * kRowBlock * spr2, L.group};
+      const WeightView w = view_for(
+          a, n,
+          {fmt, sh.w2 + e * sh.w2_expert + (size_t)hb * kRowBlock * rb2, rb2,
+           sh.s2 + e * sh.s2_expert + (size_t)hb * kRowBlock * spr2, L.group, L.packed},
+          Is);
       kernels_for(a).gemm(w, kRowBlock, Is, ns.aprep.data() + ns.a_off[a], n, C, kRowBlock,
                           kscratch);
       ++items;

@@ -90,13 +90,15 @@ struct Shard {  // one node's slice [i0, i0 + Is) of every expert's intermediate
 
 struct Layer {
   int E = 0, H = 0, I = 0, Hp = 0, fmt = FMT_BF16, group = 64;
+  bool packed = false;  // int8/int4 rows (w13 and w2) in the packed order (kernels.h)
   std::vector<Shard> shards;  // one per node of the pool
   ~Layer();
   size_t weight_bytes() const;  // converted weights + scales, all shards
 };
 
 // Version of the converted layout that save_layer writes; bump when Shard's layout changes.
-constexpr uint32_t kLayoutVersion = 1;
+// 2: the header records whether int rows are packed (kernels.h: packed_at).
+constexpr uint32_t kLayoutVersion = 2;
 
 // The header checks of ExpertPool::load_layer (expected values, layout, file size) without
 // mapping or reading the weights: a cheap "would load_layer accept this file?". Throws
@@ -166,6 +168,12 @@ class ExpertPool {
   // the path, else 0. Between calls.
   void set_int_min_tokens(int n);
   int int_min_tokens() const { return int_min_tokens_; }
+  // Whether layers converted from now on store int8/int4 rows packed (kernels.h: packed_at):
+  // default where the CPU has the integer path, whose 1-token kernel reads them in place.
+  // Paths that want natural rows unpack a work item's rows first. Loaded layers keep the
+  // layout their file has.
+  void set_pack_rows(bool on) { pack_rows_ = on; }
+  bool pack_rows() const { return pack_rows_; }
   PhaseStats phase_stats() const;
   void reset_phase_stats();
   const Workers& workers() const { return *workers_; }
@@ -182,7 +190,7 @@ class ExpertPool {
     std::vector<float> y;              // [T * k][Hp] expert outputs per (token, slot)
   };
 
-  std::unique_ptr<Layer> plan_layer(int E, int I, int H, int fmt, int group) const;
+  std::unique_ptr<Layer> plan_layer(int E, int I, int H, int fmt, int group, bool packed) const;
   void run_step(int worker);
   void run_convert(int worker, Layer* L, const void* w13, const void* w2, int src_dtype,
                    std::atomic<int>* counters);
@@ -208,6 +216,9 @@ class ExpertPool {
   std::vector<char> use_int_;     // per active expert: the integer path
   KernelSet ikernels_{};          // the integer path; name null: none
   int int_min_tokens_ = 0;
+  bool pack_rows_ = false;
+  // Packed rows [0, R) -> natural rows (vnni_unpack_rows where the CPU has it).
+  void (*unpack_rows_)(const WeightView& w, int R, int K, uint8_t* dst) = nullptr;
   const KernelSet& kernels_for(int a) const { return use_int_[a] ? ikernels_ : kernels_; }
   int64_t t_start_ns_ = 0;        // submit's start (job_ns)
   std::atomic<int> workers_done_{0};

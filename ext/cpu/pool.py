@@ -50,6 +50,21 @@ def _int_min_tokens_from_env() -> int | None:
     return value
 
 
+PACK_ROWS_ENV = "TANDEM_CPU_PACK_ROWS"
+
+
+def _pack_rows_from_env() -> bool | None:
+    """TANDEM_CPU_PACK_ROWS: None for unset/"auto", else on/off."""
+    raw = os.environ.get(PACK_ROWS_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("on", "1", "yes", "true"):
+        return True
+    if raw in ("off", "0", "no", "false"):
+        return False
+    raise ValueError(f"{PACK_ROWS_ENV} must be 'auto', 'on' or 'off', got {raw!r}")
+
+
 def cuda_host_funcs_error() -> str | None:
     """None when the CUDA driver's cuLaunchHostFunc can be used (stream-ordered jobs); else
     why not. The extension itself never needs CUDA."""
@@ -152,12 +167,17 @@ class CpuExpertPool:
         split_nodes: int = 0,
         spin_us: int | None = None,
         int_min_tokens: int | None = None,
+        pack_rows: bool | None = None,
     ) -> None:
         """`split_nodes` > 0 (tests): pretend the allowed cpus form that many NUMA nodes.
         `int_min_tokens`: int8/int4 experts with at least this many tokens in a call multiply
         the quantized weights as integers (`int_isa`: "vnni" on AVX-512 VNNI, "amx-int8" on
         AMX; activations quantized to int8 per 32-element block); 0: never; None: $TANDEM_CPU_INT_PATH,
         else the C++ default where the CPU has the path.
+        `pack_rows`: store int8/int4 rows of layers converted from now on in the order the
+        integer path's 1-token kernel reads (ext/cpu/kernels.h: packed_at); None:
+        $TANDEM_CPU_PACK_ROWS (auto|on|off), auto: where the CPU has the integer path.
+        Other paths unpack a work item's rows first.
         `spin_us`: how long idle workers (and a waiting caller) spin before they sleep (None:
         the C++ default, 200; 0: sleep at once). A forward's layers come tens of microseconds
         apart, so spinning keeps the workers hot from one layer's job to the next."""
@@ -176,6 +196,10 @@ class CpuExpertPool:
             int_min_tokens = _int_min_tokens_from_env()
         if int_min_tokens is not None:
             self.int_min_tokens = int_min_tokens
+        if pack_rows is None:
+            pack_rows = _pack_rows_from_env()
+        if pack_rows is not None:
+            self.pack_rows = pack_rows
         self._layers: dict[int, tuple[int, int, int, str, int]] = {}  # E, I, H, fmt, group
         self._inflight: tuple[torch.Tensor, ...] | None = None
         self._stream_tensors: list[tuple[torch.Tensor | None, ...]] = []  # of stream jobs
@@ -564,6 +588,21 @@ class CpuExpertPool:
             raise ValueError(f"no integer path for CPU ISA {self._live().isa!r}")
         self._live().int_min_tokens = value
 
+    @property
+    def pack_rows(self) -> bool:
+        return self._live().pack_rows
+
+    @pack_rows.setter
+    def pack_rows(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"pack_rows must be a bool, got {value!r}")
+        self._live().pack_rows = value
+
+    def layer_packed(self, layer_idx: int) -> bool:
+        """Whether the layer's int8/int4 rows are stored in the packed order."""
+        self._layer(layer_idx)
+        return self._live().layer_packed(layer_idx)
+
     def phase_stats(self) -> dict[str, Any]:
         """Where the calls' time went since the last `reset_phase_stats` (ns, summed over
         calls): route_ns (submit on the caller), job_ns (submit to last worker done), wall_ns
@@ -592,6 +631,7 @@ class CpuExpertPool:
             "isa": pool.isa,
             "int_isa": pool.int_isa,
             "int_min_tokens": pool.int_min_tokens,
+            "pack_rows": pool.pack_rows,
             "supported_isas": supported_isas(),
             "num_threads": pool.num_threads,
             "numa_nodes": pool.nodes,

@@ -10,10 +10,28 @@
 // q rows are `row_bytes` apart inside an expert, experts `q_expert` bytes apart; scales
 // likewise (`s_expert` floats an expert, `s_row` a row). One thread writes 16 elements: int8 two
 // runs of 8 consecutive ones, int4 elements j..j+7 and j+32..j+39 of a chunk (one 8-byte load).
+// PACKED: rows in the CPU pool's packed order (ext/cpu/kernels.h: packed_at), where the four
+// elements [k, k + 4) of a block (k % 4 == 0) are one aligned 4-byte word (int8) or the low or
+// high nibbles of one (int4): the thread reads its 16 elements as four such words.
 // Requirements (checked by the launcher): K % 64 == 0, q and rows 8-byte aligned, out 16-byte.
 #include "common.cuh"
 
-template <int FMT, int DT>
+// The word holding natural elements [k, k + 4) of a packed row of K elements (k % 4 == 0);
+// *shift: 4 when they are the high nibbles (int4).
+template <int FMT>
+__device__ __forceinline__ u32 packed_word(const unsigned char* qr, int K, int k, int* shift) {
+  const int sb = k / 512, rest = (K - sb * 512) / 32, m = rest < 16 ? rest : 16;
+  const int l = (k % 512) / 32, i = k % 32;
+  if constexpr (FMT == 1) {
+    *shift = 0;
+    return *reinterpret_cast<const u32*>(qr + sb * 512 + (i / 4) * 4 * m + 4 * l);
+  } else {
+    *shift = i >= 16 ? 4 : 0;
+    return *reinterpret_cast<const u32*>(qr + sb * 256 + ((i % 16) / 4) * 4 * m + 4 * l);
+  }
+}
+
+template <int FMT, int DT, bool PACKED>
 __global__ void __launch_bounds__(256) expert_dequant_kernel(
     const unsigned char* __restrict__ q, const float* __restrict__ s, u16* __restrict__ out,
     int E, int R, int K, i64 q_expert, i64 row_bytes, i64 s_expert, i64 s_row, int group) {
@@ -29,7 +47,34 @@ __global__ void __launch_bounds__(256) expert_dequant_kernel(
     u16* o = out + row * K;
     float lo[8], hi[8];
     int k_lo, k_hi;
-    if constexpr (FMT == 1) {
+    if constexpr (PACKED) {
+      if constexpr (FMT == 1) {
+        k_lo = u * 16;
+        k_hi = k_lo + 8;
+      } else {
+        k_lo = (u / 4) * 64 + (u % 4) * 8;
+        k_hi = k_lo + 32;
+      }
+      const float s_lo = FMT == 1 ? sr[0] : sr[k_lo / group];
+      const float s_hi = FMT == 1 ? sr[0] : sr[k_hi / group];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // elements k_lo + 4h.. and k_hi + 4h..
+        int sl, sh;
+        const u32 wl = packed_word<FMT>(qr, K, k_lo + 4 * h, &sl);
+        const u32 wh = packed_word<FMT>(qr, K, k_hi + 4 * h, &sh);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u32 bl = (wl >> (8 * j)) & 0xff, bh = (wh >> (8 * j)) & 0xff;
+          if constexpr (FMT == 1) {
+            lo[4 * h + j] = (float)(signed char)bl * s_lo;
+            hi[4 * h + j] = (float)(signed char)bh * s_hi;
+          } else {
+            lo[4 * h + j] = (float)((int)((bl >> sl) & 15) - 8) * s_lo;
+            hi[4 * h + j] = (float)((int)((bh >> sh) & 15) - 8) * s_hi;
+          }
+        }
+      }
+    } else if constexpr (FMT == 1) {
       k_lo = u * 16;
       k_hi = k_lo + 8;
       const uint2 a = *reinterpret_cast<const uint2*>(qr + k_lo);

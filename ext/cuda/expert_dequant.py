@@ -25,6 +25,7 @@ def dequantize(
     group: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,  # [E, R, K] dtype, contiguous: written in place
+    packed: bool = False,  # int rows in the pool's packed order (ext/cpu/layout.py)
 ) -> torch.Tensor:
     """Rows of the pool's encoding as `dtype` [E, R, K], on q's device and current stream."""
     E, R, nb = q.shape
@@ -32,7 +33,7 @@ def dequantize(
     if out is not None and (tuple(out.shape) != (E, R, K) or out.dtype != dtype):
         raise ValueError(f"out must be {dtype} {(E, R, K)}, got {out.dtype} {tuple(out.shape)}")
     if not supported(q, fmt, dtype):
-        ref = dequantize_ref(q, scales, fmt, group, dtype)
+        ref = dequantize_ref(q, scales, fmt, group, dtype, packed)
         if out is None:
             return ref
         out.copy_(ref)
@@ -60,7 +61,7 @@ def dequantize(
     grid = min(-(-total // 256), 132 * 16)
     launch(
         "expert_dequant.cu",
-        f"expert_dequant_kernel<{_FMT[fmt]},{_DT[dtype]}>",
+        f"expert_dequant_kernel<{_FMT[fmt]},{_DT[dtype]},{'true' if packed else 'false'}>",
         q.device,
         (grid, 1, 1),
         (256, 1, 1),

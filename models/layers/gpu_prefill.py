@@ -228,7 +228,7 @@ class GpuExpertPrefill:
             if s.fmt == "bf16":
                 buf.copy_(q.view(torch.bfloat16))
             else:
-                expert_dequant.dequantize(q, sc, s.fmt, s.group, dtype, out=buf)
+                expert_dequant.dequantize(q, sc, s.fmt, s.group, dtype, out=buf, packed=s.packed)
             out.append(buf)
         return out[0], out[1]
 

@@ -76,10 +76,12 @@ def test_int_path_is_selected_per_isa():
         with CpuExpertPool(num_threads=2, isa=isa) as pool:
             assert pool.int_isa == INT_PATHS.get(isa, ""), isa
             if pool.int_isa:
-                # AMX: from 1 token per expert (measured faster there); VNNI alone: from 2
-                assert pool.int_min_tokens == (1 if isa == "amx" else 2)
+                # from 1 token per expert (measured faster on both with packed rows)
+                assert pool.int_min_tokens == 1
+                assert pool.pack_rows
             else:
                 assert pool.int_min_tokens == 0
+                assert not pool.pack_rows
                 with pytest.raises(ValueError):
                     pool.int_min_tokens = 1
 

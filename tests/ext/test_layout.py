@@ -8,6 +8,7 @@ import torch
 
 from ext.cpu import CpuExpertPool
 from ext.cpu.layout import blocked_to_hf, dequantize, shard_weights, split_shard
+from ext.cpu.layout import packed_index as ext_packed_index
 
 CASES = [("bf16", 64), ("int8", 64), ("int4", 64), ("int4", 32)]
 SHAPES = [(4, 96, 80, 0), (3, 200, 128, 2), (2, 64, 64, 0), (5, 33, 70, 3)]
@@ -15,14 +16,17 @@ SHAPES = [(4, 96, 80, 0), (3, 200, 128, 2), (2, 64, 64, 0), (5, 33, 70, 3)]
 
 @pytest.mark.parametrize("fmt,group", CASES)
 @pytest.mark.parametrize("E,inter,H,split", SHAPES)
-def test_shard_views_equal_the_pools_dequantize(fmt, group, E, inter, H, split) -> None:
+@pytest.mark.parametrize("pack", [False, True])
+def test_shard_views_equal_the_pools_dequantize(fmt, group, E, inter, H, split, pack) -> None:
     """Every shard's region, read with the layout, gives exactly the pool's own dequantized
-    weights (HF order), node shards (split_nodes) included; padding is zero."""
+    weights (HF order), node shards (split_nodes) included, int rows natural or packed;
+    padding is zero."""
     gen = torch.Generator().manual_seed(E * 1000 + inter + H)
     w13 = torch.randn(E, 2 * inter, H, generator=gen)
     w2 = torch.randn(E, H, inter, generator=gen)
-    with CpuExpertPool(2, split_nodes=split) as pool:
+    with CpuExpertPool(2, split_nodes=split, pack_rows=pack) as pool:
         pool.add_layer(0, w13, w2, fmt, group)
+        assert all(s.packed == (pack and fmt != "bf16") for s in pool.layer_shards(0))
         want13, want2 = pool.dequantize(0)
         got13 = torch.full_like(want13, float("nan"))
         got2 = torch.full_like(want2, float("nan"))
@@ -87,10 +91,12 @@ def test_reference_dequantize_formulas(fmt, group) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,group", [("int8", 0), ("int4", 64), ("int4", 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("E,R,K", [(1, 1, 64), (3, 70, 192), (8, 128, 2048)])
-def test_cuda_widening_kernel_equals_reference(fmt, group, dtype, E, R, K) -> None:
+@pytest.mark.parametrize("E,R,K", [(1, 1, 64), (3, 70, 192), (8, 128, 2048), (2, 9, 1216)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_widening_kernel_equals_reference(fmt, group, dtype, E, R, K, packed) -> None:
     """The kernel writes every element (poisoned output) exactly as the reference rounds it,
-    from strided views like the raw shard's (rows padded, experts apart)."""
+    from strided views like the raw shard's (rows padded, experts apart), for natural and
+    packed rows (K 1216: two full super-blocks and one of 6 blocks)."""
     from ext.cuda import expert_dequant
 
     if not torch.cuda.is_available():
@@ -98,10 +104,22 @@ def test_cuda_widening_kernel_equals_reference(fmt, group, dtype, E, R, K) -> No
     q, s = _random_rows(fmt, E, R, K, group, "cuda")
     assert expert_dequant.supported(q, fmt, dtype)
     out = torch.full((E, R, K), float("nan"), dtype=dtype, device="cuda")
-    expert_dequant.dequantize(q, s, fmt, group, dtype, out=out)
-    want = dequantize(q, s, fmt, group, dtype)
+    expert_dequant.dequantize(q, s, fmt, group, dtype, out=out, packed=packed)
+    want = dequantize(q, s, fmt, group, dtype, packed)
     assert torch.equal(out, want)
     # without `out`, and the torch fall-back for what the kernel does not take
-    assert torch.equal(expert_dequant.dequantize(q, s, fmt, group, dtype), want)
-    f32 = expert_dequant.dequantize(q, s, fmt, group, torch.float32)
-    assert torch.equal(f32, dequantize(q, s, fmt, group, torch.float32))
+    assert torch.equal(expert_dequant.dequantize(q, s, fmt, group, dtype, packed=packed), want)
+    f32 = expert_dequant.dequantize(q, s, fmt, group, torch.float32, packed=packed)
+    assert torch.equal(f32, dequantize(q, s, fmt, group, torch.float32, packed))
+    if packed:  # the same weights as natural rows: the packed reference reads them back
+        nat = dequantize(q, s, fmt, group, torch.float32)
+        idx = torch.argsort(ext_packed_index(fmt, K)).to(q.device)
+        if fmt == "int8":
+            qp = q[..., idx]
+        else:  # natural nibbles -> their packed slots, two a byte (low, high)
+            b = q.view(E, R, K // 64, 32)
+            nib = torch.cat([b & 15, b >> 4], dim=-1).reshape(E, R, K)[..., idx]
+            nib = nib.view(E, R, K // 2, 2)
+            qp = nib[..., 0] | (nib[..., 1] << 4)
+        wide = expert_dequant.dequantize(qp.contiguous(), s, fmt, group, torch.float16, packed=True)
+        assert torch.equal(wide, nat.to(torch.float16))

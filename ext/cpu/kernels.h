@@ -47,9 +47,12 @@ struct KernelSet {
   size_t (*scratch_bytes)(int R, int K) = nullptr;
   // dst[i] = silu(gate[i]) * up[i] for i < n; null: the caller's scalar loop.
   void (*silu_mul)(const float* gate, const float* up, float* dst, int n) = nullptr;
-  // gemm reads packed int rows (WeightView.packed) for n < packed_below tokens; from there on
-  // (and for every n where 0) the caller hands it natural rows.
-  int packed_below = 0;
+  // gemm takes packed int rows (WeightView.packed) as they are; false: the caller hands it
+  // natural rows (unpacked per work item).
+  bool reads_packed = false;
+  // Non-null: the activations for gemm over packed int8 rows come from this instead of `prep`
+  // (same signature and size; the order of K matches the packed rows).
+  void (*prep_packed)(const float* const* x, int Kv, int K, int n, void* dst) = nullptr;
 };
 
 static inline size_t gemm_scratch_bytes(int R, int K) {
@@ -216,6 +219,8 @@ void vnni_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* 
 size_t vnni_scratch_bytes(int R, int K);
 // Packed rows [0, R) of w (int8/int4) in the natural order: dst[R][row_bytes(fmt, K)].
 void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst);
+// Packed int4 rows [0, R) as s8 (nibble - 8) in the natural order: dst[R][K].
+void vnni_unpack_int4_s8(const WeightView& w, int R, int K, int8_t* dst);
 #endif
 #ifdef TANDEM_HAVE_AMX_INT8
 KernelSet kernels_amx_int8();  // tdpbssd from kAmxMinTokens tokens, VNNI below

@@ -51,7 +51,10 @@ size_t prep_bytes(int K, int n) {
 // Token block tb: [K / 64][16][16 tokens][4] s8, then the 16 tokens' scales (fp32). One scale
 // per token over its whole row (absmax / 127, q = round-half-even(x / scale)), so a tile sums
 // over all of K in int32 and is scaled once; padded tokens (and all-zero rows) are zero.
-void prep(const float* const* x, int Kv, int K, int n, void* dst) {
+// PACKED: the 4-element groups in the order of packed int8 rows (kernels.h: packed_at), so
+// tdpbssd reads those rows in place (a sum over all of K does not care about the order).
+template <bool PACKED>
+void prep_order(const float* const* x, int Kv, int K, int n, void* dst) {
   if (n < kAmxMinTokens) {
     vnni_prep(x, Kv, K, n, dst);
     return;
@@ -75,11 +78,24 @@ void prep(const float* const* x, int Kv, int K, int n, void* dst) {
       _mm_store_si128((__m128i*)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(v, sv))));
       for (int g = 0; g < 4; ++g) {  // elements k + 4g .. k + 4g + 3: one 4-byte group
         const int kk = k + 4 * g;
-        std::memcpy(blk + (size_t)(kk / kKB) * kBlockBytes + ((kk % kKB) / 4) * 64 + j * 4,
-                    q + 4 * g, 4);
+        bool high;
+        const int d = PACKED ? (int)(packed_at(FMT_INT8, K, kk, &high) / 4) : kk / 4;
+        std::memcpy(blk + (size_t)(d / 16) * kBlockBytes + (d % 16) * 64 + j * 4, q + 4 * g, 4);
       }
     }
   }
+}
+
+void prep(const float* const* x, int Kv, int K, int n, void* dst) {
+  prep_order<false>(x, Kv, K, n, dst);
+}
+
+void prep_packed(const float* const* x, int Kv, int K, int n, void* dst) {
+  if (n < kAmxMinTokens) {
+    vnni_prep(x, Kv, K, n, dst);  // its layout does not depend on the weights' order
+    return;
+  }
+  prep_order<true>(x, Kv, K, n, dst);
 }
 
 // int4 rows [0, R) as s8 (q - 8), row-major [R][K].
@@ -122,8 +138,11 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
   uint8_t* free_scratch = (uint8_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
   const int8_t* W = (const int8_t*)w.data;
   size_t ldw = w.row_bytes;
+  // int8 rows are read in place: packed ones against prep_packed's activations (the pool's
+  // choice), whose K order is theirs. int4 rows are unpacked to s8 in the natural order.
   if (int4) {
-    unpack_int4(w, R, K, (int8_t*)free_scratch);
+    if (w.packed) vnni_unpack_int4_s8(w, R, K, (int8_t*)free_scratch);
+    else unpack_int4(w, R, K, (int8_t*)free_scratch);
     W = (const int8_t*)free_scratch;
     ldw = (size_t)K;
     free_scratch += ((size_t)R * K + 63) & ~(size_t)63;
@@ -182,9 +201,7 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
 }  // namespace
 
 KernelSet kernels_amx_int8() {
-  // Below kAmxMinTokens its gemm is vnni_gemm, which reads packed rows; tdpbssd wants them
-  // natural (the pool unpacks them first).
-  return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes, nullptr, kAmxMinTokens};
+  return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes, nullptr, true, prep_packed};
 }
 
 }  // namespace tandem_cpu

@@ -408,8 +408,26 @@ void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst) {
   }
 }
 
+void vnni_unpack_int4_s8(const WeightView& w, int R, int K, int8_t* dst) {
+  static const TransposeIdx ix;
+  const int nsb = qsuper_pad(K) / kQSuper;
+  const __m512i eight = _mm512_set1_epi8(8);
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* row = w.data + (size_t)r * w.row_bytes;
+    int8_t* d = dst + (size_t)r * K;
+    for (int s = 0; s < nsb; ++s) {
+      __m512i O[8], A[8];
+      load_packed(row, FMT_INT4, K, s, O);
+      untranspose16x8(O, A, ix);
+      const int pairs = packed_blocks(K, s) / 2;
+      for (int i = 0; i < pairs; ++i)
+        _mm512_storeu_si512((void*)(d + (size_t)s * kQSuper + i * 64), _mm512_sub_epi8(A[i], eight));
+    }
+  }
+}
+
 KernelSet kernels_vnni() {
-  return {"vnni", vnni_prep_bytes, vnni_prep, vnni_gemm, vnni_scratch_bytes, nullptr, 1 << 30};
+  return {"vnni", vnni_prep_bytes, vnni_prep, vnni_gemm, vnni_scratch_bytes, nullptr, true};
 }
 
 }  // namespace tandem_cpu

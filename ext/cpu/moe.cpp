@@ -733,6 +733,10 @@ void ExpertPool::run_step(int worker) {
   const Shard& sh = L.shards[ni];
   const int na = (int)active_.size(), H = L.H, Hp = L.Hp, Is = sh.Is, fmt = L.fmt;
   const size_t ctile = round_up((size_t)max_count_ * kRowBlock * sizeof(float), 64);
+  // Expert a's activations in the order of packed int8 rows (the kernel's prep_packed).
+  auto packed_acts = [&](int a) {
+    return L.packed && L.fmt == FMT_INT8 && kernels_for(a).prep_packed != nullptr;
+  };
   const int Kmax = std::max(Hp, Is);
   size_t kbytes = kernel_scratch_bytes(kernels_, kRowBlock, Kmax);
   if (ikernels_.name) kbytes = std::max(kbytes, kernel_scratch_bytes(ikernels_, kRowBlock, Kmax));
@@ -743,9 +747,9 @@ void ExpertPool::run_step(int worker) {
   float* C = (float*)scratch;  // [tokens][kRowBlock]
   uint8_t* unpacked = scratch + ctile;
   uint8_t* kscratch = scratch + ctile + ubytes;
-  // w as the kernel of expert a reads it for n tokens: packed rows in place, or natural ones.
-  auto view_for = [&](int a, int n, const WeightView& w, int K) {
-    if (!w.packed || n < kernels_for(a).packed_below) return w;
+  // w as the kernel of expert a reads it: packed rows as they are, or natural ones.
+  auto view_for = [&](int a, const WeightView& w, int K) {
+    if (!w.packed || kernels_for(a).reads_packed) return w;
     unpack_rows_(w, kRowBlock, K, unpacked);
     return WeightView{fmt, unpacked, row_bytes(fmt, K), w.scales, w.group, false};
   };
@@ -756,7 +760,9 @@ void ExpertPool::run_step(int worker) {
       if (!scratch) continue;
       rows.resize(count_[a]);
       for (int p = 0; p < count_[a]; ++p) rows[p] = hidden_ + (size_t)pair_token_[first_[a] + p] * H;
-      kernels_for(a).prep(rows.data(), H, Hp, count_[a], ns.xprep.data() + ns.x_off[a]);
+      const KernelSet& ks = kernels_for(a);
+      (packed_acts(a) ? ks.prep_packed : ks.prep)(rows.data(), H, Hp, count_[a],
+                                                  ns.xprep.data() + ns.x_off[a]);
     }
     busy(PH_PREP_X);
     ns.barrier.fetch_add(1);
@@ -771,7 +777,7 @@ void ExpertPool::run_step(int worker) {
       if (!scratch) continue;
       const int a = i / nb1, b = i % nb1, e = active_[a], n = count_[a];
       const WeightView w = view_for(
-          a, n,
+          a,
           {fmt, sh.w13 + e * sh.w13_expert + (size_t)b * 64 * rb13, rb13,
            sh.s13 + e * sh.s13_expert + (size_t)b * 64 * spr13, L.group, L.packed},
           Hp);
@@ -801,7 +807,9 @@ void ExpertPool::run_step(int worker) {
       if (!scratch) continue;
       rows.resize(count_[a]);
       for (int p = 0; p < count_[a]; ++p) rows[p] = ns.act.data() + (size_t)(first_[a] + p) * Is;
-      kernels_for(a).prep(rows.data(), Is, Is, count_[a], ns.aprep.data() + ns.a_off[a]);
+      const KernelSet& ks = kernels_for(a);
+      (packed_acts(a) ? ks.prep_packed : ks.prep)(rows.data(), Is, Is, count_[a],
+                                                  ns.aprep.data() + ns.a_off[a]);
     }
     busy(PH_PREP_ACT);
     ns.barrier.fetch_add(1);
@@ -814,7 +822,7 @@ void ExpertPool::run_step(int worker) {
       if (!scratch) continue;
       const int a = i / nb2, hb = i % nb2, e = active_[a], n = count_[a];
       const WeightView w = view_for(
-          a, n,
+          a,
           {fmt, sh.w2 + e * sh.w2_expert + (size_t)hb * kRowBlock * rb2, rb2,
            sh.s2 + e * sh.s2_expert + (size_t)hb * kRowBlock * spr2, L.group, L.packed},
           Is);

@@ -76,11 +76,15 @@ void prep_order(const float* const* x, int Kv, int K, int n, void* dst) {
       const __m512 v = _mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k);
       // Division, not a reciprocal multiply: the same rounding as the torch reference.
       _mm_store_si128((__m128i*)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(v, sv))));
-      for (int g = 0; g < 4; ++g) {  // elements k + 4g .. k + 4g + 3: one 4-byte group
-        const int kk = k + 4 * g;
-        bool high;
-        const int d = PACKED ? (int)(packed_at(FMT_INT8, K, kk, &high) / 4) : kk / 4;
-        std::memcpy(blk + (size_t)(d / 16) * kBlockBytes + (d % 16) * 64 + j * 4, q + 4 * g, 4);
+      // Elements k + 4g .. k + 4g + 3 are one 4-byte group; group d of the K order goes to
+      // row d % 16 of 64-element block d / 16, i.e. byte 64 d (+ 4 per token). Packed order
+      // (kernels.h: packed_at): group jj of block l of super-block sb (m blocks) is number
+      // 128 sb + m jj + l; the 16 elements at k share sb and l.
+      const int sb = k / kQSuper, l = (k % kQSuper) / kQBlock, jj = (k % kQBlock) / 4;
+      const int m = PACKED ? packed_blocks(K, sb) : 0;
+      for (int g = 0; g < 4; ++g) {
+        const int d = PACKED ? sb * (kQSuper / 4) + (jj + g) * m + l : k / 4 + g;
+        std::memcpy(blk + (size_t)d * 64 + j * 4, q + 4 * g, 4);
       }
     }
   }

@@ -15,6 +15,9 @@
 // reports AVX512-VNNI (isa.cpp).
 #include <immintrin.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "kernels.h"
 #include "simd_q8.h"
 
@@ -301,15 +304,27 @@ void qtile_packed(const WeightView& w, int r0, int K, const QLayout& q, const ui
   }
 }
 
+struct PfConfig {  // EXPERIMENT: TANDEM_VNNI_PF="tiles,l2" (tiles ahead; l2: 1 = into L2 only)
+  int dist = 1, l2 = 0;
+  PfConfig() {
+    if (const char* e = std::getenv("TANDEM_VNNI_PF")) std::sscanf(e, "%d,%d", &dist, &l2);
+  }
+};
+
 template <bool INT4>
 void gemm_packed(const WeightView& w, int R, int K, const uint8_t* X, int n, float* C, int ldc) {
+  static const PfConfig pf;
   const QLayout q(K);
   const size_t tb = q.token_bytes();
   const size_t tile_bytes = kTileRows * w.row_bytes;
   for (int r0 = 0; r0 < R; r0 += kTileRows) {
-    if (r0 + kTileRows < R) {  // the next rows toward the cache while these are multiplied
-      const char* next = (const char*)(w.data + (size_t)(r0 + kTileRows) * w.row_bytes);
-      for (size_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    const int ahead = r0 + pf.dist * kTileRows;
+    if (pf.dist > 0 && ahead < R) {  // rows ahead toward the cache while these are multiplied
+      const char* next = (const char*)(w.data + (size_t)ahead * w.row_bytes);
+      if (pf.l2)
+        for (size_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+      else
+        for (size_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     }
     int t = 0;
     for (; t + 2 <= n; t += 2)

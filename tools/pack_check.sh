@@ -29,7 +29,7 @@ if [ "$tests" != "none" ]; then
 fi
 for pack in off on; do
   TANDEM_CPU_PACK_ROWS=$pack timeout "${BENCH_TIMEOUT:-150}" python3 tools/bench_cpu_moe.py \
-    --tokens 1 8 64 256 --formats int4 int8 --routings 8 --min-time 0.4 --no-torch --phases \
+    --tokens 1 8 64 256 --formats int4 int8 --routings 8 --layers 8 --min-time 0.4 --no-torch --phases \
     --json "$OUT/layer_$pack.json" >"$OUT/layer_$pack.log" 2>&1 || rc=1
   echo "one layer, packed rows $pack:"
   grep -vE "^\s+phases" "$OUT/layer_$pack.log" | tail -n 9

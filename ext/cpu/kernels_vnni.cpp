@@ -15,9 +15,6 @@
 // reports AVX512-VNNI (isa.cpp).
 #include <immintrin.h>
 
-#include <cstdio>
-#include <cstdlib>
-
 #include "kernels.h"
 #include "simd_q8.h"
 
@@ -304,27 +301,17 @@ void qtile_packed(const WeightView& w, int r0, int K, const QLayout& q, const ui
   }
 }
 
-struct PfConfig {  // EXPERIMENT: TANDEM_VNNI_PF="tiles,l2" (tiles ahead; l2: 1 = into L2 only)
-  int dist = 1, l2 = 0;
-  PfConfig() {
-    if (const char* e = std::getenv("TANDEM_VNNI_PF")) std::sscanf(e, "%d,%d", &dist, &l2);
-  }
-};
-
 template <bool INT4>
 void gemm_packed(const WeightView& w, int R, int K, const uint8_t* X, int n, float* C, int ldc) {
-  static const PfConfig pf;
   const QLayout q(K);
   const size_t tb = q.token_bytes();
   const size_t tile_bytes = kTileRows * w.row_bytes;
   for (int r0 = 0; r0 < R; r0 += kTileRows) {
-    const int ahead = r0 + pf.dist * kTileRows;
-    if (pf.dist > 0 && ahead < R) {  // rows ahead toward the cache while these are multiplied
-      const char* next = (const char*)(w.data + (size_t)ahead * w.row_bytes);
-      if (pf.l2)
-        for (size_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
-      else
-        for (size_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    // The next rows toward L1 while these are multiplied. (A device sweep of 1-8 tiles ahead,
+    // into L1 or L2, moved one layer at 1 token by less than the run-to-run noise.)
+    if (r0 + kTileRows < R) {
+      const char* next = (const char*)(w.data + (size_t)(r0 + kTileRows) * w.row_bytes);
+      for (size_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     }
     int t = 0;
     for (; t + 2 <= n; t += 2)
@@ -424,19 +411,48 @@ void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst) {
 }
 
 void vnni_unpack_int4_s8(const WeightView& w, int R, int K, int8_t* dst) {
-  static const TransposeIdx ix;
+  // Per super-block: run u (16 dwords, lane l = bytes of block l) -> per block its 4 dwords
+  // [u = 0..3], whose low nibbles are then elements 0-15 in order and high nibbles 16-31. A
+  // 4 x 16 dword transpose (8 vpermt2d/q) and a 128-bit interleave of the two halves (8 more):
+  // 16 permutes a super-block instead of the full untranspose's 24.
+  alignas(64) static const int32_t kPair[2][16] = {
+      {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23},
+      {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}};
+  alignas(64) static const int64_t kQuad[2][8] = {{0, 8, 1, 9, 2, 10, 3, 11},
+                                                  {4, 12, 5, 13, 6, 14, 7, 15}};
+  alignas(64) static const int64_t kHalves[2][8] = {{0, 1, 8, 9, 2, 3, 10, 11},
+                                                    {4, 5, 12, 13, 6, 7, 14, 15}};
+  const __m512i pair0 = _mm512_load_si512(kPair[0]), pair1 = _mm512_load_si512(kPair[1]);
+  const __m512i quad0 = _mm512_load_si512(kQuad[0]), quad1 = _mm512_load_si512(kQuad[1]);
+  const __m512i half0 = _mm512_load_si512(kHalves[0]), half1 = _mm512_load_si512(kHalves[1]);
+  const __m512i m15 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
   const int nsb = qsuper_pad(K) / kQSuper;
-  const __m512i eight = _mm512_set1_epi8(8);
   for (int r = 0; r < R; ++r) {
     const uint8_t* row = w.data + (size_t)r * w.row_bytes;
     int8_t* d = dst + (size_t)r * K;
     for (int s = 0; s < nsb; ++s) {
-      __m512i O[8], A[8];
-      load_packed(row, FMT_INT4, K, s, O);
-      untranspose16x8(O, A, ix);
-      const int pairs = packed_blocks(K, s) / 2;
-      for (int i = 0; i < pairs; ++i)
-        _mm512_storeu_si512((void*)(d + (size_t)s * kQSuper + i * 64), _mm512_sub_epi8(A[i], eight));
+      const int m = packed_blocks(K, s);
+      const __mmask16 mask = q8_first_n(m);
+      const uint8_t* p = row + (size_t)s * (kQSuper / 2);
+      __m512i U[4];
+      for (int u = 0; u < 4; ++u) U[u] = _mm512_maskz_loadu_epi32(mask, p + (size_t)u * 4 * m);
+      // P: (U0, U1) dword pairs per block, lanes 0-7 then 8-15; Q: (U2, U3) likewise.
+      const __m512i P0 = _mm512_permutex2var_epi32(U[0], pair0, U[1]);
+      const __m512i P1 = _mm512_permutex2var_epi32(U[0], pair1, U[1]);
+      const __m512i Q0 = _mm512_permutex2var_epi32(U[2], pair0, U[3]);
+      const __m512i Q1 = _mm512_permutex2var_epi32(U[2], pair1, U[3]);
+      // V[c]: blocks 4c..4c+3, 16 bytes each (runs 0..3 in order).
+      const __m512i V[4] = {_mm512_permutex2var_epi64(P0, quad0, Q0),
+                            _mm512_permutex2var_epi64(P0, quad1, Q0),
+                            _mm512_permutex2var_epi64(P1, quad0, Q1),
+                            _mm512_permutex2var_epi64(P1, quad1, Q1)};
+      for (int c = 0; c < 4 && 4 * c < m; ++c) {
+        const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(V[c], m15), eight);
+        const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(V[c], 4), m15), eight);
+        int8_t* o = d + (size_t)s * kQSuper + c * 128;  // blocks 4c, 4c + 1 | 4c + 2, 4c + 3
+        _mm512_storeu_si512((void*)o, _mm512_permutex2var_epi64(lo, half0, hi));
+        if (4 * c + 2 < m) _mm512_storeu_si512((void*)(o + 64), _mm512_permutex2var_epi64(lo, half1, hi));
+      }
     }
   }
 }

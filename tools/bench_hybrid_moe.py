@@ -121,6 +121,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="T",
         help="also one-step prefills of these lengths per --gpu-prefill mode (the crossover)",
     )
+    p.add_argument(
+        "--prefill-chunks",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="C",
+        help="also the --prefill prompt in steps of C tokens of one sequence (what the scheduler "
+        "makes of it with max_num_batched_tokens C), per --gpu-prefill mode",
+    )
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     a.prefill = max([a.prefill, *a.prefill_sweep])
@@ -427,6 +436,19 @@ def prefill_sweep(runner: Runner, backend, a: argparse.Namespace) -> dict[str, d
                 dt = time.perf_counter() - t0
             row[str(n)] = n / dt
             row[f"{n}_gpu_layers"] = backend.stats().gpu_prefill_calls - calls0
+        for c in a.prefill_chunks:  # one prompt, scheduler-sized chunks of one sequence
+            P = a.prefill
+            for _ in range(2):
+                runner.reset()
+                _sync(a.device)
+                calls0 = backend.stats().gpu_prefill_calls
+                t0 = time.perf_counter()
+                for start in range(0, P, c):
+                    runner.step([(0, min(c, P - start))])
+                _sync(a.device)
+                dt = time.perf_counter() - t0
+            row[f"{P}/{c}"] = P / dt
+            row[f"{P}/{c}_gpu_layers"] = backend.stats().gpu_prefill_calls - calls0
         out[mode] = row
     backend._gpu_prefill_option = saved
     gp = backend._gpu_prefill
@@ -451,6 +473,16 @@ def print_sweep(name: str, sweep: dict, fl: dict, a: argparse.Namespace) -> None
             for n in lengths
         ]
         print(f"# | {mode} | " + " | ".join(cells) + " |", flush=True)
+    if a.prefill_chunks:
+        print(f"# {name} prefill of {a.prefill} tokens in chunks of C tokens (one sequence, "
+              "as the scheduler splits it), tok/s [layer-steps on the GPU]:")  # fmt: skip
+        for mode in a.gpu_prefill:
+            r = sweep[mode]
+            cells = [
+                f"C={c}: {r[f'{a.prefill}/{c}']:.0f} [{r[f'{a.prefill}/{c}_gpu_layers']}]"
+                for c in a.prefill_chunks
+            ]
+            print(f"# | {mode} | " + " | ".join(cells) + " |", flush=True)
 
 
 def profile_decode(runner: Runner, a: argparse.Namespace, name: str) -> None:

@@ -164,19 +164,30 @@ void pack_rows(const WeightView& w, int r0, int K, const QLayout& q, const Trans
   }
 }
 
-// kTileRows packed rows against NT tokens.
+// NT tokens' prepared activations (vnni_prep): s8 values, block scales, block sums.
+template <int NT>
+struct Tokens {
+  const int8_t* q[NT];
+  const float* scale[NT];
+  const int32_t* sum[NT];
+  Tokens(const uint8_t* X, const QLayout& l) {
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* base = X + t * l.token_bytes();
+      q[t] = (const int8_t*)base;
+      scale[t] = (const float*)(base + l.Ksb);
+      sum[t] = (const int32_t*)(base + l.Ksb) + l.nb;
+    }
+  }
+};
+
+// kTileRows rows packed into scratch (pack_rows) against NT tokens.
 template <int NT, bool INT4>
 void qtile(const uint8_t* Wq, const float* ws, const QLayout& q, const uint8_t* X, int r0,
            const float* rowscale, float* C, int ldc) {
-  const size_t tb = q.token_bytes();
-  const int8_t* xq[NT];
-  const float* xs[NT];
-  const int32_t* xsum[NT];
-  for (int t = 0; t < NT; ++t) {
-    xq[t] = (const int8_t*)(X + t * tb);
-    xs[t] = (const float*)(X + t * tb + q.Ksb);
-    xsum[t] = (const int32_t*)(X + t * tb + q.Ksb) + q.nb;
-  }
+  const Tokens<NT> tok(X, q);
+  const int8_t* const* xq = tok.q;
+  const float* const* xs = tok.scale;
+  const int32_t* const* xsum = tok.sum;
   __m512 facc[kTileRows][NT];
   for (int r = 0; r < kTileRows; ++r)
     for (int t = 0; t < NT; ++t) facc[r][t] = _mm512_setzero_ps();
@@ -226,15 +237,10 @@ inline __m512 int4_block_scales(const float* sr, int groups, int group, int s) {
 template <int NT, bool INT4>
 void qtile_packed(const WeightView& w, int r0, int K, const QLayout& q, const uint8_t* X,
                   float* C, int ldc) {
-  const size_t tb = q.token_bytes();
-  const int8_t* xq[NT];
-  const float* xs[NT];
-  const int32_t* xsum[NT];
-  for (int t = 0; t < NT; ++t) {
-    xq[t] = (const int8_t*)(X + t * tb);
-    xs[t] = (const float*)(X + t * tb + q.Ksb);
-    xsum[t] = (const int32_t*)(X + t * tb + q.Ksb) + q.nb;
-  }
+  const Tokens<NT> tok(X, q);
+  const int8_t* const* xq = tok.q;
+  const float* const* xs = tok.scale;
+  const int32_t* const* xsum = tok.sum;
   const uint8_t* row[kTileRows];
   for (int r = 0; r < kTileRows; ++r) row[r] = w.data + (size_t)(r0 + r) * w.row_bytes;
   const int groups = INT4 ? K / w.group : 0;

@@ -29,7 +29,7 @@ struct WeightView {
   size_t row_bytes;
   const float* scales;  // int8: [rows]; int4: [rows][K / group]; bf16: unused
   int group;            // int4 group size
-  bool packed = false;  // int8/int4 rows in the packed order (below: pack_row)
+  bool packed = false;  // int8/int4 rows in the packed order (below: packed_at)
 };
 
 // Activations of one expert, prepared once per phase in the layout the ISA wants.
@@ -97,15 +97,19 @@ static inline int packed_blocks(int K, int sb) {
   return rest < 16 ? rest : 16;
 }
 
+// The 4-byte word of a packed row of K elements holding natural elements [k, k + 4) (k % 4 ==
+// 0): int8 as its 4 bytes, int4 in the low (k % 32 < 16) or high nibbles of its 4 bytes.
+static inline size_t packed_word(int fmt, int K, int k) {
+  const int sb = k / kQSuper, m = packed_blocks(K, sb), l = (k % kQSuper) / kQBlock, i = k % kQBlock;
+  const int run = fmt == FMT_INT8 ? i / 4 : (i % 16) / 4;
+  const int sb_words = fmt == FMT_INT8 ? kQSuper / 4 : kQSuper / 8;  // of a full super-block
+  return (size_t)sb * sb_words + (size_t)run * m + l;
+}
+
 // Byte of natural element k in a packed row of K elements; *high: int4 high nibble.
 static inline size_t packed_at(int fmt, int K, int k, bool* high) {
-  const int sb = k / kQSuper, m = packed_blocks(K, sb), l = (k % kQSuper) / kQBlock, i = k % kQBlock;
-  if (fmt == FMT_INT8) {
-    *high = false;
-    return (size_t)sb * kQSuper + (size_t)(i / 4) * 4 * m + 4 * l + i % 4;
-  }
-  *high = i >= 16;
-  return (size_t)sb * (kQSuper / 2) + (size_t)((i % 16) / 4) * 4 * m + 4 * l + i % 4;
+  *high = fmt == FMT_INT4 && k % kQBlock >= 16;
+  return 4 * packed_word(fmt, K, k & ~3) + k % 4;
 }
 
 // Byte of natural element k in a natural int4 row (kernels.h: 64-element chunks of 32 bytes).

@@ -77,14 +77,10 @@ void prep_order(const float* const* x, int Kv, int K, int n, void* dst) {
       // Division, not a reciprocal multiply: the same rounding as the torch reference.
       _mm_store_si128((__m128i*)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(v, sv))));
       // Elements k + 4g .. k + 4g + 3 are one 4-byte group; group d of the K order goes to
-      // row d % 16 of 64-element block d / 16, i.e. byte 64 d (+ 4 per token). Packed order
-      // (kernels.h: packed_at): group jj of block l of super-block sb (m blocks) is number
-      // 128 sb + m jj + l; the 16 elements at k share sb and l.
-      const int sb = k / kQSuper, l = (k % kQSuper) / kQBlock, jj = (k % kQBlock) / 4;
-      const int m = PACKED ? packed_blocks(K, sb) : 0;
+      // row d % 16 of 64-element block d / 16, i.e. byte 64 d (+ 4 per token).
       for (int g = 0; g < 4; ++g) {
-        const int d = PACKED ? sb * (kQSuper / 4) + (jj + g) * m + l : k / 4 + g;
-        std::memcpy(blk + (size_t)d * 64 + j * 4, q + 4 * g, 4);
+        const size_t d = PACKED ? packed_word(FMT_INT8, K, k + 4 * g) : (size_t)(k / 4 + g);
+        std::memcpy(blk + d * 64 + j * 4, q + 4 * g, 4);
       }
     }
   }
@@ -94,11 +90,8 @@ void prep(const float* const* x, int Kv, int K, int n, void* dst) {
   prep_order<false>(x, Kv, K, n, dst);
 }
 
+// Below kAmxMinTokens both are vnni_prep, whose layout does not depend on the weights' order.
 void prep_packed(const float* const* x, int Kv, int K, int n, void* dst) {
-  if (n < kAmxMinTokens) {
-    vnni_prep(x, Kv, K, n, dst);  // its layout does not depend on the weights' order
-    return;
-  }
   prep_order<true>(x, Kv, K, n, dst);
 }
 

@@ -138,8 +138,7 @@ PYBIND11_MODULE(_tandem_cpu, m) {
              for (const auto& s : L.shards) {
                py::dict d;
                d["ptr"] = reinterpret_cast<uintptr_t>(s.w13);
-               d["nbytes"] = (size_t)L.E * (s.w13_expert + s.w2_expert) +
-                             (size_t)L.E * (s.s13_expert + s.s2_expert) * sizeof(float);
+               d["nbytes"] = s.data_bytes(L.E);
                d["packed"] = L.packed;
                d["i0"] = s.i0;
                d["Is"] = s.Is;

@@ -138,8 +138,7 @@ Shard plan_shard(const Layer& L, int i0, int Is) {
   s.s13_expert = round_up(2 * (size_t)Is * scales_per_row(fmt, Hp, group), 16);
   s.w2_expert = round_up((size_t)Hp * row_bytes(fmt, Is), 64);
   s.s2_expert = Is ? round_up((size_t)Hp * scales_per_row(fmt, Is, group), 16) : 0;
-  s.mapped_bytes = (size_t)L.E * (s.w13_expert + s.w2_expert) +
-                   (size_t)L.E * (s.s13_expert + s.s2_expert) * sizeof(float);
+  s.mapped_bytes = s.data_bytes(L.E);
   return s;
 }
 
@@ -318,8 +317,7 @@ Layer::~Layer() {
 
 size_t Layer::weight_bytes() const {
   size_t total = 0;
-  for (const auto& s : shards)
-    total += (size_t)E * (s.w13_expert + s.w2_expert + 4 * (s.s13_expert + s.s2_expert));
+  for (const auto& s : shards) total += s.data_bytes(E);
   return total;
 }
 

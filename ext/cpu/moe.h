@@ -84,7 +84,12 @@ struct Shard {  // one node's slice [i0, i0 + Is) of every expert's intermediate
   uint8_t* w2 = nullptr;       // [E][Hp rows][row_bytes(Is)]
   float* s2 = nullptr;         // [E][Hp][scales_per_row(Is)]
   size_t w13_expert = 0, s13_expert = 0, w2_expert = 0, s2_expert = 0;  // bytes / floats
-  size_t mapped_bytes = 0;
+  size_t mapped_bytes = 0;  // of `mapping` (a loaded file's: its header too)
+  // The region [w13 | w2 | s13 | s2] of E experts, in bytes.
+  size_t data_bytes(int E) const {
+    return (size_t)E * (w13_expert + w2_expert) +
+           (size_t)E * (s13_expert + s2_expert) * sizeof(float);
+  }
   void* mapping = nullptr;
 };
 

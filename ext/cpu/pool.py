@@ -34,12 +34,16 @@ def supported_isas() -> list[str]:
     return list(load_extension().supported_isas())
 
 
+_ENV_ON = ("on", "1", "yes", "true")
+_ENV_OFF = ("off", "0", "no", "false")
+
+
 def _int_min_tokens_from_env() -> int | None:
     """TANDEM_CPU_INT_PATH as a minimum token count: None for unset/"auto", 0 for "off"."""
     raw = os.environ.get(INT_PATH_ENV, "").strip().lower()
     if raw in ("", "auto"):
         return None
-    if raw in ("off", "0", "no", "false"):
+    if raw in _ENV_OFF:
         return 0
     try:
         value = int(raw)
@@ -58,9 +62,9 @@ def _pack_rows_from_env() -> bool | None:
     raw = os.environ.get(PACK_ROWS_ENV, "").strip().lower()
     if raw in ("", "auto"):
         return None
-    if raw in ("on", "1", "yes", "true"):
+    if raw in _ENV_ON:
         return True
-    if raw in ("off", "0", "no", "false"):
+    if raw in _ENV_OFF:
         return False
     raise ValueError(f"{PACK_ROWS_ENV} must be 'auto', 'on' or 'off', got {raw!r}")
 

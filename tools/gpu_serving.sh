@@ -6,7 +6,12 @@
 # Run on the device from the repository root; everything goes to $OUT.
 #   bash tools/gpu_serving.sh            # the 1B sweep (about 3 minutes on an H100)
 #   bash tools/gpu_serving.sh --smoke    # a tiny shape, tiny lengths: checks the script end to end
-# Env (defaults in brackets; --smoke changes them): SHAPE [1B] (1B | 8B | tiny), INPUT_LEN [256],
+# SHAPE=30B-A3B (or tiny-moe) serves a Qwen3-30B-A3B-shaped mixture of experts in hybrid mode: attention
+# on the GPU, every routed expert on the CPU pool in EXPERT_FORMAT [int4] (random experts are
+# made one layer at a time as the pool converts them); its floor is the active expert bytes per
+# token over CPU_GBPS [68], the CPU read bandwidth, and at concurrency c the experts c tokens
+# touch under uniform routing.
+# Env (defaults in brackets; --smoke changes them): SHAPE [1B] (1B | 8B | tiny | 30B-A3B | tiny-moe), INPUT_LEN [256],
 #   OUTPUT_LEN [256], CONCURRENCY [1,16,64,256], NUM_PROMPTS [32,64,256,512] (per level),
 #   WARMUP [32], DEVICE [auto], PORT [8123], MAX_NUM_SEQS [256], MAX_NUM_BATCHED_TOKENS [8192],
 #   SERVER_ARGS (more `tandem serve` flags), START_TIMEOUT [300], BENCH_TIMEOUT [420] (s),
@@ -30,7 +35,11 @@ MAX_NUM_SEQS=${MAX_NUM_SEQS:-256} MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKEN
 SERVER_ARGS=${SERVER_ARGS:-} START_TIMEOUT=${START_TIMEOUT:-300} BENCH_TIMEOUT=${BENCH_TIMEOUT:-420}
 OUT=${OUT:-/tmp/tandem_serving}
 PY=${PYTHON:-python3}
-MODEL_DIR="$OUT/llama-$SHAPE-dummy"  # its name is the model id clients see
+case "$SHAPE" in
+  *-A3B|*moe) MODEL_DIR="$OUT/qwen3moe-$SHAPE-dummy"
+    SERVER_ARGS="--cpu-experts all --cpu-expert-format ${EXPERT_FORMAT:=int4} $SERVER_ARGS" ;;
+  *) MODEL_DIR="$OUT/llama-$SHAPE-dummy" ;;  # its name is the model id clients see
+esac
 mkdir -p "$MODEL_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
@@ -57,6 +66,19 @@ shapes = {
              "intermediate_size": 128, "tie_word_embeddings": True, "rope_scaling": rope,
              "max_position_embeddings": 2048},
 }
+moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+       "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+       "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+       "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+       "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+       "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+       "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 151643,
+       "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+shapes["30B-A3B"] = moe
+shapes["tiny-moe"] = {**moe, "vocab_size": 32000, "hidden_size": 64, "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                      "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8,
+                      "num_experts_per_tok": 2, "max_position_embeddings": 2048}
 if sys.argv[1] not in shapes:
     sys.exit(f"unknown SHAPE {sys.argv[1]!r}; one of {', '.join(shapes)}")
 with open(sys.argv[2], "w") as f:
@@ -130,11 +152,13 @@ trap - EXIT
 say "server stopped, rc=$SERVER_RC"
 tail -n 2 "$OUT/server.log"
 
-# Summary: one row per level, next to the batch-1 decode floor (weight bytes read per step over
-# the device's copy bandwidth).
-"$PY" - "$OUT/serving.json" "$MODEL_DIR/config.json" "${HBM_GBPS:-}" <<'EOF' | tee "$OUT/summary.txt"
+# Summary: one row per level, next to the decode floor: dense, the weight bytes read per step
+# over the device's copy bandwidth; hybrid MoE, the expert bytes a step at that concurrency
+# touches over the CPU read bandwidth.
+"$PY" - "$OUT/serving.json" "$MODEL_DIR/config.json" "${HBM_GBPS:-}" "${EXPERT_FORMAT:-}" \
+  "${CPU_GBPS:-68}" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys
-res_path, cfg_path, hbm = sys.argv[1], sys.argv[2], sys.argv[3]
+res_path, cfg_path, hbm, expert_fmt, cpu_gbps = sys.argv[1:6]
 try:
     res = json.load(open(res_path))
 except (OSError, ValueError) as e:
@@ -145,7 +169,7 @@ per_layer = h * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd \
     + c["num_attention_heads"] * hd * h + 3 * h * c["intermediate_size"]
 read = 2 * (L * per_layer + c["vocab_size"] * h)  # bf16; every weight but the embedding lookup
 source = "HBM_GBPS"
-if not hbm:
+if not hbm and not expert_fmt:
     try:
         import torch
         if torch.cuda.is_available():
@@ -163,23 +187,40 @@ if not hbm:
 print(f"== summary: {res['model']}, {res['input_len']} in / {res['output_len']} out, "
       f"token-id prompts, ignore_eos, greedy ==")
 floor_ms = None
-if hbm:
+step_floor_ms = lambda conc: floor_ms  # dense: every weight read once a step
+if expert_fmt:  # hybrid: the routed experts' bytes on the CPU dominate a decode step
+    E, k, inter = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    per_elt = {"bf16": 2.0, "int8": 1.0 + 4 / h, "int4": 0.5 + 4 / 64}[expert_fmt]
+    expert_ms = 3 * h * inter * per_elt * L / (float(cpu_gbps) * 1e9) * 1e3  # one expert, all layers
+    floor_ms = k * expert_ms
+    step_floor_ms = lambda conc: E * (1 - (1 - k / E) ** conc) * expert_ms  # uniform routing
+    print(f"{expert_fmt} experts on the CPU pool: {k * expert_ms * float(cpu_gbps) / 1e3:.2f} GB "
+          f"of active experts per token; at {float(cpu_gbps):g} GB/s (CPU read) the batch-1 TPOT "
+          f"floor is {floor_ms:.2f} ms ({1e3 / floor_ms:.1f} tok/s)")
+elif hbm:
     floor_ms = read / (float(hbm) * 1e9) * 1e3
     print(f"weights read per decode step {read / 1e9:.2f} GB; at {float(hbm):.0f} GB/s "
           f"({source}) the batch-1 TPOT floor is {floor_ms:.2f} ms ({1e3 / floor_ms:.0f} tok/s)")
 f = lambda v: "-" if v is None else f"{v:.1f}"
 print(f"{'conc':>5} {'reqs':>5} {'fail':>4} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
-      f"{'p99':>7} {'out tok/s':>10} {'/health p99':>11}" + ("  TPOT/floor" if floor_ms else ""))
+      f"{'p99':>7} {'out tok/s':>10} {'decode tok/s':>12} {'/health p99':>11}"
+      + ("  TPOT/floor" if floor_ms else ""))
 for r in res["runs"]:
     hp = (r.get("health") or {}).get("p99_ms")
-    tp = r["tpot_ms"]["p50"]
-    print(f"{r['max_concurrency']:>5} {r['num_prompts']:>5} {r['failed']:>4} "
+    tp, conc = r["tpot_ms"]["p50"], r["max_concurrency"]
+    print(f"{conc:>5} {r['num_prompts']:>5} {r['failed']:>4} "
           f"{f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} {f(tp):>9} "
-          f"{f(r['tpot_ms']['p99']):>7} {r['output_throughput']:>10.0f} {f(hp):>11}"
-          + (f"  {tp / floor_ms:>9.1f}x" if floor_ms and tp else ""))
+          f"{f(r['tpot_ms']['p99']):>7} {r['output_throughput']:>10.0f} "
+          f"{f(conc * 1e3 / tp if tp else None):>12} {f(hp):>11}"
+          + (f"  {tp / step_floor_ms(conc):>9.2f}x" if floor_ms and tp else ""))
     if r["errors"]:
         print(f"      errors: {r['errors']}")
-print("(ms, except out tok/s" + ("; TPOT/floor: p50 TPOT over the batch-1 floor)" if floor_ms else ")"))
+print("(ms, except tok/s; decode tok/s: concurrency / TPOT p50"
+      + ("; TPOT/floor: p50 TPOT over the step floor at that concurrency)" if floor_ms else ")"))
+one = [r for r in res["runs"] if r["max_concurrency"] == 1 and r["ttft_ms"]["p50"]]
+if one:  # one request at a time: the first token waits for the whole prompt's prefill
+    print(f"prefill at concurrency 1: {res['input_len']} tokens in {one[0]['ttft_ms']['p50']:.0f} ms "
+          f"(TTFT p50) = {res['input_len'] / one[0]['ttft_ms']['p50'] * 1e3:.0f} tok/s")
 EOF
 say "done: $OUT"
 exit $(( bench_rc != 0 || SERVER_RC != 0 ))

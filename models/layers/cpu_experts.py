@@ -438,9 +438,15 @@ class CpuPoolExpertBackend:
         header check (no weight is mapped or read), and, for a GGUF file, every layer with
         stacked experts (`add_block` converts them from the file's own blocks). `attach` then
         maps or converts them; it must be given `read_experts` in case an entry has gone bad
-        in between. Records `checkpoint` as the cache's source identity."""
+        in between. Records `checkpoint` as the cache's source identity. For random weights
+        ("dummy") every layer: `read_experts` fills each right before it is converted, and
+        nothing is cached."""
         checkpoint = Path(checkpoint)
         self._skipped = set()
+        if checkpoint_format == "dummy":
+            self._cache_option = False
+            self._skipped = {block.layer_idx for block in self._blocks(model)}
+            return frozenset(self._skipped)
         if checkpoint_format == "gguf":
             from models.gguf_reader import GGUFReader
             from models.loader.gguf_experts import gguf_expert_layers
@@ -466,9 +472,27 @@ class CpuPoolExpertBackend:
         experts on the model's device until routing counts say which are hottest
         (`rebalance`). `read_experts(layer)` fills a block's w13/w2 from the checkpoint: the
         fall-back for a layer `skip_expert_layers` left unread whose cache entry went bad."""
+        t0 = time.perf_counter()
         for block in self._blocks(model):
             self.add_block(block, read_experts)
         self._t_attach = time.perf_counter()
+        if self._num_experts:
+            info = self.pool.info()
+            logger.info(
+                "cpu_pool: %d MoE layers (%s, %.2f GB) in %.1fs, kernels %s/%s%s, %d threads on "
+                "%d NUMA node(s)%s, %d experts a layer on the GPU",
+                len(info["layers"]),
+                "+".join(sorted(info["bytes_per_format"])),
+                sum(info["bytes_per_format"].values()) / 1e9,
+                self._t_attach - t0,
+                info["isa"],
+                info["int_isa"] or "-",
+                ", packed rows" if info["pack_rows"] else "",
+                info["num_threads"],
+                len(info["numa_nodes"]),
+                f", sync {self.sync}" if self._on_cuda else "",
+                num_gpu_experts(max(self._num_experts.values()), self.cpu_experts, self.gpu_experts),
+            )
 
     @torch.no_grad()
     def add_block(
@@ -495,9 +519,11 @@ class CpuPoolExpertBackend:
                             f"cpu_pool: layer {layer}'s experts were not read and its cache "
                             "entry is unusable; attach needs read_experts"
                         )
-                    logger.warning(
-                        "expert cache: re-reading layer %d's experts from the checkpoint", layer
-                    )
+                    if cache is not None:
+                        logger.warning(
+                            "expert cache: re-reading layer %d's experts from the checkpoint",
+                            layer,
+                        )
                     read_experts(layer)
                     w13, w2 = block.w13, block.w2
                 fmt = "bf16" if self.fmt == "auto" else self.fmt

@@ -165,7 +165,7 @@ def load_model(
     backend = getattr(model, "expert_backend", None)
     read_experts = None
     if fmt == "dummy":
-        init_dummy_weights(model, seed)
+        read_experts = _init_dummy(model, backend, path, seed)
     else:
         skip_layers = getattr(backend, "skip_expert_layers", None)
         skip = skip_layers(model, path, fmt) if skip_layers is not None else frozenset()
@@ -187,6 +187,31 @@ def load_model(
         attach(model, read_experts)  # e.g. cpu_pool: experts into the pool, torch copies freed
     apply_fast_linears(model, device, dtype)
     return model, config
+
+
+def _init_dummy(
+    model: nn.Module, backend: Any, path: Path, seed: int
+) -> Callable[[int], None] | None:
+    """Random weights. A backend that skips expert layers (cpu_pool) gets those layers' host
+    experts filled one layer at a time by the returned `read_experts`, right before it converts
+    them, so the bf16 copy of every layer (58 GB for Qwen3-30B-A3B) never exists at once."""
+    skip_layers = getattr(backend, "skip_expert_layers", None)
+    skip = skip_layers(model, path, "dummy") if skip_layers is not None else frozenset()
+    by_layer: dict[int, set[str]] = {}
+    for name, module in model.named_modules():
+        layer = getattr(module, "layer_idx", None)
+        if layer in skip and getattr(module, "backend", None) is backend and hasattr(module, "w13"):
+            by_layer.setdefault(layer, set()).update((f"{name}.w13", f"{name}.w2"))
+    lazy = set().union(*by_layer.values()) if by_layer else set()
+    init_dummy_weights(model, seed, select=(lambda name: name not in lazy) if lazy else None)
+    if not by_layer:
+        return None
+
+    def read_experts(layer: int) -> None:
+        names = by_layer[layer]
+        init_dummy_weights(model, seed, select=lambda name: name in names)
+
+    return read_experts
 
 
 def _checkpoint_weights(

@@ -184,6 +184,76 @@ def test_dummy_weights_shapes_and_seed(tmp_path: Path) -> None:
     assert 0.015 < float(p["layers.0.mlp.w13"].std()) < 0.025
 
 
+def test_dummy_values_do_not_depend_on_fill_order_chunks_or_threads(monkeypatch) -> None:
+    """Each parameter has its own generator (seed, name): filling a subset later gives the same
+    values as filling everything at once. Host tensors above CHUNK elements are filled in fixed
+    chunks from a thread pool; the thread count does not change the values."""
+    import models.loader.dummy as dummy
+
+    cfg = _moe_config()
+    monkeypatch.setattr(dummy, "CHUNK", 100)  # w13 (4 * 32 * 32) and w2 go through chunks
+    whole = build_model(cfg, dtype=torch.float32, device="cpu")
+    dummy.init_dummy_weights(whole, seed=7)
+    names = sorted(_params(whole))
+    parts = build_model(cfg, dtype=torch.float32, device="cpu")
+    monkeypatch.setattr(dummy.os, "cpu_count", lambda: 1)
+    for name in reversed(names):  # one at a time, in the opposite order, on one thread
+        dummy.init_dummy_weights(parts, seed=7, select=lambda n, name=name: n == name)
+    _assert_same_params(whole, parts)
+    w13 = _params(whole)["layers.0.mlp.w13"]
+    first, second = w13.view(-1)[:100], w13.view(-1)[100:200]
+    assert not torch.equal(first, second)  # each chunk its own stream
+    assert 0.015 < float(w13.std()) < 0.025 and int((w13 == 0).sum()) == 0
+    other = build_model(cfg, dtype=torch.float32, device="cpu")
+    dummy.init_dummy_weights(other, seed=8, select=lambda n: n == "layers.0.mlp.w13")
+    assert not torch.equal(_params(other)["layers.0.mlp.w13"], w13)
+
+
+def test_dummy_experts_fill_the_cpu_pool_layer_by_layer(tmp_path: Path, monkeypatch, caplog) -> None:
+    """Random weights with the cpu_pool backend: each MoE layer's host experts are filled right
+    before the pool converts them (never all layers' bf16 copies at once), with the values the
+    torch backend's dummy model gets, and nothing goes to the expert cache."""
+    import logging
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TANDEM_EXPERT_CACHE", raising=False)
+    cfg = _moe_config()
+    ref, _ = load_model(tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg)
+    import models.loader.dummy as dummy
+
+    filled: list[set[str]] = []
+    real = dummy.init_dummy_weights
+
+    def spy(model, seed=0, std=0.02, select=None):
+        names = {n for n, _ in model.named_parameters() if select is None or select(n)}
+        filled.append({n for n in names if n.endswith((".w13", ".w2"))})
+        real(model, seed, std, select)
+
+    monkeypatch.setattr("models.loader.init_dummy_weights", spy)
+    with caplog.at_level(logging.WARNING):
+        model, _ = load_model(
+            tmp_path,
+            dtype=torch.float32,
+            device="cpu",
+            load_format="dummy",
+            config=cfg,
+            expert_backend="cpu_pool",
+            expert_options={"fmt": "bf16", "num_threads": 1},
+        )
+    backend = model.expert_backend
+    try:
+        assert filled == [set(), {"layers.0.mlp.w13", "layers.0.mlp.w2"}]  # rest, then layer 0
+        w13, w2 = backend.pool.dequantize(0)
+        p = _params(ref)
+        torch.testing.assert_close(w13, p["layers.0.mlp.w13"].bfloat16().float(), rtol=0, atol=0)
+        torch.testing.assert_close(w2, p["layers.0.mlp.w2"].bfloat16().float(), rtol=0, atol=0)
+        assert _params(model)["layers.0.mlp.w13"].numel() == 0  # the torch copy is freed
+        assert not (tmp_path / "home" / "expert_cache").exists()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        backend.close()
+
+
 def test_dummy_from_config_json_in_bf16(tmp_path: Path) -> None:
     hf.LlamaConfig(**TINY, tie_word_embeddings=True).save_pretrained(tmp_path)
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16, device="cpu", load_format="dummy")

@@ -52,3 +52,29 @@ def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
     log = (tmp_path / "server.log").read_text()
     assert "synthetic byte-level tokenizer" in log
     assert "stopped (0 request(s) aborted)" in log  # SIGTERM drained, exit 0
+
+
+def test_smoke_sweep_of_a_hybrid_moe_shape(tmp_path: Path) -> None:
+    """SHAPE=tiny-moe: a Qwen3-MoE config served with every routed expert on the CPU pool
+    (int4, random experts made layer by layer); the summary's floor is the expert bytes over
+    the CPU read bandwidth."""
+    env = {**os.environ, "OUT": str(tmp_path), "DEVICE": "cpu", "PORT": str(free_port())}
+    env.update(SHAPE="tiny-moe", CONCURRENCY="1,2", NUM_PROMPTS="2,4", CPU_GBPS="50")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu_serving.sh"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert result["model"] == "qwen3moe-tiny-moe-dummy"
+    assert [(r["max_concurrency"], r["failed"]) for r in result["runs"]] == [(1, 0), (2, 0)]
+    log = (tmp_path / "server.log").read_text()
+    assert "cpu_pool: 2 MoE layers (int4" in log and "0 experts a layer on the GPU" in log
+    summary = (tmp_path / "summary.txt").read_text()
+    # 2 active experts x 3 x 64 x 32 x (0.5 + 4/64) bytes x 2 layers = 13,824 B at 50 GB/s
+    assert "int4 experts on the CPU pool" in summary and "at 50 GB/s" in summary
+    assert "TPOT floor is 0.00 ms (3616898.1 tok/s)" in summary
+    assert "prefill at concurrency 1: 12 tokens in" in summary

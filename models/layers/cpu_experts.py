@@ -491,7 +491,9 @@ class CpuPoolExpertBackend:
                 info["num_threads"],
                 len(info["numa_nodes"]),
                 f", sync {self.sync}" if self._on_cuda else "",
-                num_gpu_experts(max(self._num_experts.values()), self.cpu_experts, self.gpu_experts),
+                num_gpu_experts(
+                    max(self._num_experts.values()), self.cpu_experts, self.gpu_experts
+                ),
             )
 
     @torch.no_grad()

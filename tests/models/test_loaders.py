@@ -209,7 +209,9 @@ def test_dummy_values_do_not_depend_on_fill_order_chunks_or_threads(monkeypatch)
     assert not torch.equal(_params(other)["layers.0.mlp.w13"], w13)
 
 
-def test_dummy_experts_fill_the_cpu_pool_layer_by_layer(tmp_path: Path, monkeypatch, caplog) -> None:
+def test_dummy_experts_fill_the_cpu_pool_layer_by_layer(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     """Random weights with the cpu_pool backend: each MoE layer's host experts are filled right
     before the pool converts them (never all layers' bf16 copies at once), with the values the
     torch backend's dummy model gets, and nothing goes to the expert cache."""
@@ -218,7 +220,9 @@ def test_dummy_experts_fill_the_cpu_pool_layer_by_layer(tmp_path: Path, monkeypa
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("TANDEM_EXPERT_CACHE", raising=False)
     cfg = _moe_config()
-    ref, _ = load_model(tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg)
+    ref, _ = load_model(
+        tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg
+    )
     import models.loader.dummy as dummy
 
     filled: list[set[str]] = []

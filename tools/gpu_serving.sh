@@ -15,7 +15,8 @@
 #   OUTPUT_LEN [256], CONCURRENCY [1,16,64,256], NUM_PROMPTS [32,64,256,512] (per level),
 #   WARMUP [32], DEVICE [auto], PORT [8123], MAX_NUM_SEQS [256], MAX_NUM_BATCHED_TOKENS [8192],
 #   SERVER_ARGS (more `tandem serve` flags), START_TIMEOUT [300], BENCH_TIMEOUT [420] (s),
-#   HBM_GBPS (bandwidth for the floor; default: measured here on CUDA). TANDEM_COMPILE,
+#   HBM_GBPS (bandwidth for the floor; default: measured here on CUDA), HEALTH_PROBE [1] (0: no
+#   GET /health every 20 ms during the load). TANDEM_COMPILE,
 #   TANDEM_CUDA_GRAPHS, TANDEM_OVERLAP reach the server through the environment.
 # Files in $OUT: llama-$SHAPE-dummy/config.json, server.log, bench.log, serving.json, serving.png (or .svg
 # where matplotlib is missing), summary.txt. Exit 0 only if every request of every level succeeded
@@ -140,10 +141,11 @@ grep -E "captured|KV cache|fallback|WARNING" "$OUT/server.log" | tail -n 8
 
 say "bench: concurrency $CONCURRENCY, $INPUT_LEN in / $OUTPUT_LEN out, requests $NUM_PROMPTS"
 rm -f "$OUT/serving.json"
+PROBE=--health-probe; [ "${HEALTH_PROBE:-1}" = 0 ] && PROBE=""
 timeout "$BENCH_TIMEOUT" "$PY" tools/bench_serving.py --base-url "http://127.0.0.1:$PORT" \
   --tokenizer none --dataset random --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
   --sweep-concurrency "$CONCURRENCY" --sweep-num-prompts "$NUM_PROMPTS" --warmup "$WARMUP" \
-  --health-probe --result-json "$OUT/serving.json" --plot "$OUT/serving.png" 2>&1 | tee "$OUT/bench.log"
+  $PROBE --result-json "$OUT/serving.json" --plot "$OUT/serving.png" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 say "bench rc=$bench_rc"
 grep -E "eager|fallback|recompil" "$OUT/server.log" | sort | uniq -c | head -n 5

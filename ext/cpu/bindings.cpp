@@ -185,6 +185,8 @@ PYBIND11_MODULE(_tandem_cpu, m) {
              return d;
            })
       .def_property_readonly("num_threads", [](const ExpertPool& p) { return p.workers().size(); })
+      .def_property_readonly("spare_cpus",
+                             [](const ExpertPool& p) { return p.workers().spare_cpus(); })
       .def("busy_ns", [](const ExpertPool& p) { return p.workers().busy_ns(); })
       .def_property_readonly("nodes", [](const ExpertPool& p) {
         py::list out;

@@ -57,16 +57,21 @@ def _int_min_tokens_from_env() -> int | None:
 PACK_ROWS_ENV = "TANDEM_CPU_PACK_ROWS"
 
 
-def _pack_rows_from_env() -> bool | None:
-    """TANDEM_CPU_PACK_ROWS: None for unset/"auto", else on/off."""
-    raw = os.environ.get(PACK_ROWS_ENV, "").strip().lower()
+def switch_from_env(name: str) -> bool | None:
+    """An auto/on/off environment switch: None for unset or "auto", else True/False."""
+    raw = os.environ.get(name, "").strip().lower()
     if raw in ("", "auto"):
         return None
     if raw in _ENV_ON:
         return True
     if raw in _ENV_OFF:
         return False
-    raise ValueError(f"{PACK_ROWS_ENV} must be 'auto', 'on' or 'off', got {raw!r}")
+    raise ValueError(f"{name} must be 'auto', 'on' or 'off', got {raw!r}")
+
+
+def _pack_rows_from_env() -> bool | None:
+    """TANDEM_CPU_PACK_ROWS: None for unset/"auto", else on/off."""
+    return switch_from_env(PACK_ROWS_ENV)
 
 
 def cuda_host_funcs_error() -> str | None:
@@ -642,6 +647,27 @@ class CpuExpertPool:
             "layers": sorted(self._layers),
             "bytes_per_format": bytes_per_format,
         }
+
+    @property
+    def spare_cpus(self) -> list[int]:
+        """The allowed cpus no worker is pinned to (the stream poller takes the highest)."""
+        return list(self._live().spare_cpus)
+
+    def confine_others(self) -> list[int]:
+        """Moves every thread of this process that is not pinned to one cpu (the workers and
+        the poller are) onto the spare cpus, so the interpreter, the event loop and the CUDA
+        driver's threads stop preempting workers; threads they start later inherit that mask.
+        Returns the cpus, empty (nothing changed) where no cpu is spare or not on Linux."""
+        spare = set(self.spare_cpus)
+        if not spare or not hasattr(os, "sched_setaffinity"):
+            return []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                if len(os.sched_getaffinity(int(tid))) > 1:
+                    os.sched_setaffinity(int(tid), spare)
+            except OSError:  # the thread has exited, or the mask is not ours to set
+                continue
+        return sorted(spare)
 
     def close(self) -> None:
         """Waits for the call in flight, stops the workers and frees the weights. Idempotent."""

@@ -66,6 +66,9 @@ SYNC_MODES = ("flags", "host_func")
 # (models/layers/gpu_prefill.py) from this many tokens; "auto": GPU_PREFILL_TOKENS by format,
 # "off" (or 0): never.
 GPU_PREFILL_ENV = "TANDEM_GPU_PREFILL"
+# On CUDA, once the experts are in: the process's other threads (interpreter, event loop, CUDA
+# driver) confined to the cpus the pool's workers leave (auto|on|off; see `attach`).
+CONFINE_ENV = "TANDEM_POOL_CONFINE"
 # Where shipping a whole layer over PCIe (~55 GB/s) beats the pool, Qwen3-30B-A3B shape on the
 # device (docs/BENCHMARKS.md, "GPU prefill from the pool's weights"): a layer of int4 experts is
 # ~320 MB (6 ms), int8 ~620 MB, bf16 ~1.2 GB (22 ms), against the pool's time at that many
@@ -477,6 +480,7 @@ class CpuPoolExpertBackend:
             self.add_block(block, read_experts)
         self._t_attach = time.perf_counter()
         if self._num_experts:
+            self._confine()
             info = self.pool.info()
             logger.info(
                 "cpu_pool: %d MoE layers (%s, %.2f GB) in %.1fs, kernels %s/%s%s, %d threads on "
@@ -495,6 +499,21 @@ class CpuPoolExpertBackend:
                     max(self._num_experts.values()), self.cpu_experts, self.gpu_experts
                 ),
             )
+
+    def _confine(self) -> None:
+        """On CUDA with TANDEM_POOL_CONFINE on: every thread of the process but the pool's
+        pinned ones onto the cpus the workers leave, and torch's CPU threads to that many. A
+        decode step waits on the slowest worker of each layer's job, and an unpinned thread of
+        the server (the event loop, the scheduler, the CUDA driver) landing on a worker's core
+        delays that job by a time slice."""
+        from ext.cpu.pool import switch_from_env
+
+        if not self._on_cuda or not switch_from_env(CONFINE_ENV):
+            return
+        cpus = self.pool.confine_others()
+        if cpus:
+            torch.set_num_threads(len(cpus))
+            logger.info("cpu_pool: the process's other threads confined to cpus %s", cpus)
 
     @torch.no_grad()
     def add_block(

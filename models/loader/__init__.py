@@ -194,22 +194,33 @@ def _init_dummy(
 ) -> Callable[[int], None] | None:
     """Random weights. A backend that skips expert layers (cpu_pool) gets those layers' host
     experts filled one layer at a time by the returned `read_experts`, right before it converts
-    them, so the bf16 copy of every layer (58 GB for Qwen3-30B-A3B) never exists at once."""
+    them, so the bf16 copy of every layer (58 GB for Qwen3-30B-A3B) never exists at once. The
+    layers share one host buffer per tensor shape (the backend has converted and dropped the
+    previous layer's by then): fresh pages for every layer would cost a page fault per 4 KiB."""
     skip_layers = getattr(backend, "skip_expert_layers", None)
     skip = skip_layers(model, path, "dummy") if skip_layers is not None else frozenset()
-    by_layer: dict[int, set[str]] = {}
+    blocks: dict[int, tuple[str, nn.Module]] = {}
     for name, module in model.named_modules():
         layer = getattr(module, "layer_idx", None)
         if layer in skip and getattr(module, "backend", None) is backend and hasattr(module, "w13"):
-            by_layer.setdefault(layer, set()).update((f"{name}.w13", f"{name}.w2"))
-    lazy = set().union(*by_layer.values()) if by_layer else set()
+            blocks[layer] = (name, module)
+    lazy = {f"{name}.{w}" for name, _ in blocks.values() for w in ("w13", "w2")}
     init_dummy_weights(model, seed, select=(lambda name: name not in lazy) if lazy else None)
-    if not by_layer:
+    if not blocks:
         return None
+    scratch: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def read_experts(layer: int) -> None:
-        names = by_layer[layer]
-        init_dummy_weights(model, seed, select=lambda name: name in names)
+        name, block = blocks[layer]
+        for w in ("w13", "w2"):
+            param = getattr(block, w)
+            key = (tuple(param.shape), param.dtype)
+            if key in scratch:
+                setattr(block, w, nn.Parameter(scratch[key], requires_grad=False))
+            else:
+                scratch[key] = param.data
+        names = {f"{name}.w13", f"{name}.w2"}
+        init_dummy_weights(model, seed, select=lambda n: n in names)
 
     return read_experts
 

@@ -3,9 +3,14 @@ ISA path this machine supports, routing edge cases, concurrency, lifecycle, vali
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +25,8 @@ from ext.cpu import (
     supported_isas,
 )
 from ext.cpu import build as cpu_build
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ISAS = supported_isas()
 FORMATS = ("bf16", "int8", "int4")
@@ -651,3 +658,40 @@ def test_compile_error_carries_compiler_output(tmp_path):
     bad.write_text("int main() { return undefined_name; }\n")
     with pytest.raises(CpuExtensionError, match="undefined_name"):
         cpu_build._run([cpu_build._compiler(), "-c", str(bad), "-o", str(tmp_path / "bad.o")])
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux affinity and two allowed cpus",
+)
+def test_confine_others_moves_unpinned_threads_to_the_spare_cpus() -> None:
+    """In a child process (affinity changes stick to the process): a pool of one worker leaves
+    the other cpus spare; confine_others moves the main thread and an already running Python
+    thread there, leaves the pinned worker alone, and later threads inherit the mask."""
+    code = textwrap.dedent(
+        """
+        import os, threading
+        from ext.cpu import CpuExpertPool
+        allowed = os.sched_getaffinity(0)
+        pool = CpuExpertPool(num_threads=1)
+        spare = pool.spare_cpus
+        assert len(spare) == len(allowed) - 1 and set(spare) < allowed, (spare, allowed)
+        release, seen = threading.Event(), {}
+        t = threading.Thread(target=lambda: (release.wait(), seen.update(a=os.sched_getaffinity(0))))
+        t.start()
+        assert pool.confine_others() == sorted(spare)
+        release.set(); t.join()
+        assert seen["a"] == set(spare) and os.sched_getaffinity(0) == set(spare)
+        masks = [os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")]
+        assert (allowed - set(spare)) in masks  # the worker keeps its cpu
+        later = threading.Thread(target=lambda: seen.update(b=os.sched_getaffinity(0)))
+        later.start(); later.join()
+        assert seen["b"] == set(spare)
+        pool.close()
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

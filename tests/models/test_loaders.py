@@ -219,7 +219,9 @@ def test_dummy_experts_fill_the_cpu_pool_layer_by_layer(
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("TANDEM_EXPERT_CACHE", raising=False)
-    cfg = _moe_config()
+    import dataclasses
+
+    cfg = dataclasses.replace(_moe_config(), num_hidden_layers=3, mlp_only_layers=(1,))
     ref, _ = load_model(
         tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg
     )
@@ -246,12 +248,16 @@ def test_dummy_experts_fill_the_cpu_pool_layer_by_layer(
         )
     backend = model.expert_backend
     try:
-        assert filled == [set(), {"layers.0.mlp.w13", "layers.0.mlp.w2"}]  # rest, then layer 0
-        w13, w2 = backend.pool.dequantize(0)
+        moe = [0, 2]  # layer 1 is dense
+        assert filled == [set()] + [{f"layers.{i}.mlp.w13", f"layers.{i}.mlp.w2"} for i in moe]
         p = _params(ref)
-        torch.testing.assert_close(w13, p["layers.0.mlp.w13"].bfloat16().float(), rtol=0, atol=0)
-        torch.testing.assert_close(w2, p["layers.0.mlp.w2"].bfloat16().float(), rtol=0, atol=0)
-        assert _params(model)["layers.0.mlp.w13"].numel() == 0  # the torch copy is freed
+        for i in moe:  # layer 2 was filled in layer 0's buffer: each got its own values
+            w13, w2 = backend.pool.dequantize(i)
+            want13, want2 = p[f"layers.{i}.mlp.w13"], p[f"layers.{i}.mlp.w2"]
+            torch.testing.assert_close(w13, want13.bfloat16().float(), rtol=0, atol=0)
+            torch.testing.assert_close(w2, want2.bfloat16().float(), rtol=0, atol=0)
+            assert _params(model)[f"layers.{i}.mlp.w13"].numel() == 0  # the torch copy is freed
+        assert not torch.equal(p["layers.0.mlp.w13"], p["layers.2.mlp.w13"])
         assert not (tmp_path / "home" / "expert_cache").exists()
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     finally:

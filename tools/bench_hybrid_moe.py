@@ -555,6 +555,7 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
             block.w13 = nn.Parameter(shared[0], requires_grad=False)
             block.w2 = nn.Parameter(shared[1], requires_grad=False)
             backend.add_block(block)  # converts into the pool, frees the torch copy
+    backend.confine()  # as attach does (TANDEM_POOL_CONFINE)
     init_dummy_weights(model)  # everything else (the expert tensors are empty now)
     apply_fast_linears(model, a.device, dtype)  # as load_model does
     load_s = time.perf_counter() - t0

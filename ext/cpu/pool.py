@@ -74,6 +74,16 @@ def _pack_rows_from_env() -> bool | None:
     return switch_from_env(PACK_ROWS_ENV)
 
 
+def _set_masks(which: Callable[[set[int]], bool], cpus: set[int]) -> None:
+    """Sets the cpu mask of every thread of this process whose mask `which` accepts."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if which(os.sched_getaffinity(int(tid))):
+                os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread has exited, or the mask is not ours to set
+            continue
+
+
 def cuda_host_funcs_error() -> str | None:
     """None when the CUDA driver's cuLaunchHostFunc can be used (stream-ordered jobs); else
     why not. The extension itself never needs CUDA."""
@@ -199,6 +209,7 @@ class CpuExpertPool:
         ext = load_extension()
         # ValueError if unavailable
         self._pool = ext.ExpertPool(num_threads or 0, isa or "", int(split_nodes))
+        self._confined: tuple[set[int], set[int]] | None = None  # (mask before, spare cpus)
         if spin_us is not None:
             self.spin_us = spin_us
         if int_min_tokens is None:
@@ -661,12 +672,9 @@ class CpuExpertPool:
         spare = set(self.spare_cpus)
         if not spare or not hasattr(os, "sched_setaffinity"):
             return []
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                if len(os.sched_getaffinity(int(tid))) > 1:
-                    os.sched_setaffinity(int(tid), spare)
-            except OSError:  # the thread has exited, or the mask is not ours to set
-                continue
+        if self._confined is None:
+            self._confined = (os.sched_getaffinity(0), spare)
+        _set_masks(lambda mask: len(mask) > 1, spare)
         return sorted(spare)
 
     def close(self) -> None:
@@ -677,6 +685,10 @@ class CpuExpertPool:
         if pool is not None:
             pool.sync()
             del pool  # stops the poller of flag jobs before their buffers go
+        confined, self._confined = getattr(self, "_confined", None), None
+        if confined is not None:  # confine_others undone: a later pool sees every cpu again
+            before, spare = confined
+            _set_masks(lambda mask: mask == spare, before)
         self._inflight = None
         self._stream_tensors = []
 

@@ -67,7 +67,7 @@ SYNC_MODES = ("flags", "host_func")
 # "off" (or 0): never.
 GPU_PREFILL_ENV = "TANDEM_GPU_PREFILL"
 # On CUDA, once the experts are in: the process's other threads (interpreter, event loop, CUDA
-# driver) confined to the cpus the pool's workers leave (auto|on|off; see `attach`).
+# driver) confined to the cpus the pool's workers leave (auto = on | off; see `confine`).
 CONFINE_ENV = "TANDEM_POOL_CONFINE"
 # Where shipping a whole layer over PCIe (~55 GB/s) beats the pool, Qwen3-30B-A3B shape on the
 # device (docs/BENCHMARKS.md, "GPU prefill from the pool's weights"): a layer of int4 experts is
@@ -388,6 +388,7 @@ class CpuPoolExpertBackend:
         self._spin_us = spin_us
         self._staging: list[_StreamStaging] = []  # the last one is in use; older: graphs
         self._on_cuda = False  # set by add_block: the default thread count depends on it
+        self._torch_threads: int | None = None  # torch's CPU threads before `confine`
 
     # -- load --------------------------------------------------------------------------------
 
@@ -480,7 +481,7 @@ class CpuPoolExpertBackend:
             self.add_block(block, read_experts)
         self._t_attach = time.perf_counter()
         if self._num_experts:
-            self._confine()
+            self.confine()
             info = self.pool.info()
             logger.info(
                 "cpu_pool: %d MoE layers (%s, %.2f GB) in %.1fs, kernels %s/%s%s, %d threads on "
@@ -500,20 +501,26 @@ class CpuPoolExpertBackend:
                 ),
             )
 
-    def _confine(self) -> None:
-        """On CUDA with TANDEM_POOL_CONFINE on: every thread of the process but the pool's
-        pinned ones onto the cpus the workers leave, and torch's CPU threads to that many. A
-        decode step waits on the slowest worker of each layer's job, and an unpinned thread of
-        the server (the event loop, the scheduler, the CUDA driver) landing on a worker's core
-        delays that job by a time slice."""
+    def confine(self) -> list[int]:
+        """On CUDA (unless TANDEM_POOL_CONFINE=off): every thread of the process but the pool's
+        pinned ones onto the cpus the workers leave, and torch's CPU threads to that many;
+        called by `attach` once the experts are in. A decode step waits on the slowest worker
+        of each layer's job, and an unpinned thread of the server (the event loop, the
+        scheduler, the CUDA driver) landing on a worker's core delays that job by a time slice
+        (Qwen3-30B-A3B shape, int4, `tandem serve` on the H100 machine, same call: batch-1
+        decode 58.4 tok/s unconfined, 64.1 confined; docs/BENCHMARKS.md). Returns the cpus,
+        empty where nothing changed."""
         from ext.cpu.pool import switch_from_env
 
-        if not self._on_cuda or not switch_from_env(CONFINE_ENV):
-            return
+        if not self._on_cuda or switch_from_env(CONFINE_ENV) is False:
+            return []
         cpus = self.pool.confine_others()
         if cpus:
+            if self._torch_threads is None:
+                self._torch_threads = torch.get_num_threads()
             torch.set_num_threads(len(cpus))
             logger.info("cpu_pool: the process's other threads confined to cpus %s", cpus)
+        return cpus
 
     @torch.no_grad()
     def add_block(
@@ -939,7 +946,10 @@ class CpuPoolExpertBackend:
             if self._gpu_prefill is not None:  # unpin before the pool frees the memory
                 self._gpu_prefill.close()
                 self._gpu_prefill = None
-            self._pool.close()
+            self._pool.close()  # undoes confine_others
+            if self._torch_threads is not None:
+                torch.set_num_threads(self._torch_threads)
+                self._torch_threads = None
 
 
 def hybrid_moe_stats(model: nn.Module) -> HybridMoeStats | None:

@@ -667,7 +667,8 @@ def test_compile_error_carries_compiler_output(tmp_path):
 def test_confine_others_moves_unpinned_threads_to_the_spare_cpus() -> None:
     """In a child process (affinity changes stick to the process): a pool of one worker leaves
     the other cpus spare; confine_others moves the main thread and an already running Python
-    thread there, leaves the pinned worker alone, and later threads inherit the mask."""
+    thread there, leaves the pinned worker alone, and later threads inherit the mask; close
+    puts the masks back."""
     code = textwrap.dedent(
         """
         import os, threading
@@ -687,7 +688,9 @@ def test_confine_others_moves_unpinned_threads_to_the_spare_cpus() -> None:
         later = threading.Thread(target=lambda: seen.update(b=os.sched_getaffinity(0)))
         later.start(); later.join()
         assert seen["b"] == set(spare)
-        pool.close()
+        pool.close()  # undone: the next pool sees every cpu again
+        assert os.sched_getaffinity(0) == allowed
+        assert CpuExpertPool(num_threads=1).spare_cpus == sorted(spare)
         print("ok")
         """
     )

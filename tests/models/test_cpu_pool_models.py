@@ -9,6 +9,10 @@ to fp32 accuracy. The SIMD ISAs round activations to bf16: a bf16-sized toleranc
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,8 @@ from ext.cpu import quantize, supported_isas
 from models.layers.cpu_experts import CpuPoolExpertBackend, hybrid_moe_metrics, num_gpu_experts
 from models.loader import load_model
 from tests.models.moe_cases import CASES, _llm, _max_rel_diff, _quantize_reference, _run, _save
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
@@ -224,3 +230,36 @@ def test_gguf_experts_into_pool(qtype: str, tmp_path: Path) -> None:
         torch.testing.assert_close(w2, quantize(down, fmt, group), rtol=1e-6, atol=1e-7)
     rel = float((w13 - src13).norm() / src13.norm())
     assert rel < (0.02 if qtype == "Q8_0" else 0.12), rel
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux affinity and two allowed cpus",
+)
+def test_backend_confines_the_process_on_cuda_only_and_close_undoes_it() -> None:
+    """`confine` (called by attach): nothing off CUDA or with TANDEM_POOL_CONFINE=off; on CUDA
+    the process's threads go to the pool's spare cpus and torch's CPU threads to that many;
+    close puts both back. In a child process: affinity sticks to the process."""
+    code = textwrap.dedent(
+        """
+        import os, torch
+        from models.layers.cpu_experts import CpuPoolExpertBackend
+        allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
+        b = CpuPoolExpertBackend(fmt="bf16", num_threads=1)
+        assert b.confine() == []  # the model is not on CUDA
+        b._on_cuda = True  # as add_block sets it for a CUDA model
+        os.environ["TANDEM_POOL_CONFINE"] = "off"
+        assert b.confine() == [] and os.sched_getaffinity(0) == allowed
+        os.environ["TANDEM_POOL_CONFINE"] = "auto"
+        cpus = b.confine()
+        assert cpus == b.pool.spare_cpus and len(cpus) == len(allowed) - 1
+        assert os.sched_getaffinity(0) == set(cpus) and torch.get_num_threads() == len(cpus)
+        b.close()
+        assert os.sched_getaffinity(0) == allowed and torch.get_num_threads() == threads
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -655,7 +655,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
     for level, num in zip(levels, counts, strict=True):
         level_args = argparse.Namespace(**{**vars(args), "num_prompts": num})
-        requests = dataset(level_args, random.Random(args.seed))
+        # the warm-up's and every level's prompts come from one stream: a prompt seen before
+        # would be served from the prefix cache and flatter TTFT
+        requests = dataset(level_args, rng)
         rate = math.inf if args.sweep_concurrency else args.request_rate
         report = await run_load(args, requests, model, level, rate)
         print_report(report)

@@ -193,3 +193,25 @@ def test_plot_falls_back_to_svg_without_matplotlib(
     assert len(root.findall(f"{ns}polyline")) == 4
     texts = [t.text for t in root.iter(f"{ns}text")]
     assert "a <title> & more" in texts and "28,160" in texts and "256" in texts  # ymax = 1.1 x max
+
+
+async def test_warmup_and_levels_never_repeat_a_prompt(server: RunningServer, monkeypatch) -> None:
+    """A prompt sent twice would be served from the prefix cache the second time: the warm-up
+    and each sweep level draw fresh prompts from one seeded stream."""
+    sent: list[tuple[int, ...]] = []
+    real = bench.run_load
+
+    async def recording(args, requests, *rest):  # noqa: ANN001, ANN202
+        sent.extend(tuple(r.prompt) for r in requests)
+        return await real(args, requests, *rest)
+
+    monkeypatch.setattr(bench, "run_load", recording)
+    args = parse(server, "--input-len", "8", "--output-len", "2", "--sweep-concurrency", "1,2")
+    args.warmup, args.sweep_num_prompts = 2, "3,4"
+    result = await bench.main_async(args)
+    assert [r["completed"] for r in result["runs"]] == [3, 4]
+    assert len(sent) == 2 + 3 + 4 and len(set(sent)) == len(sent)
+    again: list[tuple[int, ...]] = []
+    sent, first = again, sent
+    await bench.main_async(args)
+    assert again == first  # still reproducible from --seed

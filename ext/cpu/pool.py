@@ -664,23 +664,18 @@ class CpuExpertPool:
         """The allowed cpus no worker is pinned to (the stream poller takes the highest)."""
         return list(self._live().spare_cpus)
 
-    def confine_others(self, leave_poller_cpu: bool = True) -> list[int]:
+    def confine_others(self) -> list[int]:
         """Moves every thread of this process that is not pinned to one cpu (the workers and
         the poller are) onto the spare cpus, so the interpreter, the event loop and the CUDA
         driver's threads stop preempting workers; threads they start later inherit that mask.
-        `leave_poller_cpu`: not onto the stream poller's cpu (the highest spare) while another
-        is spare, so nothing delays the start of a layer's job either. Returns the cpus, empty
-        (nothing changed) where no cpu is spare or not on Linux."""
-        spare = sorted(self.spare_cpus)
+        Returns the cpus, empty (nothing changed) where no cpu is spare or not on Linux."""
+        spare = set(self.spare_cpus)
         if not spare or not hasattr(os, "sched_setaffinity"):
             return []
-        cpus = set(spare[:-1] if leave_poller_cpu and len(spare) > 1 else spare)
         if self._confined is None:
-            self._confined = (os.sched_getaffinity(0), cpus)
-        else:
-            self._confined = (self._confined[0], cpus)
-        _set_masks(lambda mask: len(mask) > 1, cpus)
-        return sorted(cpus)
+            self._confined = (os.sched_getaffinity(0), spare)
+        _set_masks(lambda mask: len(mask) > 1, spare)
+        return sorted(spare)
 
     def close(self) -> None:
         """Waits for the call in flight, stops the workers and frees the weights. Idempotent."""

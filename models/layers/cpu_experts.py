@@ -67,10 +67,8 @@ SYNC_MODES = ("flags", "host_func")
 # "off" (or 0): never.
 GPU_PREFILL_ENV = "TANDEM_GPU_PREFILL"
 # On CUDA, once the experts are in: the process's other threads (interpreter, event loop, CUDA
-# driver) confined to the cpus the pool's workers leave but the poller's (auto = on), to all of
-# them ("spare"), or left alone ("off"); see `confine`.
+# driver) confined to the cpus the pool's workers leave (auto = on | off; see `confine`).
 CONFINE_ENV = "TANDEM_POOL_CONFINE"
-CONFINE_MODES = ("auto", "on", "spare", "off", "0", "1")
 # Where shipping a whole layer over PCIe (~55 GB/s) beats the pool, Qwen3-30B-A3B shape on the
 # device (docs/BENCHMARKS.md, "GPU prefill from the pool's weights"): a layer of int4 experts is
 # ~320 MB (6 ms), int8 ~620 MB, bf16 ~1.2 GB (22 ms), against the pool's time at that many
@@ -505,20 +503,18 @@ class CpuPoolExpertBackend:
 
     def confine(self) -> list[int]:
         """On CUDA (unless TANDEM_POOL_CONFINE=off): every thread of the process but the pool's
-        pinned ones onto the cpus the workers leave, but for the stream poller's where another
-        is left ("spare": that one too), and torch's CPU threads to that many;
+        pinned ones onto the cpus the workers leave, and torch's CPU threads to that many;
         called by `attach` once the experts are in. A decode step waits on the slowest worker
         of each layer's job, and an unpinned thread of the server (the event loop, the
         scheduler, the CUDA driver) landing on a worker's core delays that job by a time slice
         (Qwen3-30B-A3B shape, int4, `tandem serve` on the H100 machine, same call: batch-1
         decode 58.4 tok/s unconfined, 64.1 confined; docs/BENCHMARKS.md). Returns the cpus,
         empty where nothing changed."""
-        mode = os.environ.get(CONFINE_ENV, "").strip().lower() or "auto"
-        if mode not in CONFINE_MODES:
-            raise ValueError(f"{CONFINE_ENV} must be one of {CONFINE_MODES}, got {mode!r}")
-        if not self._on_cuda or mode in ("off", "0"):
+        from ext.cpu.pool import switch_from_env
+
+        if not self._on_cuda or switch_from_env(CONFINE_ENV) is False:
             return []
-        cpus = self.pool.confine_others(leave_poller_cpu=mode != "spare")
+        cpus = self.pool.confine_others()
         if cpus:
             if self._torch_threads is None:
                 self._torch_threads = torch.get_num_threads()

@@ -59,15 +59,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-experts",
-        type=int,
+        type=_count_arg(0),
         default=None,
         help="MoE experts per layer kept on the GPU (the most routed ones)",
     )
     parser.add_argument(
         "--cpu-threads",
-        type=int,
+        type=_count_arg(1),
         default=None,
-        help="threads of the CPU expert pool (default: cpus - 1)",
+        help="threads of the CPU expert pool (default: cpus - 1; with the model on CUDA "
+        "cpus - 2, and the server's other threads go to the cpus left)",
     )
     parser.add_argument(
         "--cpu-expert-format",
@@ -85,6 +86,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "env TANDEM_GPU_PREFILL)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def _count_arg(least: int):  # noqa: ANN202
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value!r}")
+        return n
+
+    return parse
 
 
 def _gpu_prefill_arg(value: str) -> str:

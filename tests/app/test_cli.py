@@ -75,3 +75,21 @@ def test_bad_arguments_give_a_clear_error_not_a_traceback():
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_tandem("generate", "--max-tokens", "0", "--device", "cpu", "hi")
     assert proc.returncode == 2 and "max_tokens" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "least"),
+    [("--cpu-threads", "0", 1), ("--cpu-threads", "x", 1), ("--gpu-experts", "-2", 0)],
+)
+def test_expert_pool_counts_are_checked_by_the_parser(flag: str, value: str, least: int):
+    import argparse
+
+    from app.engine_args import add_engine_arguments
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_arguments(parser)
+    with pytest.raises(argparse.ArgumentError, match=f"expected an integer >= {least}"):
+        parser.parse_args([flag, value])
+    assert (
+        parser.parse_args([flag, str(least + 3)]).__dict__[flag[2:].replace("-", "_")] == least + 3
+    )

@@ -9,12 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_hybrid}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .device-wheels ]; then
-  python3 -m pip install -q --no-index --no-deps .device-wheels/*.whl 2>&1 | grep -v WARNING
-fi
-{ date -u +%FT%TZ; nvidia-smi --query-gpu=name --format=csv,noheader; lscpu | grep -E 'Model name|L3'; } | tee "$OUT/device.txt"
+source tools/device_env.sh
 rc=0
 tests=${HYBRID_TESTS:-"tests/ext/test_layout.py tests/models/test_gpu_prefill.py tests/models/test_cpu_pool_cuda.py tests/ext/test_moe_stage.py"}
 if [ "$tests" != "none" ]; then

@@ -12,12 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_hybrid_serving}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .device-wheels ]; then
-  python3 -m pip install -q --no-index --no-deps .device-wheels/*.whl 2>&1 | grep -v WARNING
-fi
-{ date -u +%FT%TZ; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null; lscpu | grep -E 'Model name|L3'; } | tee "$OUT/device.txt"
+source tools/device_env.sh
 fmt=${EXPERT_FORMAT:-int4} in_len=${INPUT_LEN:-2048} rc=0
 if [ "${RUNNER:-1}" != 0 ]; then
   timeout "${BENCH_TIMEOUT:-200}" python3 tools/bench_hybrid_moe.py --formats "$fmt" --graphs on \

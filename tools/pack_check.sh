@@ -9,12 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_pack}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .device-wheels ]; then
-  python3 -m pip install -q --no-index --no-deps .device-wheels/*.whl 2>&1 | grep -v WARNING
-fi
-{ date -u +%FT%TZ; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null; lscpu | grep -E 'Model name|L3'; } | tee "$OUT/device.txt"
+source tools/device_env.sh
 rc=0
 tests=${CPU_TESTS:-"tests/ext/test_packed_rows.py tests/ext/test_cpu_int8_path.py tests/ext/test_cpu_pool.py tests/ext/test_expert_cache.py"}
 if [ "$tests" != "none" ]; then

@@ -20,9 +20,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "DEVICE": "cpu", "PORT": str(free_port())}
-    env["HBM_GBPS"] = "1000"  # the floor column without a bandwidth measurement
+def run_smoke(out: Path, **env: str) -> None:
+    """tools/gpu_serving.sh --smoke on the CPU into `out`, with `env` on top; must succeed."""
+    env = {**os.environ, "OUT": str(out), "DEVICE": "cpu", "PORT": str(free_port()), **env}
     proc = subprocess.run(
         ["bash", str(ROOT / "tools" / "gpu_serving.sh"), "--smoke"],
         env=env,
@@ -31,6 +31,10 @@ def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
+    run_smoke(tmp_path, HBM_GBPS="1000")  # the floor column without a bandwidth measurement
     result = json.loads((tmp_path / "serving.json").read_text())
     assert result["model"] == "llama-tiny-dummy"
     runs = result["runs"]
@@ -58,16 +62,7 @@ def test_smoke_sweep_of_a_hybrid_moe_shape(tmp_path: Path) -> None:
     """SHAPE=tiny-moe: a Qwen3-MoE config served with every routed expert on the CPU pool
     (int4, random experts made layer by layer); the summary's floor is the expert bytes over
     the CPU read bandwidth."""
-    env = {**os.environ, "OUT": str(tmp_path), "DEVICE": "cpu", "PORT": str(free_port())}
-    env.update(SHAPE="tiny-moe", CONCURRENCY="1,2", NUM_PROMPTS="2,4", CPU_GBPS="50")
-    proc = subprocess.run(
-        ["bash", str(ROOT / "tools" / "gpu_serving.sh"), "--smoke"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_smoke(tmp_path, SHAPE="tiny-moe", CONCURRENCY="1,2", NUM_PROMPTS="2,4", CPU_GBPS="50")
     result = json.loads((tmp_path / "serving.json").read_text())
     assert result["model"] == "qwen3moe-tiny-moe-dummy"
     assert [(r["max_concurrency"], r["failed"]) for r in result["runs"]] == [(1, 0), (2, 0)]

@@ -296,6 +296,21 @@ def _grouped_experts(
 # (200 us), and a worker that fell asleep costs a wake-up at the next layer (Qwen3-30B-A3B
 # shape, int4, 12 workers: 19.1 tok/s with 200 us, 25.6 with 2000 us, same device call).
 CUDA_SPIN_US = 2000
+# Overrides the workers' spin (microseconds; default 200 with the model on the CPU, CUDA_SPIN_US
+# on CUDA). With the model on the CPU, workers spinning after a layer's job compete with
+# torch's threads for the next layer's attention: on the 2-core VM (upcycled SmolLM2, int4)
+# 0 took decode from 25.8 to 31.5 tok/s; on the 16-core device the same A/B swung too widely
+# between repeats to choose a default (docs/BENCHMARKS.md, session 6).
+SPIN_ENV = "TANDEM_POOL_SPIN_US"
+
+
+def spin_us_from_env() -> int | None:
+    raw = os.environ.get(SPIN_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"{SPIN_ENV} must be a non-negative integer (microseconds), got {raw!r}")
+    return int(raw)
 
 
 def default_cuda_pool_threads() -> int:
@@ -398,7 +413,7 @@ class CpuPoolExpertBackend:
             from ext.cpu import CpuExpertPool  # lazy: builds the extension on first use
 
             num_threads, isa = self._pool_args
-            spin_us = self._spin_us
+            spin_us = self._spin_us if self._spin_us is not None else spin_us_from_env()
             if self._on_cuda:
                 num_threads = num_threads or default_cuda_pool_threads()
                 spin_us = CUDA_SPIN_US if spin_us is None else spin_us

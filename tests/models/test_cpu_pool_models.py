@@ -263,3 +263,18 @@ def test_backend_confines_the_process_on_cuda_only_and_close_undoes_it() -> None
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_pool_spin_from_the_environment(monkeypatch) -> None:
+    """TANDEM_POOL_SPIN_US sets the workers' spin where the caller gave none; a bad value is a
+    clear error."""
+    monkeypatch.setenv("TANDEM_POOL_SPIN_US", "0")
+    b = CpuPoolExpertBackend(fmt="bf16", num_threads=1)
+    assert b.pool.spin_us == 0
+    b.close()
+    b = CpuPoolExpertBackend(fmt="bf16", num_threads=1, spin_us=50)  # the argument wins
+    assert b.pool.spin_us == 50
+    b.close()
+    monkeypatch.setenv("TANDEM_POOL_SPIN_US", "fast")
+    with pytest.raises(ValueError, match="TANDEM_POOL_SPIN_US"):
+        CpuPoolExpertBackend(fmt="bf16", num_threads=1).pool  # noqa: B018

@@ -2,6 +2,8 @@
 """Offline decode benchmark: Tandem vs HF transformers (and llama.cpp when installed).
 
     python tools/bench_offline.py [--model M] [--new-tokens 128] [--concurrency 16]
+    python tools/bench_offline.py --model ./upcycled --no-hf --dtypes bfloat16 \
+        --cpu-experts all --cpu-expert-format int4      # a MoE with its experts on the pool
 
 Prints batch-1 decode tokens/s and the aggregate at N concurrent sequences for Tandem and HF
 transformers' `generate` on the same dequantized weights, per dtype (float32 and bfloat16 by
@@ -121,6 +123,32 @@ def bench_llama_cpp(path: Path, prompt_ids: list[int], new: int) -> float | None
     return new / (timed(lambda: gen(new + 1)) - timed(lambda: gen(1)))
 
 
+def make_llm(args: argparse.Namespace, dtype_name: str) -> LLM:
+    if args.cpu_experts is None:
+        return LLM(args.model, dtype=dtype_name, device="cpu")
+    from runtime.config import EngineConfig, ModelSpec
+
+    spec = ModelSpec(
+        model=args.model,
+        dtype=dtype_name,
+        device="cpu",
+        cpu_experts=args.cpu_experts,
+        cpu_expert_format=args.cpu_expert_format,
+    )
+    return LLM(engine_config=EngineConfig(model=spec))
+
+
+def pool_bytes_per_token(llm: LLM) -> int:
+    """Expert bytes one token reads from the CPU pool (top-k of each layer's E experts)."""
+    backend = getattr(llm.engine.model, "expert_backend", None)
+    pool = getattr(backend, "_pool", None)
+    if pool is None:
+        return 0
+    mc = llm.engine.model_config
+    total = sum(pool.info()["bytes_per_format"].values())
+    return int(total * mc.num_experts_per_tok / mc.num_experts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -131,6 +159,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write results to this file")
+    ap.add_argument("--cpu-experts", default=None, help="MoE: experts on the CPU pool (all|N)")
+    ap.add_argument("--cpu-expert-format", default="bf16", choices=["bf16", "int8", "int4"])
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -152,10 +182,11 @@ def main() -> None:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         t = time.perf_counter()
-        llm = LLM(args.model, dtype=dtype_name, device="cpu")
+        llm = make_llm(args, dtype_name)
         load_s = time.perf_counter() - t
         prompt_ids = llm.tokenizer.encode(PROMPT)
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+        weight_bytes += pool_bytes_per_token(llm)
         floor = bw * 1e9 / weight_bytes
         run = {"load_s": load_s, "weight_bytes": weight_bytes, "floor_tok_s": floor}
         run["tandem_b1"], run["tandem_agg"] = bench_tandem(

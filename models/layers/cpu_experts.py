@@ -299,8 +299,8 @@ CUDA_SPIN_US = 2000
 # Overrides the workers' spin (microseconds; default 200 with the model on the CPU, CUDA_SPIN_US
 # on CUDA). With the model on the CPU, workers spinning after a layer's job compete with
 # torch's threads for the next layer's attention: on the 2-core VM (upcycled SmolLM2, int4)
-# 0 took decode from 25.8 to 31.5 tok/s; on the 16-core device the same A/B swung too widely
-# between repeats to choose a default (docs/BENCHMARKS.md, session 6).
+# 0 took batch-1 decode from 25-27 to 32-34 tok/s; on the 16-core device the same A/B swung
+# too widely between repeats to choose a default (docs/BENCHMARKS.md, session 6).
 SPIN_ENV = "TANDEM_POOL_SPIN_US"
 
 

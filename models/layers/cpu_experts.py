@@ -296,11 +296,13 @@ def _grouped_experts(
 # (200 us), and a worker that fell asleep costs a wake-up at the next layer (Qwen3-30B-A3B
 # shape, int4, 12 workers: 19.1 tok/s with 200 us, 25.6 with 2000 us, same device call).
 CUDA_SPIN_US = 2000
-# Overrides the workers' spin (microseconds; default 200 with the model on the CPU, CUDA_SPIN_US
-# on CUDA). With the model on the CPU, workers spinning after a layer's job compete with
-# torch's threads for the next layer's attention: on the 2-core VM (upcycled SmolLM2, int4)
-# 0 took batch-1 decode from 25-27 to 32-34 tok/s; on the 16-core device the same A/B swung
-# too widely between repeats to choose a default (docs/BENCHMARKS.md, session 6).
+# With the model on the CPU the forward waits for each layer's job, and the next job comes only
+# after torch's threads have run the next layer's attention on the same cores: workers spinning
+# then only slow that down. They sleep at once instead (2-core VM, upcycled SmolLM2, int4:
+# batch-1 decode 25-27 tok/s spinning 200 us, 32-34 with 0; on the 16-core device the same A/B
+# swung too widely between repeats to read; docs/BENCHMARKS.md, session 6).
+CPU_SPIN_US = 0
+# Overrides the workers' spin (microseconds) either way.
 SPIN_ENV = "TANDEM_POOL_SPIN_US"
 
 
@@ -416,7 +418,8 @@ class CpuPoolExpertBackend:
             spin_us = self._spin_us if self._spin_us is not None else spin_us_from_env()
             if self._on_cuda:
                 num_threads = num_threads or default_cuda_pool_threads()
-                spin_us = CUDA_SPIN_US if spin_us is None else spin_us
+            if spin_us is None:
+                spin_us = CUDA_SPIN_US if self._on_cuda else CPU_SPIN_US
             self._pool = CpuExpertPool(num_threads, isa, spin_us=spin_us)
         return self._pool
 

@@ -266,11 +266,16 @@ def test_backend_confines_the_process_on_cuda_only_and_close_undoes_it() -> None
 
 
 def test_pool_spin_from_the_environment(monkeypatch) -> None:
-    """TANDEM_POOL_SPIN_US sets the workers' spin where the caller gave none; a bad value is a
-    clear error."""
-    monkeypatch.setenv("TANDEM_POOL_SPIN_US", "0")
+    """With the model on the CPU the workers sleep as soon as a job is done (spin 0);
+    TANDEM_POOL_SPIN_US sets the spin where the caller gave none; a bad value is a clear
+    error."""
+    monkeypatch.delenv("TANDEM_POOL_SPIN_US", raising=False)
     b = CpuPoolExpertBackend(fmt="bf16", num_threads=1)
     assert b.pool.spin_us == 0
+    b.close()
+    monkeypatch.setenv("TANDEM_POOL_SPIN_US", "300")
+    b = CpuPoolExpertBackend(fmt="bf16", num_threads=1)
+    assert b.pool.spin_us == 300
     b.close()
     b = CpuPoolExpertBackend(fmt="bf16", num_threads=1, spin_us=50)  # the argument wins
     assert b.pool.spin_us == 50

@@ -173,6 +173,7 @@ def main() -> None:
                     f"nodes={[n['node'] for n in info['numa_nodes']]}"
                 )
                 print(header)
+            print(f"{fmt:>5} converted from bf16 in {convert_s:.2f} s a layer")
             for T, hidden, routings in cases:
                 out = torch.empty_like(hidden)
                 pool.forward(0, hidden, *routings[0], out)  # buffer growth out of the phases

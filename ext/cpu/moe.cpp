@@ -63,11 +63,39 @@ void load_src(const void* base, int dtype, size_t at, int count, float* dst) {
   }
 }
 
+// round(v) to the nearest integer, ties to even, as std::nearbyint in the default rounding mode
+// (and torch.round), without the library call: exact for |v| < 2^22 (here |v| <= 127 and a
+// rounding error). Relies on strict IEEE float arithmetic: the extension is built without
+// -ffast-math (ext/cpu/build.py), which would fold the two additions away.
+inline float round_even(float v) {
+  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23
+  return (v + kMagic) - kMagic;
+}
+
+// Where quantize_row writes element k of a packed row (pack_rows): the byte for int8, for int4
+// (byte << 1 | high nibble). One table per (format, K) and thread, built on first use.
+const uint32_t* pack_map(int fmt, int K) {
+  thread_local int map_fmt = -1, map_k = -1;
+  thread_local std::vector<uint32_t> map;
+  if (map_fmt != fmt || map_k != K) {
+    map.resize(K);
+    for (int k = 0; k < K; ++k) {
+      bool high;
+      const size_t at = packed_at(fmt, K, k, &high);
+      map[k] = fmt == FMT_INT8 ? (uint32_t)at : (uint32_t)(at << 1 | (high ? 1 : 0));
+    }
+    map_fmt = fmt;
+    map_k = K;
+  }
+  return map.data();
+}
+
 // One row of K floats into the converted layout. Matches ext/cpu/reference.py::quantize.
 // int8: amax is the row's absolute maximum over all its columns (not only this shard's), so the
 // result does not depend on how many NUMA nodes share the row; negative means "compute it".
+// `map` (int8/int4, from pack_map): the row in the packed order instead of the natural one.
 void quantize_row(int fmt, int group, const float* x, int K, uint8_t* dst, float* scales,
-                  float amax = -1.f) {
+                  float amax = -1.f, const uint32_t* map = nullptr) {
   if (fmt == FMT_BF16) {
     uint16_t* d = (uint16_t*)dst;
     for (int k = 0; k < K; ++k) d[k] = f32_to_bf16(x[k]);
@@ -80,11 +108,12 @@ void quantize_row(int fmt, int group, const float* x, int K, uint8_t* dst, float
     scales[0] = s;
     int8_t* d = (int8_t*)dst;
     for (int k = 0; k < K; ++k)
-      d[k] = s > 0.f ? (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(x[k] / s))) : 0;
+      d[map ? map[k] : k] =
+          s > 0.f ? (int8_t)std::min(127.f, std::max(-127.f, round_even(x[k] / s))) : 0;
   } else {
     // 16 levels, as GGUF's Q4_0: the element of largest magnitude (the first on ties) maps to
     // -8 exactly, so s = that element / -8 may be negative; q = round(x / s) in [-8, 7].
-    std::vector<uint8_t> nib(K);
+    std::memset(dst, 0, (size_t)K / 2);
     for (int g = 0; g < K / group; ++g) {
       float amax = 0.f, peak = 0.f;
       for (int k = g * group; k < (g + 1) * group; ++k)
@@ -95,27 +124,23 @@ void quantize_row(int fmt, int group, const float* x, int K, uint8_t* dst, float
       const float s = peak / -8.f;
       scales[g] = s;
       for (int k = g * group; k < (g + 1) * group; ++k) {
-        const float q = s != 0.f ? std::min(7.f, std::max(-8.f, std::nearbyint(x[k] / s))) : 0.f;
-        nib[k] = (uint8_t)((int)q + 8);
+        const float q = s != 0.f ? std::min(7.f, std::max(-8.f, round_even(x[k] / s))) : 0.f;
+        const uint8_t nib = (uint8_t)((int)q + 8);
+        if (map) {  // packed order
+          dst[map[k] >> 1] |= map[k] & 1 ? (uint8_t)(nib << 4) : nib;
+        } else {  // natural: 64-element chunks of 32 bytes, elements 32-63 in the high nibbles
+          dst[(k / 64) * 32 + k % 32] |= k % 64 >= 32 ? (uint8_t)(nib << 4) : nib;
+        }
       }
     }
-    for (int c = 0; c < K / 64; ++c)
-      for (int j = 0; j < 32; ++j)
-        dst[c * 32 + j] = (uint8_t)(nib[c * 64 + j] | (nib[c * 64 + 32 + j] << 4));
   }
 }
 
-// quantize_row, then the row in the packed order when `packed` (int8/int4).
+// quantize_row, in the packed order when `packed` (int8/int4).
 void convert_row(int fmt, int group, bool packed, const float* x, int K, uint8_t* dst,
                  float* scales, float amax = -1.f) {
-  if (!packed || fmt == FMT_BF16) {
-    quantize_row(fmt, group, x, K, dst, scales, amax);
-    return;
-  }
-  thread_local std::vector<uint8_t> natural;
-  natural.resize(row_bytes(fmt, K));
-  quantize_row(fmt, group, x, K, natural.data(), scales, amax);
-  repack_row(fmt, K, natural.data(), dst, /*pack=*/true);
+  const bool pack = packed && fmt != FMT_BF16;
+  quantize_row(fmt, group, x, K, dst, scales, amax, pack ? pack_map(fmt, K) : nullptr);
 }
 
 // Rows [0, R) of w (packed int8/int4), natural, one at a time: where the CPU has no

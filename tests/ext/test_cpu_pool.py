@@ -703,3 +703,28 @@ def test_confine_others_moves_unpinned_threads_to_the_spare_cpus() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_converter_rounds_ties_to_even(fmt: str, pack: bool) -> None:
+    """Every value a tie (k + 0.5 quantization steps): the converter rounds half to even, as
+    torch.round and the reference quantizer do, in both row orders, bit for bit."""
+    peak = {"int8": 127.0, "int4": -8.0}[fmt]  # scale 1: x / scale is x itself
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -6.5, 5.5, 4.5, -3.5, 6.5])
+    K = 64
+
+    def rows(n: int) -> torch.Tensor:
+        r = ties.repeat(n * K // len(ties) + 1)[: n * K].view(n, K).clone()
+        r[:, ::32] = peak  # every int4 group of 32 holds the peak
+        return r
+
+    w13, w2 = rows(2 * 64).view(1, 128, K), rows(K).view(1, K, 64)
+    with CpuExpertPool(num_threads=1, isa="scalar", pack_rows=pack) as pool:
+        pool.add_layer(0, w13, w2, fmt, 32)
+        d13, d2 = pool.dequantize(0)
+    for d, w in ((d13, w13), (d2, w2)):
+        expected = torch.round(w).clamp(-127 if fmt == "int8" else -8, 127 if fmt == "int8" else 7)
+        assert torch.equal(d, expected)
+        assert torch.equal(d, quantize(w, fmt, 32))
+        assert {float(v) for v in d.unique()} >= {0.0, 2.0, -2.0, 4.0, -6.0, 6.0}

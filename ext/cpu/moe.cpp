@@ -126,11 +126,9 @@ void quantize_row(int fmt, int group, const float* x, int K, uint8_t* dst, float
       for (int k = g * group; k < (g + 1) * group; ++k) {
         const float q = s != 0.f ? std::min(7.f, std::max(-8.f, round_even(x[k] / s))) : 0.f;
         const uint8_t nib = (uint8_t)((int)q + 8);
-        if (map) {  // packed order
-          dst[map[k] >> 1] |= map[k] & 1 ? (uint8_t)(nib << 4) : nib;
-        } else {  // natural: 64-element chunks of 32 bytes, elements 32-63 in the high nibbles
-          dst[(k / 64) * 32 + k % 32] |= k % 64 >= 32 ? (uint8_t)(nib << 4) : nib;
-        }
+        bool high = map && (map[k] & 1);
+        const size_t at = map ? map[k] >> 1 : natural_int4_at(k, &high);
+        dst[at] |= high ? (uint8_t)(nib << 4) : nib;
       }
     }
   }

@@ -514,17 +514,27 @@ def profile_decode(runner: Runner, a: argparse.Namespace, name: str) -> None:
         print(f"#   {us:9.1f} us/step  {count:6.1f}x  {key[:90]}", flush=True)
 
 
+def expert_bytes(hidden: int, inter: int, fmt: str) -> float:
+    """Bytes of one expert (gate, up and down) in the pool's format, scales included."""
+    per_elt = {"bf16": 2.0, "int8": 1.0 + 4 / hidden, "int4": 0.5 + 4 / 64}[fmt]
+    return 3 * hidden * inter * per_elt
+
+
+def touched_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Experts a step of `tokens` tokens reads on average under uniform routing."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
 def floors(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> dict[str, float]:
-    per_elt = {"bf16": 2.0, "int8": 1.0 + 4 / cfg.hidden_size, "int4": 0.5 + 4 / 64}[fmt]
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_elt
+    one = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, fmt)
     layers, E, k, bw = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, a.floor_gbps
-    per_token = k * expert_bytes * layers
-    touched = E * (1 - (1 - k / E) ** a.batch)
+    per_token = k * one * layers
+    touched = touched_experts(E, k, a.batch)
     return {
         "active_expert_GB_per_token": per_token / 1e9,
         "decode_b1_floor_tok_s": bw * 1e9 / per_token,
-        f"decode_b{a.batch}_floor_tok_s": a.batch * bw * 1e9 / (touched * expert_bytes * layers),
-        "prefill_floor_tok_s": a.prefill * bw * 1e9 / (E * expert_bytes * layers),
+        f"decode_b{a.batch}_floor_tok_s": a.batch * bw * 1e9 / (touched * one * layers),
+        "prefill_floor_tok_s": a.prefill * bw * 1e9 / (E * one * layers),
     }
 
 

@@ -191,11 +191,11 @@ print(f"== summary: {res['model']}, {res['input_len']} in / {res['output_len']} 
 floor_ms = None
 step_floor_ms = lambda conc: floor_ms  # dense: every weight read once a step
 if expert_fmt:  # hybrid: the routed experts' bytes on the CPU dominate a decode step
+    from tools.bench_hybrid_moe import expert_bytes, touched_experts
     E, k, inter = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
-    per_elt = {"bf16": 2.0, "int8": 1.0 + 4 / h, "int4": 0.5 + 4 / 64}[expert_fmt]
-    expert_ms = 3 * h * inter * per_elt * L / (float(cpu_gbps) * 1e9) * 1e3  # one expert, all layers
+    expert_ms = expert_bytes(h, inter, expert_fmt) * L / (float(cpu_gbps) * 1e9) * 1e3  # all layers
     floor_ms = k * expert_ms
-    step_floor_ms = lambda conc: E * (1 - (1 - k / E) ** conc) * expert_ms  # uniform routing
+    step_floor_ms = lambda conc: touched_experts(E, k, conc) * expert_ms
     print(f"{expert_fmt} experts on the CPU pool: {k * expert_ms * float(cpu_gbps) / 1e3:.2f} GB "
           f"of active experts per token; at {float(cpu_gbps):g} GB/s (CPU read) the batch-1 TPOT "
           f"floor is {floor_ms:.2f} ms ({1e3 / floor_ms:.1f} tok/s)")

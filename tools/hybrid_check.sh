@@ -13,14 +13,8 @@ source tools/device_env.sh
 rc=0
 tests=${HYBRID_TESTS:-"tests/ext/test_layout.py tests/models/test_gpu_prefill.py tests/models/test_cpu_pool_cuda.py tests/ext/test_moe_stage.py"}
 if [ "$tests" != "none" ]; then
-  t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu $tests -p no:cacheprovider \
-    -o addopts="-ra --import-mode=importlib" -W ignore::DeprecationWarning >"$OUT/tests.log" 2>&1
-  t_rc=$?
-  echo "tests rc=$t_rc in $(( $(date +%s) - t0 ))s"
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -n 15
-  [ "$t_rc" -ne 0 ] && rc=1
+  run_tests tests "${TEST_TIMEOUT:-240}" -m gpu $tests || rc=1
 fi
 for fmt in ${HYBRID_FORMATS:-int4 bf16}; do
   [ "$fmt" = none ] && continue

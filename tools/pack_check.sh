@@ -13,14 +13,8 @@ source tools/device_env.sh
 rc=0
 tests=${CPU_TESTS:-"tests/ext/test_packed_rows.py tests/ext/test_cpu_int8_path.py tests/ext/test_cpu_pool.py tests/ext/test_expert_cache.py"}
 if [ "$tests" != "none" ]; then
-  t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout 240 python3 -m pytest -q $tests -p no:cacheprovider \
-    -o addopts="-ra --import-mode=importlib" -W ignore::DeprecationWarning >"$OUT/cpu_tests.log" 2>&1
-  t_rc=$?
-  echo "cpu tests rc=$t_rc in $(( $(date +%s) - t0 ))s"
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cpu_tests.log" | tail -n 15
-  [ "$t_rc" -ne 0 ] && rc=1
+  run_tests cpu_tests 240 $tests || rc=1
 fi
 for pack in off on; do
   TANDEM_CPU_PACK_ROWS=$pack timeout "${BENCH_TIMEOUT:-150}" python3 tools/bench_cpu_moe.py \

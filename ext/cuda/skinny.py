@@ -4,6 +4,8 @@
 stream; `skinny_linear` is the torch custom op (`torch.ops.tandem.skinny_linear`) that models
 call, with a fallback to `torch.nn.functional.linear` where the kernel does not apply.
 `MAX_ROWS` bounds the rows of x the kernel takes (above it cuBLAS' tensor-core GEMM wins).
+`moe_routed_experts` (`torch.ops.tandem.moe_routed_experts`) runs a MoE layer's routed experts
+through the same reduction, every (token, expert) slot of a step grouped by expert.
 """
 
 from __future__ import annotations
@@ -301,3 +303,142 @@ def skinny_qkv_rope(
 @skinny_qkv_rope.register_fake
 def _(x, weight, bias, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
     return x.new_empty(x.shape[0], num_heads, k_cache.shape[-1])
+
+
+# ------------------------------------------------------------------ routed experts (MoE)
+
+# (rows per warp, steps in flight) of moe_gemv_kernel: gate_up (GLU) and down passes
+_MOE_TILES = {True: (1, 2), False: (2, 2)}
+
+
+def moe_tile(glu: bool) -> tuple[int, int]:
+    env = os.environ.get("TANDEM_MOE_TILE_GLU" if glu else "TANDEM_MOE_TILE_DOWN")
+    if env:  # "R,U" override for tuning runs
+        r, u = (int(v) for v in env.split(","))
+        return r, u
+    return _MOE_TILES[glu]
+
+
+def moe_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether moe_gemv_kernel takes a layer with these operands (else torch computes it)."""
+    if not (hidden.is_cuda and w13.is_cuda and w2.is_cuda) or hidden.dtype not in _DT:
+        return False
+    if not (hidden.dtype == w13.dtype == w2.dtype) or hidden.dim() != 2:
+        return False
+    if w13.dim() != 3 or w2.dim() != 3 or not (w13.is_contiguous() and w2.is_contiguous()):
+        return False
+    e, two_i, h = w13.shape
+    if two_i % 2 or w2.shape != (e, h, two_i // 2) or hidden.shape[1] != h:
+        return False
+    return h % 8 == 0 and (two_i // 2) % 8 == 0 and w13.data_ptr() % 16 == w2.data_ptr() % 16 == 0
+
+
+def launch_moe_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor | None,
+    slot_weights: torch.Tensor | None,
+    out: torch.Tensor,
+    top_k: int,
+    glu: bool,
+    tile: tuple[int, int] | None = None,
+) -> None:
+    """One pass of a MoE layer's routed experts over the S (token, expert) slots of a step,
+    sorted by expert (`sorted_ids`, `order` [S] int64, from a stable sort of topk_ids.view(-1)).
+
+    glu: weight = w13 [E, 2N, K], x = hidden [T, K] (slot s reads row s // top_k), out = act
+    [S, N] in x's dtype = silu(gate) * up. Else: weight = w2 [E, N, K], x = act [S, K], out =
+    float32 [S, N] = (act @ W_e^T) * slot_weights[s]. offsets [E + 1] int64 (run bounds of each
+    expert in the sorted positions) makes the grid one block row per expert; None, one per
+    sorted position (fewer blocks when S < E)."""
+    if x.dim() != 2 or weight.dim() != 3 or out.dim() != 2:
+        raise ValueError("moe_gemv takes 2-D x and out and a 3-D [E, rows, K] weight")
+    e, rows, k = weight.shape
+    n = rows // 2 if glu else rows
+    s = sorted_ids.numel()
+    if glu and rows % 2:
+        raise ValueError(f"a w13 weight has an even number of rows, got {rows}")
+    if x.shape[1] != k or out.shape != (s, n) or not 1 <= top_k:
+        raise ValueError(
+            f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+            f"out {tuple(out.shape)}, {s} slots"
+        )
+    if x.shape[0] * (top_k if glu else 1) != s:
+        raise ValueError(f"x has {x.shape[0]} rows for {s} slots (top_k {top_k}, glu {glu})")
+    if not (x.dtype == weight.dtype and x.dtype in _DT):
+        raise ValueError(f"x and weight must share fp16/bf16, got {x.dtype}, {weight.dtype}")
+    if out.dtype != (x.dtype if glu else torch.float32):
+        raise ValueError(f"out must be {x.dtype if glu else torch.float32}, got {out.dtype}")
+    index = (sorted_ids, order) + (() if offsets is None else (offsets,))
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
+        raise ValueError("sorted_ids, order and offsets must be contiguous int64")
+    if order.numel() != s or (offsets is not None and offsets.numel() != e + 1):
+        raise ValueError(f"order must have {s} entries and offsets {e + 1}")
+    if not glu and (
+        slot_weights is None
+        or slot_weights.dtype != torch.float32
+        or slot_weights.numel() != s
+        or not slot_weights.is_contiguous()
+    ):
+        raise ValueError(f"the down pass needs contiguous float32 slot_weights [{s}]")
+    tensors = (x, weight, out, *index) + (() if slot_weights is None else (slot_weights,))
+    if not x.is_cuda or any(t.device != x.device for t in tensors):
+        raise ValueError("all operands must be on one CUDA device")
+    if k % 8 or not weight.is_contiguous() or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("K must be a multiple of 8 and the inner dimensions contiguous")
+    if x.stride(0) % 8 or x.data_ptr() % 16 or weight.data_ptr() % 16:
+        raise ValueError("x rows and weight must be 16-byte aligned")
+    if s == 0:
+        return
+    r, u = tile or moe_tile(glu)
+    warps = _THREADS // 32
+    grid = (-(-n // (warps * r)), e if offsets is not None else s, 1)
+    launch(
+        "skinny_gemm.cu",
+        f"moe_gemv_kernel<{r},{u},{_DT[x.dtype]},{int(glu)}>",
+        x.device,
+        grid,
+        (_THREADS, 1, 1),
+        (
+            ptr(x), ptr(weight), ptr(sorted_ids), ptr(order), ptr(offsets), ptr(slot_weights),
+            ptr(out), i32(n), i32(k), i32(s), i32(top_k), i64(x.stride(0)), i64(out.stride(0)),
+        ),
+    )  # fmt: skip
+
+
+@torch.library.custom_op("tandem::moe_routed_experts", mutates_args=())
+def moe_routed_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]), hidden [T, H], topk_ids
+    [T, k] int64, topk_weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's
+    dtype: two moe_gemv passes with no host sync (so it captures into CUDA graphs). The caller
+    checks `moe_supported` (models/layers/gpu_experts.py computes other layers in torch)."""
+    if not moe_supported(hidden, w13, w2):
+        raise ValueError("moe_routed_experts: operands the kernel does not take (moe_supported)")
+    t, top_k = topk_ids.shape
+    e, h, inter = w2.shape
+    flat = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    offsets = None
+    if flat.numel() > e:  # a block row per expert beats one per sorted position
+        bounds = torch.arange(e + 1, device=flat.device, dtype=flat.dtype)
+        offsets = torch.searchsorted(sorted_ids, bounds)
+    x = _aligned_rows(hidden)
+    act = torch.empty(flat.numel(), inter, device=hidden.device, dtype=hidden.dtype)
+    launch_moe_gemv(x, w13, sorted_ids, order, offsets, None, act, top_k, glu=True)
+    y = torch.empty(flat.numel(), h, device=hidden.device, dtype=torch.float32)
+    w = topk_weights.reshape(-1).float().contiguous()
+    launch_moe_gemv(act, w2, sorted_ids, order, offsets, w, y, top_k, glu=False)
+    return y.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
+
+
+@moe_routed_experts.register_fake
+def _(hidden, topk_ids, topk_weights, w13, w2):
+    return torch.empty_like(hidden)

@@ -9,7 +9,7 @@
 // bytes) and keeps M * R fp32 partial sums; a butterfly shuffle reduces them at the end.
 // Requirements (checked by the launcher): K % 8 == 0, W contiguous, x and y rows 16-byte aligned.
 //
-// Three epilogues share that reduction:
+// Four kernels share that reduction:
 // - skinny_gemm_kernel<..., GLU = 0>: y = x W^T.
 // - skinny_gemm_kernel<..., GLU = 1>: W is a gated MLP's gate_up [2N, K] (gate rows first); a
 //   warp reads gate row j and up row N + j and writes y[m, j] = silu(gate) * up, rounded once.
@@ -17,13 +17,25 @@
 //   reads rows i and i + D/2 of one head, adds the bias, rotates q and k heads (neox rotary,
 //   cos/sin given per token) and writes q to q_out and k, v straight into their paged KV slots
 //   (slot < 0: a padding row, skipped), replacing the rotary and KV-write kernels.
+// - moe_gemv_kernel: a MoE layer's routed experts, every (token, expert) slot of a step (below).
 #include "common.cuh"
 
-// acc[m][r] = x[m, :] . wr[r][:], reduced across the warp (every lane holds the sums).
-template <int M, int R, int U, int DT>
-__device__ __forceinline__ void warp_dot(const u16* __restrict__ x, i64 ldx,
-                                         const u16* const (&wr)[R], int k, int lane,
-                                         float (&acc)[M][R]) {
+// The x rows warp_dot reads: M rows of one matrix at a stride, or M gathered row pointers.
+struct StridedRows {
+  const u16* x;
+  i64 ld;
+  __device__ __forceinline__ const u16* operator()(int m) const { return x + m * ld; }
+};
+template <int M>
+struct GatheredRows {
+  const u16* r[M];
+  __device__ __forceinline__ const u16* operator()(int m) const { return r[m]; }
+};
+
+// acc[m][r] = xr(m)[:] . wr[r][:], reduced across the warp (every lane holds the sums).
+template <int M, int R, int U, int DT, class XRows>
+__device__ __forceinline__ void warp_dot(const XRows& xr, const u16* const (&wr)[R], int k,
+                                         int lane, float (&acc)[M][R]) {
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -43,7 +55,7 @@ __device__ __forceinline__ void warp_dot(const u16* __restrict__ x, i64 ldx,
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float xf[8];
-        unpack8<DT>(ldg16(x + m * ldx + k0 + u * step), xf);
+        unpack8<DT>(ldg16(xr(m) + k0 + u * step), xf);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           float wf[8];
@@ -62,7 +74,7 @@ __device__ __forceinline__ void warp_dot(const u16* __restrict__ x, i64 ldx,
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float xf[8];
-      unpack8<DT>(ldg16(x + m * ldx + k0), xf);
+      unpack8<DT>(ldg16(xr(m) + k0), xf);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float wf[8];
@@ -104,7 +116,7 @@ __global__ void __launch_bounds__(256) skinny_gemm_kernel(
     wr[r] = w + (i64)(GLU && r >= R0 ? row + n : row) * k;
   }
   float acc[M][R];
-  warp_dot<M, R, U, DT>(x, ldx, wr, k, lane, acc);
+  warp_dot<M, R, U, DT>(StridedRows{x, ldx}, wr, k, lane, acc);
 
   if (lane == 0) {
 #pragma unroll
@@ -150,7 +162,7 @@ __global__ void __launch_bounds__(256) skinny_qkv_rope_kernel(
     wr[R0 + r] = wr[r] + (i64)half * k;
   }
   float acc[M][R];
-  warp_dot<M, R, U, DT>(x, ldx, wr, k, lane, acc);
+  warp_dot<M, R, U, DT>(StridedRows{x, ldx}, wr, k, lane, acc);
 
   if (lane != 0) return;
 #pragma unroll
@@ -186,5 +198,100 @@ __global__ void __launch_bounds__(256) skinny_qkv_rope_kernel(
       dst[0] = from_float<DT>(lo);
       dst[half] = from_float<DT>(hi);
     }
+  }
+}
+
+// ------------------------------------------------------------------ routed experts (MoE)
+// Decode-sized MoE steps with every expert on the GPU (models/layers/gpu_experts.py): the
+// S = T * top_k (token, expert) slots of a step, sorted by expert: sorted_ids[p] is the expert of
+// sorted position p and order[p] its slot (slot s = token * top_k + j). A run is the positions
+// of one expert; a block computes one run's rows of that expert's weight, M_MAX slots at a time,
+// so a step reads each touched expert's rows once per M_MAX of its slots, not once per slot.
+// Grid: x = row blocks; y = sorted positions (offsets null: the block works only where its
+// position starts a run) or experts (offsets [E + 1]: the run is [offsets[e], offsets[e + 1])).
+// Every id must lie in [0, E).
+// - GLU = 1: w = w13 [E, 2N, K] (gate rows, then up rows); x row of slot s = x[s / top_k];
+//   y = act [S, N] (16-bit): silu(gate) * up, rounded once.
+// - GLU = 0: w = w2 [E, N, K]; x row of slot s = x[s] (the act rows); y = float [S, N], times
+//   the slot's routing weight slot_w[s] (float).
+template <int M, int R0, int U, int DT, int GLU>
+__device__ __forceinline__ void moe_rows(const u16* __restrict__ x, i64 ldx, const u16* w_e,
+                                         const long long* __restrict__ order,
+                                         const float* __restrict__ slot_w, void* y, int n, int k,
+                                         int top_k, i64 ldy, int p, int count, int row0,
+                                         int lane) {
+  constexpr int R = GLU ? 2 * R0 : R0;
+  const u16* wr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int j = GLU ? r % R0 : r;
+    const int row = row0 + j < n ? row0 + j : n - 1;  // clamp: a tail row is read, not written
+    wr[r] = w_e + (i64)(GLU && r >= R0 ? row + n : row) * k;
+  }
+  long long slot[M];
+  GatheredRows<M> xr;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    slot[m] = order[p + (m < count ? m : count - 1)];  // clamp: a tail slot is read, not written
+    xr.r[m] = x + (GLU ? slot[m] / top_k : slot[m]) * ldx;
+  }
+  float acc[M][R];
+  warp_dot<M, R, U, DT>(xr, wr, k, lane, acc);
+  if (lane != 0) return;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    if (m >= count) break;
+#pragma unroll
+    for (int r = 0; r < R0; ++r) {
+      if (row0 + r >= n) continue;
+      const float v = acc[m][r];
+      if constexpr (GLU) {
+        ((u16*)y)[slot[m] * ldy + row0 + r] = from_float<DT>(v / (1.f + __expf(-v)) * acc[m][R0 + r]);
+      } else {
+        ((float*)y)[slot[m] * ldy + row0 + r] = v * slot_w[slot[m]];
+      }
+    }
+  }
+}
+
+template <int R0, int U, int DT, int GLU>
+__global__ void __launch_bounds__(256) moe_gemv_kernel(
+    const u16* __restrict__ x,                 // GLU: hidden [T, K]; else act [S, K]; row stride ldx
+    const u16* __restrict__ w,                 // [E, 2N or N, K], contiguous
+    const long long* __restrict__ sorted_ids,  // [S] expert of each sorted position, ascending
+    const long long* __restrict__ order,       // [S] slot of each sorted position
+    const long long* __restrict__ offsets,     // [E + 1] run bounds, or null (see above)
+    const float* __restrict__ slot_w,          // [S] routing weight per slot (GLU = 0)
+    void* __restrict__ y,                      // [S, N], row stride ldy
+    int n, int k, int num_slots, int top_k, i64 ldx, i64 ldy) {
+  constexpr int M_MAX = 8;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R0;
+  if (row0 >= n) return;
+  long long e;
+  int begin, end;
+  if (offsets != nullptr) {
+    e = blockIdx.y;
+    begin = (int)offsets[e];
+    end = (int)offsets[e + 1];
+  } else {
+    begin = blockIdx.y;
+    e = sorted_ids[begin];
+    if (begin > 0 && sorted_ids[begin - 1] == e) return;  // not the start of a run
+    end = begin + 1;
+    while (end < num_slots && sorted_ids[end] == e) ++end;
+  }
+  const u16* w_e = w + e * (i64)(GLU ? 2 * n : n) * k;
+  for (int p = begin; p < end; p += M_MAX) {
+    const int count = end - p < M_MAX ? end - p : M_MAX;
+    if (count == 1)
+      moe_rows<1, R0, U, DT, GLU>(x, ldx, w_e, order, slot_w, y, n, k, top_k, ldy, p, count, row0, lane);
+    else if (count == 2)
+      moe_rows<2, R0, U, DT, GLU>(x, ldx, w_e, order, slot_w, y, n, k, top_k, ldy, p, count, row0, lane);
+    else if (count <= 4)
+      moe_rows<4, R0, U, DT, GLU>(x, ldx, w_e, order, slot_w, y, n, k, top_k, ldy, p, count, row0, lane);
+    else
+      moe_rows<M_MAX, R0, U, DT, GLU>(x, ldx, w_e, order, slot_w, y, n, k, top_k, ldy, p, count, row0, lane);
   }
 }

@@ -69,9 +69,9 @@ def load_engine_model(
     attn = spec.attention_backend
     if attn == "auto":
         attn = _auto_attention_backend(device, dtype, model_config, model_path)
-    experts = spec.expert_backend if spec.expert_backend != "auto" else "torch"
-    if spec.expert_backend == "auto" and spec.cpu_experts is not None:
-        experts = "cpu_pool"
+    experts = spec.expert_backend
+    if experts == "auto":  # the CPU pool when asked for; on CUDA every expert on the GPU
+        experts = "cpu_pool" if spec.cpu_experts is not None else _auto_expert_backend(device)
     expert_options: dict[str, Any] | None = None
     if experts == "cpu_pool":
         expert_options = {
@@ -183,6 +183,11 @@ def _activation_reserve(mc) -> int:
     # A coarse bound until the runner profiles a real peak: logits of a full token budget plus
     # a few hidden-sized buffers per token.
     return 2 * 1024**3
+
+
+def _auto_expert_backend(device) -> str:
+    """ "gpu" (sync-free, graph-capturable) on CUDA, else the torch reference."""
+    return "gpu" if device.type == "cuda" else "torch"
 
 
 def _auto_attention_backend(device, dtype, model_config, model_path) -> str:

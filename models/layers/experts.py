@@ -2,8 +2,9 @@
 
 A backend computes `sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])` over
 stacked weights w13 `[E, 2 * I, H]` (gate rows, then up rows) and w2 `[E, H, I]`. Routing is
-the MoE layer's job; placement (GPU, CPU pool) is the backend's. Later backends ("gpu",
-"cpu_pool") register a factory with `register_expert_backend`.
+the MoE layer's job; placement (GPU, CPU pool) is the backend's. The other backends ("gpu":
+models/layers/gpu_experts.py, "cpu_pool": models/layers/cpu_experts.py) register a factory with
+`register_expert_backend` when first asked for.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def register_expert_backend(name: str, factory: Callable[..., ExpertBackend]) ->
 def get_expert_backend(name: str, **kwargs: Any) -> ExpertBackend:
     if name == "cpu_pool" and name not in _EXPERT_BACKENDS:
         import models.layers.cpu_experts  # noqa: F401  (registers itself; imports ext.cpu lazily)
+    if name == "gpu" and name not in _EXPERT_BACKENDS:
+        import models.layers.gpu_experts  # noqa: F401  (registers itself)
     if name not in _EXPERT_BACKENDS:
         raise ValueError(
             f"unknown expert backend {name!r}; available: {', '.join(sorted(_EXPERT_BACKENDS))}"

@@ -1,0 +1,116 @@
+"""Every expert on the GPU: the "gpu" expert backend, the default for MoE models on CUDA.
+
+- Decode-sized steps (up to `gemv_max_tokens` tokens): the routed skinny kernels
+  (`torch.ops.tandem.moe_routed_experts`, ext/cuda/skinny_gemm.cu: moe_gemv_kernel) read each
+  touched expert's weights about once a step, with no host sync, so decode steps capture into
+  CUDA graphs.
+- Larger steps (prefill, big decode batches): two grouped GEMMs over the tokens sorted by
+  expert (`torch._grouped_mm`), also without a host sync.
+- Elsewhere (operands neither path takes, no CuPy, a torch without grouped GEMMs): the torch
+  reference's per-expert loop (`TorchExpertBackend`), which syncs once a layer, so a decode
+  step with it stays eager.
+
+`TANDEM_MOE_GEMV_TOKENS` overrides the step size at which grouped GEMMs take over
+(tools/bench_gpu_moe.py measures both paths per token count).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ext.cuda import is_available as cuda_kernels_available
+from ext.cuda import skinny  # registers torch.ops.tandem.moe_routed_experts
+from models.layers.experts import TorchExpertBackend, register_expert_backend
+
+logger = logging.getLogger(__name__)
+
+GEMV_MAX_TOKENS = 8  # tools/bench_gpu_moe.py on an H100: grouped GEMMs win from 16 tokens
+
+
+def grouped_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `grouped_experts` applies: torch has grouped GEMMs for this device and dtype,
+    the weights are contiguous and the rows 16-byte multiples."""
+    if not hasattr(torch, "_grouped_mm") or hidden.dim() != 2:
+        return False
+    if hidden.is_cuda and hidden.dtype != torch.bfloat16:  # CUDA grouped GEMMs: bf16 only
+        return False
+    if not (hidden.dtype == w13.dtype == w2.dtype and hidden.device == w13.device == w2.device):
+        return False
+    inter = w2.shape[2]
+    return w13.is_contiguous() and w2.is_contiguous() and hidden.shape[1] % 8 == inter % 8 == 0
+
+
+def grouped_experts(
+    hidden: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k] int64
+    topk_weights: torch.Tensor,  # [T, k] float32
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """The routed experts' sum, [T, H] in hidden's dtype, by two grouped GEMMs over the
+    (token, expert) slots sorted by expert; per-expert row counts stay on the device."""
+    t, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    flat = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype)
+    ends = torch.searchsorted(sorted_ids, bounds).to(torch.int32)  # [E] end row of each group
+    x = hidden.index_select(0, order // top_k)  # [S, H] rows in sorted order
+    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [S, H]
+    y = y.float() * topk_weights.reshape(-1).float().index_select(0, order)[:, None]
+    per_slot = torch.empty_like(y).index_copy_(0, order, y)  # back to slot order
+    return per_slot.view(t, top_k, -1).sum(dim=1).to(hidden.dtype)  # deterministic: no atomics
+
+
+class GpuExpertBackend:
+    """Stacked expert weights on the GPU (the MoE block's w13/w2); see the module docstring."""
+
+    name = "gpu"
+    supports_cuda_graphs = True  # no path syncs on the host inside a decode step's forward
+
+    def __init__(self, gemv_max_tokens: int | None = None) -> None:
+        if gemv_max_tokens is None:
+            gemv_max_tokens = int(os.environ.get("TANDEM_MOE_GEMV_TOKENS", GEMV_MAX_TOKENS))
+        if gemv_max_tokens < 0:
+            raise ValueError(f"gemv_max_tokens must be >= 0, got {gemv_max_tokens}")
+        self.gemv_max_tokens = gemv_max_tokens
+        self._reference = TorchExpertBackend()
+        self._kernels = cuda_kernels_available()  # CUDA and CuPy: the decode kernels can run
+        self._grouped_failed = False
+        self.calls = {"gemv": 0, "grouped": 0, "torch": 0}  # forward calls per path
+
+    def forward(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        gemv = self._kernels and skinny.moe_supported(hidden, w13, w2)
+        grouped = not self._grouped_failed and grouped_supported(hidden, w13, w2)
+        if gemv and (tokens <= self.gemv_max_tokens or not grouped):
+            self.calls["gemv"] += 1
+            return torch.ops.tandem.moe_routed_experts(
+                hidden, topk_ids, topk_weights.float(), w13, w2
+            )
+        if grouped:
+            try:
+                out = grouped_experts(hidden, topk_ids, topk_weights, w13, w2)
+                self.calls["grouped"] += 1
+                return out
+            except (RuntimeError, NotImplementedError) as e:  # say so once, then the loop
+                self._grouped_failed = True
+                logger.warning("gpu experts: grouped GEMMs unavailable, per-expert loop: %s", e)
+        self.calls["torch"] += 1
+        return self._reference.forward(layer_idx, hidden, topk_ids, topk_weights, w13, w2)
+
+
+register_expert_backend("gpu", GpuExpertBackend)

@@ -1,25 +1,28 @@
 """End-to-end hybrid MoE benchmark: a Qwen3-30B-A3B-shaped model (48 layers, hidden 2048,
 32/4 heads of dim 128, 128 experts top-8, expert intermediate 768, vocab 151936) with random
 weights; attention and everything dense on the GPU, the experts on the CPU expert pool
-("cpu_pool" backend), per expert format; then, where it fits, the same model with every
-expert on the GPU (torch expert backend) in the same process.
+("cpu_pool" backend), per expert format; then, with --gpu-all and where it fits, the same
+model with every expert on the GPU ("gpu" expert backend: routed kernels, decode graphs; or
+--gpu-all-backend torch, the per-expert loop), and with --hf the peer, HF transformers'
+Qwen3-MoE of the same shape on the GPU, in the same process.
 
 The GPU side runs with the cupy attention backend by default (--attention-backend torch: the
 reference backend, as in the first recorded figures) and its decode steps through CUDA graphs
 captured per batch size where the expert backend allows it (`supports_cuda_graphs`: the
-stream-ordered cpu_pool path with every expert on the pool; the torch expert backend syncs on
-the host, so the all-GPU run stays eager). `--graphs on off` measures both in one process (the
-same model and pool), so the graph speed-up is read off one run; prefill is eager either way
-and is measured once.
+stream-ordered cpu_pool path with every expert on the pool, and the gpu backend; the torch
+expert backend syncs on the host, so a run with it stays eager). `--graphs on off` measures
+both in one process (the same model and pool), so the graph speed-up is read off one run;
+prefill is eager either way and is measured once.
 
 Per configuration it prints decode tok/s at batch 1, aggregate decode tok/s at --batch
 concurrent sequences, and prefill tok/s of one --prefill-token prompt, each next to its floor:
-active expert bytes per token / --floor-gbps (CPU read bandwidth). At batch B the floor counts
+active expert bytes per token / --floor-gbps (CPU read bandwidth); for --gpu-all the bytes a
+step reads from GPU memory over the measured device copy bandwidth. At batch B the floor counts
 the experts a step is expected to touch under uniform routing (E * (1 - (1 - k/E)^B)); prefill
 reads every expert once. The pool holds distinct memory per layer, but every layer is converted
 from one random layer (random init of 29 B host parameters would dominate the run).
 
-    python tools/bench_hybrid_moe.py [--formats int4 bf16] [--gpu-all] [--json out.json]
+    python tools/bench_hybrid_moe.py [--formats int4 bf16] [--gpu-all] [--hf] [--json out.json]
         [--layers 48] [--decode-steps 16] [--batch 16] [--prefill 2048] [--threads N]
         [--attention-backend cupy|torch] [--graphs on off] [--spin-us 200]
         [--pool-sync flags host_func]
@@ -56,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--formats", nargs="+", default=["int4", "bf16"])
+    p.add_argument(
+        "--formats", nargs="*", default=["int4", "bf16"], help="CPU-pool runs (none: skip them)"
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -68,6 +73,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--gpu-all", action="store_true", help="also run every expert on the GPU")
+    p.add_argument(
+        "--gpu-all-backend",
+        default="gpu",
+        choices=["gpu", "torch"],
+        help="the expert backend of --gpu-all: gpu (kernels, decode graphs) or the torch loop",
+    )
+    p.add_argument(
+        "--hf",
+        action="store_true",
+        help="also the peer: HF transformers' Qwen3-MoE of this shape on the GPU (bf16)",
+    )
+    p.add_argument(
+        "--hf-experts",
+        nargs="+",
+        default=["default", "grouped_mm"],
+        help="HF experts implementations to measure (default: what HF picks)",
+    )
     p.add_argument("--floor-gbps", type=float, default=68.0)
     p.add_argument(
         "--pcie-gbps",
@@ -130,6 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also the --prefill prompt in steps of C tokens of one sequence (what the scheduler "
         "makes of it with max_num_batched_tokens C), per --gpu-prefill mode",
     )
+    p.add_argument("--profile-rows", type=int, default=15, help="kernels --profile prints")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     a.prefill = max([a.prefill, *a.prefill_sweep])
@@ -510,7 +533,7 @@ def profile_decode(runner: Runner, a: argparse.Namespace, name: str) -> None:
     busy = sum(r[0] for r in rows)
     print(f"# profile {name}: {a.profile} batch-1 decode steps, wall {wall * 1e3:.2f} ms/step, "
           f"device busy {busy / 1e3:.2f} ms/step (kernels and copies)", flush=True)  # fmt: skip
-    for us, count, key in rows[:15]:
+    for us, count, key in rows[: a.profile_rows]:
         print(f"#   {us:9.1f} us/step  {count:6.1f}x  {key[:90]}", flush=True)
 
 
@@ -605,19 +628,112 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
     return results
 
 
+def gpu_floors(model: nn.Module, cfg: ModelConfig, a: argparse.Namespace, gbps: float) -> dict:
+    """Decode floors with every weight on the GPU: the bytes a step reads (every weight but the
+    embedding table and the experts, plus the experts it touches under uniform routing) over
+    the device's measured copy bandwidth."""
+    one = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, "bf16")
+    layers, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    dense = total - layers * E * one - cfg.vocab_size * cfg.hidden_size * 2
+    touched = touched_experts(E, k, a.batch)
+    return {
+        "gpu_copy_gbps": gbps,
+        "decode_b1_floor_tok_s": gbps * 1e9 / (dense + k * one * layers),
+        f"decode_b{a.batch}_floor_tok_s": a.batch * gbps * 1e9 / (dense + touched * one * layers),
+    }
+
+
 def run_gpu_all(cfg, a, dtype) -> dict:
+    """The same model with every expert on the GPU (bf16, --gpu-all-backend), where it fits."""
+    from tools.bench_gpu import copy_bandwidth_gbps
+
+    on_cuda = torch.device(a.device).type == "cuda"
+    gbps = copy_bandwidth_gbps() if on_cuda else a.measured_gbps
     t0 = time.perf_counter()
     model = build_model(
-        cfg, dtype=dtype, device=a.device, attn_backend=a.attention_backend, expert_backend="torch"
+        cfg,
+        dtype=dtype,
+        device=a.device,
+        attn_backend=a.attention_backend,
+        expert_backend=a.gpu_all_backend,
     )
     init_dummy_weights(model)
     apply_fast_linears(model, a.device, dtype)
     load_s = time.perf_counter() - t0
     runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
-    results = measure_modes(runner, a, "gpu_all_bf16")
+    results = measure_modes(runner, a, f"gpu_all_bf16_{a.gpu_all_backend}")
+    if a.profile:
+        profile_decode(runner, a, f"gpu_all_bf16_{a.gpu_all_backend}")
+    fl = gpu_floors(model, cfg, a, gbps)
     for res in results.values():
-        res["load_s"] = load_s
+        res.update(fl, load_s=load_s, expert_calls=dict(getattr(model.expert_backend, "calls", {})))
     del model, runner
+    if on_cuda:
+        torch.cuda.empty_cache()
+    return results
+
+
+def run_hf(cfg: ModelConfig, a: argparse.Namespace) -> dict:
+    """The peer: HF transformers' Qwen3-MoE of the same shape, random bf16 weights on the GPU,
+    `generate` with its dynamic cache (eager), per experts implementation in --hf-experts.
+    Decode rate = N / (time(prompt + N + 1 tokens) - time(prompt + 1 token)) at batch 1 and
+    at --batch; prefill = --prefill / time(prompt + 1 token)."""
+    import transformers as hf
+
+    from models.hf_export import to_hf_config_dict
+
+    d = {
+        k: v for k, v in to_hf_config_dict(cfg).items() if k not in ("architectures", "model_type")
+    }
+    hcfg = hf.Qwen3MoeConfig(**d)
+    hcfg.eos_token_id, hcfg.pad_token_id = None, 0
+    t0 = time.perf_counter()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(a.device):
+            model = hf.Qwen3MoeForCausalLM(hcfg)  # random init on the device
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.eval().requires_grad_(False)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    load_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(3)
+    n = a.decode_steps
+
+    def timed(batch: int, prompt: int, new: int) -> float:
+        ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=gen).to(a.device)
+        _sync(a.device)
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, disable_compile=True)  # fmt: skip
+        _sync(a.device)
+        assert out.shape == (batch, prompt + new), out.shape
+        return time.perf_counter() - t
+
+    results: dict[str, dict] = {}
+    picked = getattr(model.config, "_experts_implementation", None)  # HF's own choice
+    for impl in dict.fromkeys(picked if i == "default" else i for i in a.hf_experts):
+        name = f"hf_transformers_{impl}" + ("_default" if impl == picked else "")
+        try:
+            if impl != picked:
+                model.set_experts_implementation(impl)
+            res: dict = {"load_s": load_s, "transformers": hf.__version__}
+            res["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+            timed(1, a.prompt, 2)  # warm-up
+            t1 = min(timed(1, a.prompt, 1) for _ in range(2))
+            res["decode_b1_tok_s"] = n / (timed(1, a.prompt, n + 1) - t1)
+            t1 = timed(a.batch, a.prompt, 1)
+            res[f"decode_b{a.batch}_tok_s"] = a.batch * n / (timed(a.batch, a.prompt, n + 1) - t1)
+            res["prefill_tok_s"] = a.prefill / timed(1, a.prefill, 1)
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            res = {"error": f"{type(e).__name__}: {e}"}
+        results[name] = res
+        print(f"# {name}: {res}", flush=True)
+    model = None  # free the device
+    if torch.device(a.device).type == "cuda":
+        torch.cuda.empty_cache()
     return results
 
 
@@ -653,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     del shared
     if a.gpu_all:
         show(run_gpu_all(cfg, a, dtype))
+    if a.hf:
+        show(run_hf(cfg, a))
     print()
     b = a.batch
     print(

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Device check of the "gpu" expert backend (every expert on the GPU, models/layers/gpu_experts.py)
+# in one call: its GPU tests and the skinny GEMM's (the kernels share one reduction), one
+# Qwen3-30B-A3B layer per token count and path (tools/bench_gpu_moe.py), then, per STAGES, the
+# whole model with every expert on the GPU next to HF transformers (tools/bench_hybrid_moe.py
+# --gpu-all / --hf, one process each) and the CPU pool's conversion time on this CPU. Logs and
+# JSON go to $OUT.
+#   bash tools/gpu_moe_check.sh                       # tests + layer: about 4 minutes
+#   STAGES="model peer" bash tools/gpu_moe_check.sh   # 30B model, ours then HF: about 6 minutes
+# Env: STAGES ["tests layer convert"], PROMPT [2048] (context of the decode runs), BENCH_TIMEOUT [300].
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tandem_gpu_moe}
+source tools/device_env.sh
+rc=0 stages=" ${STAGES:-tests layer convert} " prompt=${PROMPT:-2048} limit=${BENCH_TIMEOUT:-300}
+model_args=(--formats --graphs on --decode-steps 24 --batch 16 --prompt "$prompt" --prefill 2048)
+if [[ $stages == *" tests "* ]]; then
+  run_tests gpu_tests 300 -m gpu tests/models/test_gpu_experts.py tests/ext/test_skinny_gemm.py || rc=1
+fi
+if [[ $stages == *" layer "* ]]; then
+  timeout "$limit" python3 tools/bench_gpu_moe.py --json "$OUT/layer.json" >"$OUT/layer.log" 2>&1 || rc=1
+  grep -vE "^# T=" "$OUT/layer.log" | tail -n 16
+fi
+if [[ $stages == *" convert "* ]]; then  # "converted ... a layer": the pool's load time here
+  timeout "$limit" python3 tools/bench_cpu_moe.py --tokens 1 --formats int8 int4 --layers 3 \
+    --no-torch --min-time 0.2 --routings 2 >"$OUT/convert.log" 2>&1 || rc=1
+  grep -iE "convert|threads|isa" "$OUT/convert.log" | head -n 8
+fi
+if [[ $stages == *" model "* ]]; then
+  timeout "$limit" python3 tools/bench_hybrid_moe.py "${model_args[@]}" --gpu-all \
+    --json "$OUT/gpu_all.json" >"$OUT/gpu_all.log" 2>&1 || rc=1
+  tail -n 8 "$OUT/gpu_all.log"
+fi
+if [[ $stages == *" peer "* ]]; then
+  timeout "$limit" python3 tools/bench_hybrid_moe.py "${model_args[@]}" --hf \
+    --json "$OUT/hf.json" >"$OUT/hf.log" 2>&1 || rc=1
+  grep -E "^# hf|^\|" "$OUT/hf.log" | tail -n 8
+fi
+exit $rc

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """One MoE layer with every expert on the GPU, per token count and path of the "gpu" expert
-backend (models/layers/gpu_experts.py): the routed skinny kernels (`gemv`), the grouped GEMMs
-(`grouped`, torch._grouped_mm) and the torch reference's per-expert loop (`torch`).
+backend (models/layers/gpu_experts.py): the decode kernels from the router's logits (`decode`:
+route + sort, gate_up, down; routing included), the routed skinny kernels (`gemv`), the grouped
+GEMMs (`grouped`, torch._grouped_mm) and the torch reference's per-expert loop (`torch`); the
+last three start from routed ids (torch's router not timed).
 
 Default shape: Qwen3-30B-A3B (hidden 2048, expert intermediate 768, 128 experts, top-8), bf16.
 `--layers` copies of the layer's weights are cycled (4 x 1.2 GB by default), so a call does not
@@ -27,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ext.cuda import skinny  # noqa: E402
 from models.layers.experts import TorchExpertBackend  # noqa: E402
 from models.layers.gpu_experts import grouped_experts  # noqa: E402
 from tools.bench_gpu import copy_bandwidth_gbps  # noqa: E402
@@ -40,8 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--layers", type=int, default=4, help="weight copies cycled")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 2048])
-    p.add_argument("--paths", nargs="+", default=["gemv", "grouped", "torch"])
+    p.add_argument(
+        "--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 2048]
+    )
+    p.add_argument("--paths", nargs="+", default=["decode", "gemv", "grouped", "torch"])
     p.add_argument("--torch-max-tokens", type=int, default=2048)
     p.add_argument("--calls", type=int, default=16, help="calls per graph (and per timing)")
     p.add_argument("--reps", type=int, default=5, help="timings per cell; the median is kept")
@@ -63,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     w2 = [torch.randn(E, H, inter, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(a.layers)]  # fmt: skip
     ref = TorchExpertBackend()
 
-    def call(path: str, x, ids, w, i: int) -> torch.Tensor:
+    def call(path: str, x, ids, w, logits, i: int) -> torch.Tensor:
         layer = i % a.layers
+        if path == "decode":
+            return torch.ops.tandem.moe_decode_experts(x, logits, w13[layer], w2[layer], k, True)
         if path == "gemv":
             return torch.ops.tandem.moe_routed_experts(x, ids, w, w13[layer], w2[layer])
         if path == "grouped":
@@ -74,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], {}
     for t in a.tokens:
         xs = [torch.randn(t, H, device=dev, dtype=dt, generator=g) for _ in range(a.calls)]
-        routes = [torch.topk(torch.softmax(torch.randn(t, E, device=dev, generator=g), -1), k)
-                  for _ in range(a.calls)]  # fmt: skip
+        logits = [torch.randn(t, E, device=dev, generator=g).to(dt) for _ in range(a.calls)]
+        routes = [torch.topk(torch.softmax(lg.float(), -1), k) for lg in logits]
         touched = touched_experts(E, k, t)
         flops = 2 * 3 * H * inter * t * k
         floor_ms = max(touched * one / (gbps * 1e9), flops / (a.tflops * 1e12)) * 1e3
@@ -83,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         for path in a.paths:
             if path == "torch" and t > a.torch_max_tokens:
                 continue
+            if path == "decode" and not skinny.moe_decode_supported(
+                xs[0], logits[0], w13[0], w2[0], k
+            ):
+                continue
 
-            def work(path=path) -> None:
+            def work(path=path, xs=xs, routes=routes, logits=logits) -> None:
                 for i in range(a.calls):
-                    call(path, xs[i], routes[i][1], routes[i][0], i)
+                    call(path, xs[i], routes[i][1], routes[i][0], logits[i], i)
 
             try:
                 work()  # compile, warm up
@@ -99,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                     replay = graph.replay
                 times = []
                 for _ in range(a.reps):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s, e = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
                     s.record()
                     replay()
                     e.record()

@@ -7,7 +7,8 @@
 # JSON go to $OUT.
 #   bash tools/gpu_moe_check.sh                       # tests + layer: about 4 minutes
 #   STAGES="model peer" bash tools/gpu_moe_check.sh   # 30B model, ours then HF: about 6 minutes
-# Env: STAGES ["tests layer convert"], PROMPT [2048] (context of the decode runs), BENCH_TIMEOUT [300].
+# Env: STAGES ["tests layer convert"], PROMPT [2048] (context of the decode runs), BENCH_TIMEOUT
+#   [300], DECODE_KERNELS ["1"]: TANDEM_MOE_DECODE_KERNELS values of the model stage ("1 0": A/B).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_gpu_moe}
@@ -27,9 +28,12 @@ if [[ $stages == *" convert "* ]]; then  # "converted ... a layer": the pool's l
   grep -iE "convert|threads|isa" "$OUT/convert.log" | head -n 8
 fi
 if [[ $stages == *" model "* ]]; then
-  timeout "$limit" python3 tools/bench_hybrid_moe.py "${model_args[@]}" --gpu-all \
-    --json "$OUT/gpu_all.json" >"$OUT/gpu_all.log" 2>&1 || rc=1
-  tail -n 8 "$OUT/gpu_all.log"
+  for dk in ${DECODE_KERNELS:-1}; do  # TANDEM_MOE_DECODE_KERNELS: 0 routes decode steps in torch
+    echo "== every expert on the GPU, TANDEM_MOE_DECODE_KERNELS=$dk =="
+    TANDEM_MOE_DECODE_KERNELS=$dk timeout "$limit" python3 tools/bench_hybrid_moe.py \
+      "${model_args[@]}" --gpu-all --json "$OUT/gpu_all_dk$dk.json" >"$OUT/gpu_all_dk$dk.log" 2>&1 || rc=1
+    grep -E "^gpu_all|^\| gpu_all" "$OUT/gpu_all_dk$dk.log" | cut -c1-400
+  done
 fi
 if [[ $stages == *" peer "* ]]; then
   timeout "$limit" python3 tools/bench_hybrid_moe.py "${model_args[@]}" --hf \

@@ -1,4 +1,5 @@
-"""The GPU side of a CPU-pool MoE layer in two kernels (`moe_stage.cu`).
+"""The GPU side of a CPU-pool MoE layer in two kernels (`moe_stage.cu`), and the router of
+the all-GPU decode path.
 
 `route_stage`: router softmax + top-k (+ renormalisation) per token, the routing counts, and the
 pool's inputs (hidden as fp32, CPU-routed ids, weights) written straight into the pinned
@@ -8,7 +9,10 @@ GPU-resident experts' part, rounded to the model dtype on the device: one kernel
 UVA for small calls; above `ZERO_COPY_BYTES` a host-to-device copy first, PCIe copies being
 faster than a kernel's remote reads in bulk).
 
-Both launch on torch's current stream and are capturable in CUDA graphs. `route_stage_ref`
+`route_sort` (for the "gpu" expert backend, every expert on the GPU): the router of a decode-sized
+step and its (token, expert) slots sorted by expert, in one kernel.
+
+All launch on torch's current stream and are capturable in CUDA graphs. `route_stage_ref`
 is the torch expression they replace (and the fall-back where the kernel does not apply).
 """
 
@@ -123,3 +127,42 @@ def gather(
         (ptr(src), ptr(extra), ptr(out), i64(n)),
     )
     return out
+
+
+MAX_SORT_SLOTS = 256  # moe_route_sort_kernel: tokens x top_k of one step, in one block
+
+
+def route_sort(
+    logits: torch.Tensor,  # [T, E] fp16/bf16 cuda (the router's output)
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router of a decode-sized step and its slots sorted by expert, in one kernel:
+    -> (topk_ids [T, k] int64, topk_weights [T, k] float32, sorted_ids [T * k] int64 ascending,
+    order [T * k] int64: the slot t * k + j at each sorted position; a stable sort)."""
+    if not (logits.is_cuda and logits.dtype in _DT and logits.dim() == 2):
+        raise ValueError("route_sort: logits must be 2-D fp16/bf16 on CUDA")
+    T, E = logits.shape
+    if logits.stride(1) != 1 or E > MAX_EXPERTS or not 1 <= top_k <= min(MAX_TOP_K, E):
+        raise ValueError(
+            f"route_sort: contiguous rows of at most {MAX_EXPERTS} experts and 1 <= top_k <= "
+            f"min({MAX_TOP_K}, E), got {tuple(logits.shape)}, top_k {top_k}"
+        )
+    if T * top_k > MAX_SORT_SLOTS:
+        raise ValueError(f"route_sort: at most {MAX_SORT_SLOTS} slots, got {T} x {top_k}")
+    dev = logits.device
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    sorted_ids = torch.empty(T * top_k, dtype=torch.int64, device=dev)
+    order = torch.empty(T * top_k, dtype=torch.int64, device=dev)
+    if T:
+        launch(
+            "moe_stage.cu",
+            f"moe_route_sort_kernel<{_DT[logits.dtype]}>",
+            dev,
+            (1, 1, 1),
+            (256, 1, 1),
+            (ptr(logits), i64(logits.stride(0)), i32(T), i32(E), i32(top_k),
+             i32(int(renormalize)), ptr(ids), ptr(weights), ptr(sorted_ids), ptr(order)),
+        )  # fmt: skip
+    return ids, weights, sorted_ids, order

@@ -5,7 +5,8 @@ stream; `skinny_linear` is the torch custom op (`torch.ops.tandem.skinny_linear`
 call, with a fallback to `torch.nn.functional.linear` where the kernel does not apply.
 `MAX_ROWS` bounds the rows of x the kernel takes (above it cuBLAS' tensor-core GEMM wins).
 `moe_routed_experts` (`torch.ops.tandem.moe_routed_experts`) runs a MoE layer's routed experts
-through the same reduction, every (token, expert) slot of a step grouped by expert.
+through the same reduction, every (token, expert) slot of a step grouped by expert;
+`moe_decode_experts` does a decode-sized step from the router's logits in three kernels.
 """
 
 from __future__ import annotations
@@ -441,4 +442,106 @@ def moe_routed_experts(
 
 @moe_routed_experts.register_fake
 def _(hidden, topk_ids, topk_weights, w13, w2):
+    return torch.empty_like(hidden)
+
+
+MOE_DOWN_MAX_TOP_K = 16  # moe_down_kernel keeps every slot's loads of a token in registers
+
+
+def launch_moe_down(
+    act: torch.Tensor,  # [T * k, I]
+    w2: torch.Tensor,  # [E, H, I]
+    ids: torch.Tensor,  # [T, k] int64
+    weights: torch.Tensor,  # [T, k] float32
+    out: torch.Tensor,  # [T, H], act's dtype
+) -> None:
+    """out[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ act[t * k + j]): the down pass of a
+    decode-sized step, token by token, summed and rounded once in the kernel."""
+    if act.dim() != 2 or w2.dim() != 3 or ids.dim() != 2 or out.dim() != 2:
+        raise ValueError("moe_down takes act [T*k, I], w2 [E, H, I], ids [T, k], out [T, H]")
+    t, top_k = ids.shape
+    e, h, inter = w2.shape
+    if act.shape != (t * top_k, inter) or out.shape != (t, h) or weights.shape != (t, top_k):
+        raise ValueError(
+            f"shapes do not match: act {tuple(act.shape)}, w2 {tuple(w2.shape)}, ids "
+            f"{tuple(ids.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}"
+        )
+    if not 1 <= top_k <= MOE_DOWN_MAX_TOP_K:
+        raise ValueError(f"moe_down takes top_k 1..{MOE_DOWN_MAX_TOP_K}, got {top_k}")
+    if not (act.dtype == w2.dtype == out.dtype and act.dtype in _DT):
+        raise ValueError(f"act, w2 and out must share fp16/bf16, got {act.dtype}, {w2.dtype}")
+    if ids.dtype != torch.int64 or weights.dtype != torch.float32:
+        raise ValueError("ids must be int64 and weights float32")
+    if not (ids.is_contiguous() and weights.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("ids, weights and w2 must be contiguous")
+    tensors = (act, w2, ids, weights, out)
+    if not act.is_cuda or any(x.device != act.device for x in tensors):
+        raise ValueError("all operands must be on one CUDA device")
+    if inter % 8 or act.stride(1) != 1 or act.stride(0) % 8 or act.data_ptr() % 16:
+        raise ValueError("act rows must be 16-byte aligned and I a multiple of 8")
+    if w2.data_ptr() % 16 or out.stride(1) != 1:
+        raise ValueError("w2 must be 16-byte aligned and out rows contiguous")
+    if t == 0:
+        return
+    unroll = 2 if top_k <= 8 else 1
+    launch(
+        "skinny_gemm.cu",
+        f"moe_down_kernel<{top_k},{unroll},{_DT[act.dtype]}>",
+        act.device,
+        (-(-h // (_THREADS // 32)), t, 1),
+        (_THREADS, 1, 1),
+        (ptr(act), ptr(w2), ptr(ids), ptr(weights), ptr(out), i32(h), i32(inter),
+         i64(act.stride(0)), i64(out.stride(0))),
+    )  # fmt: skip
+
+
+def moe_decode_supported(
+    hidden: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int
+) -> bool:
+    """Whether `moe_decode_experts` takes this step (else route in torch, then
+    `moe_routed_experts` or grouped GEMMs)."""
+    from ext.cuda import moe_stage
+
+    if not moe_supported(hidden, w13, w2) or not logits.is_cuda or logits.dim() != 2:
+        return False
+    t, e = logits.shape
+    return (
+        logits.dtype == hidden.dtype
+        and logits.stride(1) == 1
+        and t == hidden.shape[0]
+        and e == w13.shape[0] <= moe_stage.MAX_EXPERTS
+        and 1 <= top_k <= min(MOE_DOWN_MAX_TOP_K, e)
+        and t * top_k <= moe_stage.MAX_SORT_SLOTS
+    )
+
+
+@torch.library.custom_op("tandem::moe_decode_experts", mutates_args=())
+def moe_decode_experts(
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """A decode-sized MoE step from the router's logits in three kernels: route + sort
+    (moe_stage.route_sort), gate_up + SiLU-mul per expert run (moe_gemv_kernel), down summed
+    per token (moe_down_kernel). hidden [T, H], logits [T, E] -> [T, H] in hidden's dtype. The
+    caller checks `moe_decode_supported`."""
+    from ext.cuda import moe_stage
+
+    if not moe_decode_supported(hidden, logits, w13, w2, top_k):
+        raise ValueError("moe_decode_experts: operands it does not take (moe_decode_supported)")
+    t, h = hidden.shape
+    ids, weights, sorted_ids, order = moe_stage.route_sort(logits, top_k, renormalize)
+    x = _aligned_rows(hidden)
+    act = torch.empty(t * top_k, w2.shape[2], device=hidden.device, dtype=hidden.dtype)
+    launch_moe_gemv(x, w13, sorted_ids, order, None, None, act, top_k, glu=True)
+    out = torch.empty(t, h, device=hidden.device, dtype=hidden.dtype)
+    launch_moe_down(act, w2, ids, weights, out)
+    return out
+
+
+@moe_decode_experts.register_fake
+def _(hidden, logits, w13, w2, top_k, renormalize):
     return torch.empty_like(hidden)

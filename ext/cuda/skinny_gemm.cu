@@ -17,7 +17,8 @@
 //   reads rows i and i + D/2 of one head, adds the bias, rotates q and k heads (neox rotary,
 //   cos/sin given per token) and writes q to q_out and k, v straight into their paged KV slots
 //   (slot < 0: a padding row, skipped), replacing the rotary and KV-write kernels.
-// - moe_gemv_kernel: a MoE layer's routed experts, every (token, expert) slot of a step (below).
+// - moe_gemv_kernel: a MoE layer's routed experts, every (token, expert) slot of a step (below);
+//   moe_down_kernel: the down pass of a decode-sized step, token by token, summed in the kernel.
 #include "common.cuh"
 
 // The x rows warp_dot reads: M rows of one matrix at a stride, or M gathered row pointers.
@@ -294,4 +295,74 @@ __global__ void __launch_bounds__(256) moe_gemv_kernel(
     else
       moe_rows<M_MAX, R0, U, DT, GLU>(x, ldx, w_e, order, slot_w, y, n, k, top_k, ldy, p, count, row0, lane);
   }
+}
+
+// The down pass of a decode-sized step, token-major (ext/cuda/skinny.py: moe_decode_experts):
+// block (bx, t); warp w owns output row h of token t and sums over the token's K slots j:
+// weights[t * K + j] * (act[t * K + j] . w2[ids[t * K + j]][h]). The K experts' loads are issued
+// together (U steps of each in flight); each lane keeps one weighted partial sum, the warp
+// reduces once and writes out[t, h] rounded once: no float buffer and no separate sum.
+template <int K, int U, int DT>
+__global__ void __launch_bounds__(256) moe_down_kernel(
+    const u16* __restrict__ act,           // [T * K, I], row stride lda
+    const u16* __restrict__ w2,            // [E, N, I], contiguous
+    const long long* __restrict__ ids,     // [T * K] expert of each slot
+    const float* __restrict__ weights,     // [T * K] routing weight of each slot
+    u16* __restrict__ out,                 // [T, N], row stride ldo
+    int n, int k, i64 lda, i64 ldo) {
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (row >= n) return;
+  const long long t = blockIdx.y;
+  const u16* wr[K];
+  const u16* xr[K];
+  float wj[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const long long s = t * K + j;
+    wr[j] = w2 + (ids[s] * n + row) * (i64)k;
+    xr[j] = act + s * lda;
+    wj[j] = weights[s];
+  }
+  float part = 0.f;
+  const int step = 32 * 8;
+  int k0 = lane * 8;
+  for (; k0 + (U - 1) * step < k; k0 += U * step) {
+    V16 wv[U][K];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < K; ++j) wv[u][j] = ldg16(wr[j] + k0 + u * step);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+        float xf[8], wf[8];
+        unpack8<DT>(ldg16(xr[j] + k0 + u * step), xf);
+        unpack8<DT>(wv[u][j], wf);
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d = fmaf(xf[i], wf[i], d);
+        part = fmaf(wj[j], d, part);
+      }
+  }
+  for (; k0 < k; k0 += step) {
+    V16 wv[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) wv[j] = ldg16(wr[j] + k0);
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      float xf[8], wf[8];
+      unpack8<DT>(ldg16(xr[j] + k0), xf);
+      unpack8<DT>(wv[j], wf);
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) d = fmaf(xf[i], wf[i], d);
+      part = fmaf(wj[j], d, part);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (lane == 0) out[t * ldo + row] = from_float<DT>(part);
 }

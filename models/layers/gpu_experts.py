@@ -1,9 +1,11 @@
 """Every expert on the GPU: the "gpu" expert backend, the default for MoE models on CUDA.
 
-- Decode-sized steps (up to `gemv_max_tokens` tokens): the routed skinny kernels
-  (`torch.ops.tandem.moe_routed_experts`, ext/cuda/skinny_gemm.cu: moe_gemv_kernel) read each
+- Decode-sized steps (up to `gemv_max_tokens` tokens): the routed skinny kernels read each
   touched expert's weights about once a step, with no host sync, so decode steps capture into
-  CUDA graphs.
+  CUDA graphs. From the router's logits (`forward_logits`, which the MoE block calls first):
+  `torch.ops.tandem.moe_decode_experts`, three kernels (route + sort, gate_up + SiLU-mul per
+  expert, down summed per token); from routed ids (`forward`): `moe_routed_experts`.
+  `TANDEM_MOE_DECODE_KERNELS=0` leaves the routing to torch (for A/B runs).
 - Larger steps (prefill, big decode batches): two grouped GEMMs over the tokens sorted by
   expert (`torch._grouped_mm`), also without a host sync.
 - Elsewhere (operands neither path takes, no CuPy, a torch without grouped GEMMs): the torch
@@ -82,7 +84,27 @@ class GpuExpertBackend:
         self._reference = TorchExpertBackend()
         self._kernels = cuda_kernels_available()  # CUDA and CuPy: the decode kernels can run
         self._grouped_failed = False
-        self.calls = {"gemv": 0, "grouped": 0, "torch": 0}  # forward calls per path
+        self.decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "1") != "0"
+        self.calls = {"decode": 0, "gemv": 0, "grouped": 0, "torch": 0}  # calls per path
+
+    def forward_logits(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,  # [T, H]
+        logits: torch.Tensor,  # [T, E] the router's output
+        top_k: int,
+        renormalize: bool,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A decode-sized step from the router's logits in three kernels; None where that does
+        not apply (the block then routes in torch and calls `forward`)."""
+        if not (self._kernels and self.decode_kernels and hidden.shape[0] <= self.gemv_max_tokens):
+            return None
+        if not skinny.moe_decode_supported(hidden, logits, w13, w2, top_k):
+            return None
+        self.calls["decode"] += 1
+        return torch.ops.tandem.moe_decode_experts(hidden, logits, w13, w2, top_k, renormalize)
 
     def forward(
         self,

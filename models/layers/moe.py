@@ -49,6 +49,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         logits = self.gate(x)  # [T, E]
+        direct = getattr(self.backend, "forward_logits", None)
+        if direct is not None:  # router and experts in the backend's kernels, where it can
+            out = direct(self.layer_idx, x, logits, self.top_k, self.renormalize, self.w13, self.w2)
+            if out is not None:
+                shared = self._shared_expert(x)
+                return out if shared is None else out + shared
         pending = None
         fused = getattr(self.backend, "route_and_start", None)
         if fused is not None:  # router + staging in one kernel where the backend can

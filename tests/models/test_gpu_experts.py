@@ -65,7 +65,7 @@ def test_backend_paths_off_cuda(monkeypatch, caplog) -> None:
     backend = get_expert_backend("gpu")
     assert isinstance(backend, GpuExpertBackend) and backend.supports_cuda_graphs
     assert _rel(backend.forward(0, *layer), ref) < 1e-6
-    assert backend.calls == {"gemv": 0, "grouped": 1, "torch": 0}  # no kernels on the CPU
+    assert backend.calls == {"decode": 0, "gemv": 0, "grouped": 1, "torch": 0}  # no kernels
 
     def broken(*args, **kwargs):
         raise RuntimeError("no grouped GEMM here")
@@ -75,7 +75,7 @@ def test_backend_paths_off_cuda(monkeypatch, caplog) -> None:
         assert _rel(backend.forward(0, *layer), ref) < 1e-6  # said once, then the loop
     assert "grouped GEMMs unavailable" in caplog.text
     assert _rel(backend.forward(0, *layer), ref) < 1e-6
-    assert backend.calls == {"gemv": 0, "grouped": 1, "torch": 2}
+    assert backend.calls == {"decode": 0, "gemv": 0, "grouped": 1, "torch": 2}
     monkeypatch.delattr(torch, "_grouped_mm")
     fresh = GpuExpertBackend()
     assert _rel(fresh.forward(0, *layer), ref) < 1e-6
@@ -117,6 +117,59 @@ def test_moe_launcher_rejects_bad_operands() -> None:
         skinny.launch_moe_gemv(hidden, w13, sorted_ids, order, None, None, act, 2, True)
     with pytest.raises(ValueError, match="moe_supported"):
         torch.ops.tandem.moe_routed_experts(hidden, ids, weights, w13, w2)
+
+
+def test_moe_block_takes_the_backends_logits_path_where_it_answers() -> None:
+    """SparseMoeBlock asks `forward_logits` first; None: torch routes and `forward` computes.
+    The shared expert is added either way."""
+    from models.config import ModelConfig
+    from models.layers.moe import SparseMoeBlock
+
+    cfg = ModelConfig(
+        architecture="Qwen2MoeForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    )  # fmt: skip
+
+    class Direct(GpuExpertBackend):
+        def forward_logits(self, layer_idx, hidden, logits, top_k, renormalize, w13, w2):
+            self.seen = (top_k, renormalize, tuple(logits.shape))
+            return torch.zeros_like(hidden)
+
+    torch.manual_seed(0)
+    plain = SparseMoeBlock(cfg, 0, GpuExpertBackend())
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    direct = SparseMoeBlock(cfg, 0, Direct())
+    direct.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        ids, w = plain.route(x)
+        ref = _reference(x, ids, w, plain.w13, plain.w2) + plain._shared_expert(x)
+        assert _rel(plain(x), ref) < 1e-5  # no kernels on the CPU: forward_logits says None
+        assert plain.backend.calls["grouped"] == 1
+        assert torch.allclose(direct(x), direct._shared_expert(x))
+    assert direct.backend.seen == (2, direct.renormalize, (5, 8))
+
+
+def test_decode_launchers_reject_bad_operands() -> None:
+    from ext.cuda import moe_stage
+
+    hidden, ids, weights, w13, w2 = _layer(2, 2, 4, 64, 32, torch.bfloat16)
+    logits = torch.zeros(2, 4, dtype=torch.bfloat16)
+    assert not skinny.moe_decode_supported(hidden, logits, w13, w2, 2)  # CPU tensors
+    with pytest.raises(ValueError, match="CUDA"):
+        moe_stage.route_sort(logits, 2, True)
+    act = torch.zeros(4, 32, dtype=torch.bfloat16)
+    out = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shapes"):
+        skinny.launch_moe_down(act[:3], w2, ids, weights, out)
+    with pytest.raises(ValueError, match="int64"):
+        skinny.launch_moe_down(act, w2, ids.int(), weights, out)
+    with pytest.raises(ValueError, match="CUDA"):
+        skinny.launch_moe_down(act, w2, ids, weights, out)
+    with pytest.raises(ValueError, match="moe_decode_supported"):
+        torch.ops.tandem.moe_decode_experts(hidden, logits, w13, w2, 2, True)
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -190,13 +243,78 @@ def test_moe_kernel_in_a_cuda_graph() -> None:
 
 
 @gpu_test
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 128, 8, True), (8, 128, 8, False), (3, 8, 2, True),
+                                          (32, 64, 8, True), (5, 1024, 16, False)])  # fmt: skip
+def test_route_sort_matches_torch(t, e, k, renorm) -> None:
+    from ext.cuda import moe_stage
+
+    g = torch.Generator().manual_seed(t + e)
+    logits = torch.randn(t, e, generator=g).to(torch.bfloat16).cuda()
+    ids, weights, sorted_ids, order = moe_stage.route_sort(logits, k, renorm)
+    ref_ids, ref_w = moe_stage.route_ref(logits, k, renorm)
+    torch.cuda.synchronize()
+    assert torch.equal(ids.sort(dim=-1).values, ref_ids.sort(dim=-1).values)
+    assert torch.allclose(weights.gather(1, ids.argsort(dim=-1)),
+                          ref_w.gather(1, ref_ids.argsort(dim=-1)), rtol=1e-5, atol=1e-7)  # fmt: skip
+    ref_sorted, ref_order = torch.sort(ids.reshape(-1), stable=True)
+    assert torch.equal(sorted_ids, ref_sorted) and torch.equal(order, ref_order)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,k,e,h,inter", [(1, 8, 128, 2048, 768), (3, 2, 8, 256, 96),
+                                           (8, 8, 64, 512, 128), (2, 16, 32, 128, 40)])  # fmt: skip
+def test_moe_decode_experts_from_logits(dtype, t, k, e, h, inter) -> None:
+    """Route + sort, gate_up runs, down summed per token (out poisoned: every row written)
+    against torch's router and the float32 reference."""
+    from ext.cuda import moe_stage
+
+    hidden, _, _, w13, w2 = _layer(t, k, e, h, inter, dtype, "cuda", seed=t + k)
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(t, e, generator=g).to(dtype).cuda()
+    assert skinny.moe_decode_supported(hidden, logits, w13, w2, k)
+    out = torch.ops.tandem.moe_decode_experts(hidden, logits, w13, w2, k, True)
+    ids, weights = moe_stage.route_ref(logits, k, True)
+    assert _rel(out, _reference(hidden, ids, weights, w13, w2)) < 1e-2
+    act = torch.full((t * k, inter), float("nan"), dtype=dtype, device="cuda")
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    skinny.launch_moe_gemv(hidden, w13, sorted_ids, order, None, None, act, k, glu=True)
+    down = torch.full((t, h), float("nan"), dtype=dtype, device="cuda")
+    skinny.launch_moe_down(act, w2, ids, weights, down)
+    torch.cuda.synchronize()
+    assert not down.isnan().any()
+    assert _rel(down, _reference(hidden, ids, weights, w13, w2)) < 1e-2
+
+
+@gpu_test
+def test_moe_decode_experts_in_a_cuda_graph() -> None:
+    from ext.cuda import moe_stage
+
+    hidden, _, _, w13, w2 = _layer(2, 8, 64, 256, 64, torch.bfloat16, "cuda")
+    logits = torch.randn(2, 64, device="cuda").to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.ops.tandem.moe_decode_experts(hidden, logits, w13, w2, 8, False)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = torch.ops.tandem.moe_decode_experts(hidden, logits, w13, w2, 8, False)
+    for _ in range(2):
+        hidden.copy_(torch.randn_like(hidden))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        torch.cuda.synchronize()
+        ids, weights = moe_stage.route_ref(logits, 8, False)
+        assert _rel(out, _reference(hidden, ids, weights, w13, w2)) < 1e-2
+
+
+@gpu_test
 def test_backend_paths_on_cuda() -> None:
     backend = GpuExpertBackend(gemv_max_tokens=8)
     for t in (1, 8, 9, 300):
         layer = _layer(t, 8, 32, 256, 64, torch.bfloat16, "cuda", seed=t)
         assert _rel(backend.forward(0, *layer), _reference(*layer)) < 1e-2
     grouped = 2 if hasattr(torch, "_grouped_mm") else 0
-    assert backend.calls == {"gemv": 4 - grouped, "grouped": grouped, "torch": 0}
+    assert backend.calls == {"decode": 0, "gemv": 4 - grouped, "grouped": grouped, "torch": 0}
     fp16 = _layer(300, 8, 32, 256, 64, torch.float16, "cuda")  # CUDA grouped GEMMs: bf16 only
     assert _rel(backend.forward(0, *fp16), _reference(*fp16)) < 1e-2
     assert backend.calls["gemv"] == 5 - grouped
@@ -234,12 +352,14 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
     ids = ids * 5 % 128
     with torch.no_grad():
         ref = hf_model(ids.cpu()[None]).logits[0].float()
-        for gemv_max in (n, 0):  # the prompt through the kernels, then the grouped GEMMs
-            backend.gemv_max_tokens = gemv_max
+        # the prompt through the decode kernels, the routed kernels, then the grouped GEMMs
+        for gemv_max, decode_kernels in ((n, True), (n, False), (0, True)):
+            backend.gemv_max_tokens, backend.decode_kernels = gemv_max, decode_kernels
             ours = model.compute_logits(model(ids, pos, batch)).float().cpu()
             rel = float((ours - ref).abs().max() / ref.abs().max())
-            assert rel < 3e-2, (gemv_max, rel)
-    assert backend.calls["gemv"] == 2 and backend.calls["grouped"] + backend.calls["torch"] == 2
+            assert rel < 3e-2, (gemv_max, decode_kernels, rel)
+    calls = backend.calls
+    assert calls["decode"] == calls["gemv"] == 2 and calls["grouped"] + calls["torch"] == 2
     del model
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (3, 30, 7, 19, 44)]
@@ -260,7 +380,7 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
         if graphs:
             assert not runner.counters.fallbacks, runner.counters.fallbacks
             assert runner.counters.graph_steps > 0
-            assert llm.engine.model.expert_backend.calls["gemv"] > 0
+            assert llm.engine.model.expert_backend.calls["decode"] > 0
         del llm, runner
     same = sum(a == b for a, b in zip(outs["auto"], outs["torch"], strict=True))
     assert same >= 4, f"gpu backend (graphs) vs torch (eager): {same}/5 identical"

@@ -10,8 +10,10 @@
 # on the GPU, every routed expert on the CPU pool in EXPERT_FORMAT [int4] (random experts are
 # made one layer at a time as the pool converts them); its floor is the active expert bytes per
 # token over CPU_GBPS [68], the CPU read bandwidth, and at concurrency c the experts c tokens
-# touch under uniform routing.
-# Env (defaults in brackets; --smoke changes them): SHAPE [1B] (1B | 8B | tiny | 30B-A3B | tiny-moe), INPUT_LEN [256],
+# touch under uniform routing. MOE_EXPERTS=gpu [cpu] keeps every expert on the GPU instead (bf16, the
+# "gpu" expert backend); the floor is then the bytes a step reads from GPU memory.
+# Env (defaults in brackets; --smoke changes them): SHAPE [1B] (1B | 8B | tiny | 30B-A3B | tiny-moe),
+#   MOE_EXPERTS [cpu] (cpu | gpu), INPUT_LEN [256],
 #   OUTPUT_LEN [256], CONCURRENCY [1,16,64,256], NUM_PROMPTS [32,64,256,512] (per level),
 #   WARMUP [32], DEVICE [auto], PORT [8123], MAX_NUM_SEQS [256], MAX_NUM_BATCHED_TOKENS [8192],
 #   SERVER_ARGS (more `tandem serve` flags), START_TIMEOUT [300], BENCH_TIMEOUT [420] (s),
@@ -38,7 +40,8 @@ OUT=${OUT:-/tmp/tandem_serving}
 PY=${PYTHON:-python3}
 case "$SHAPE" in
   *-A3B|*moe) MODEL_DIR="$OUT/qwen3moe-$SHAPE-dummy"
-    SERVER_ARGS="--cpu-experts all --cpu-expert-format ${EXPERT_FORMAT:=int4} $SERVER_ARGS" ;;
+    if [ "${MOE_EXPERTS:-cpu}" = gpu ]; then EXPERT_FORMAT=""  # every expert on the GPU (bf16)
+    else SERVER_ARGS="--cpu-experts all --cpu-expert-format ${EXPERT_FORMAT:=int4} $SERVER_ARGS"; fi ;;
   *) MODEL_DIR="$OUT/llama-$SHAPE-dummy" ;;  # its name is the model id clients see
 esac
 mkdir -p "$MODEL_DIR"
@@ -167,9 +170,14 @@ except (OSError, ValueError) as e:
     sys.exit(f"no results ({e})")
 c = json.load(open(cfg_path))
 h, L, hd = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
-per_layer = h * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd \
-    + c["num_attention_heads"] * hd * h + 3 * h * c["intermediate_size"]
+attn = h * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd \
+    + c["num_attention_heads"] * hd * h
+moe = "num_experts" in c
+per_layer = attn + (0 if moe else 3 * h * c["intermediate_size"])
 read = 2 * (L * per_layer + c["vocab_size"] * h)  # bf16; every weight but the embedding lookup
+if moe:
+    from tools.bench_hybrid_moe import expert_bytes, touched_experts
+    E, k, inter = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
 source = "HBM_GBPS"
 if not hbm and not expert_fmt:
     try:
@@ -191,14 +199,19 @@ print(f"== summary: {res['model']}, {res['input_len']} in / {res['output_len']} 
 floor_ms = None
 step_floor_ms = lambda conc: floor_ms  # dense: every weight read once a step
 if expert_fmt:  # hybrid: the routed experts' bytes on the CPU dominate a decode step
-    from tools.bench_hybrid_moe import expert_bytes, touched_experts
-    E, k, inter = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
     expert_ms = expert_bytes(h, inter, expert_fmt) * L / (float(cpu_gbps) * 1e9) * 1e3  # all layers
     floor_ms = k * expert_ms
     step_floor_ms = lambda conc: touched_experts(E, k, conc) * expert_ms
     print(f"{expert_fmt} experts on the CPU pool: {k * expert_ms * float(cpu_gbps) / 1e3:.2f} GB "
           f"of active experts per token; at {float(cpu_gbps):g} GB/s (CPU read) the batch-1 TPOT "
           f"floor is {floor_ms:.2f} ms ({1e3 / floor_ms:.1f} tok/s)")
+elif hbm and moe:  # every expert on the GPU: the dense weights and the experts a step touches
+    one = expert_bytes(h, inter, "bf16") * L
+    ms = lambda conc: (read + touched_experts(E, k, conc) * one) / (float(hbm) * 1e9) * 1e3
+    floor_ms, step_floor_ms = ms(1), ms
+    print(f"every expert on the GPU: {(read + k * one) / 1e9:.2f} GB read per batch-1 step; at "
+          f"{float(hbm):.0f} GB/s ({source}) the batch-1 TPOT floor is {floor_ms:.2f} ms "
+          f"({1e3 / floor_ms:.0f} tok/s)")
 elif hbm:
     floor_ms = read / (float(hbm) * 1e9) * 1e3
     print(f"weights read per decode step {read / 1e9:.2f} GB; at {float(hbm):.0f} GB/s "

@@ -8,7 +8,8 @@
 #   bash tools/hybrid_serving.sh        # about 7 minutes
 # Env (defaults in brackets): CONFINES ["off on"], EXPERT_FORMAT [int4], INPUT_LEN [2048],
 #   OUTPUT_LEN [128], CONCURRENCY [1,16], NUM_PROMPTS [6,32], RUNNER [1] (0 skips the runner),
-#   BENCH_TIMEOUT [200] (s, the runner).
+#   BENCH_TIMEOUT [200] (s, the runner), GPU_ALL [0] (1: then the same shape served with every
+#   expert on the GPU, bf16, MOE_EXPERTS=gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_hybrid_serving}
@@ -30,4 +31,13 @@ for confine in ${CONFINES:-off on}; do
   grep -E "cpu_pool|model loaded" "$OUT/serve-confine-$confine/server.log"
   cat "$OUT/serve-confine-$confine/summary.txt" 2>/dev/null || tail -n 20 "$OUT/serve-confine-$confine.log"
 done
+if [ "${GPU_ALL:-0}" != 0 ]; then  # the same shape with every expert on the GPU (bf16), same instance
+  echo "== tandem serve, every expert on the GPU =="
+  OUT="$OUT/serve-gpu-all" MOE_EXPERTS=gpu SHAPE=30B-A3B INPUT_LEN="$in_len" \
+    OUTPUT_LEN="${OUTPUT_LEN:-128}" CONCURRENCY="${CONCURRENCY:-1,16}" NUM_PROMPTS="${NUM_PROMPTS:-6,32}" \
+    WARMUP=2 MAX_NUM_SEQS=32 START_TIMEOUT=300 BENCH_TIMEOUT=240 \
+    bash tools/gpu_serving.sh >"$OUT/serve-gpu-all.log" 2>&1 || rc=1
+  grep -E "model loaded|captured" "$OUT/serve-gpu-all/server.log"
+  cat "$OUT/serve-gpu-all/summary.txt" 2>/dev/null || tail -n 20 "$OUT/serve-gpu-all.log"
+fi
 exit $rc

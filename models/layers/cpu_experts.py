@@ -392,6 +392,7 @@ class CpuPoolExpertBackend:
         self._buffers: _PinnedBuffers | None = None
         self._stats = HybridMoeStats()
         self._t_attach = time.perf_counter()
+        self._load_s = {"read": 0.0, "convert": 0.0}  # attach: filling/reading, converting
         self._routed_tokens = 0
         self._rebalanced = False
         self._lock = threading.Lock()
@@ -502,12 +503,15 @@ class CpuPoolExpertBackend:
             self.confine()
             info = self.pool.info()
             logger.info(
-                "cpu_pool: %d MoE layers (%s, %.2f GB) in %.1fs, kernels %s/%s%s, %d threads on "
-                "%d NUMA node(s)%s, %d experts a layer on the GPU",
+                "cpu_pool: %d MoE layers (%s, %.2f GB) in %.1fs (reading %.1fs, converting "
+                "%.1fs), kernels %s/%s%s, %d threads on %d NUMA node(s)%s, %d experts a layer on "
+                "the GPU",
                 len(info["layers"]),
                 "+".join(sorted(info["bytes_per_format"])),
                 sum(info["bytes_per_format"].values()) / 1e9,
                 self._t_attach - t0,
+                self._load_s["read"],
+                self._load_s["convert"],
                 info["isa"],
                 info["int_isa"] or "-",
                 ", packed rows" if info["pack_rows"] else "",
@@ -570,11 +574,15 @@ class CpuPoolExpertBackend:
                             "expert cache: re-reading layer %d's experts from the checkpoint",
                             layer,
                         )
+                    t_read = time.perf_counter()
                     read_experts(layer)
+                    self._load_s["read"] += time.perf_counter() - t_read
                     w13, w2 = block.w13, block.w2
                 fmt = "bf16" if self.fmt == "auto" else self.fmt
                 w13_h, w2_h = w13.detach().cpu(), w2.detach().cpu()
+                t_convert = time.perf_counter()
                 self.pool.add_layer(layer, w13_h, w2_h, fmt, self.group_size)
+                self._load_s["convert"] += time.perf_counter() - t_convert
             if cache is not None:
                 cache.save(self.pool, layer, key)
         self._num_experts[layer] = E

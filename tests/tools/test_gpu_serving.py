@@ -73,3 +73,17 @@ def test_smoke_sweep_of_a_hybrid_moe_shape(tmp_path: Path) -> None:
     assert "int4 experts on the CPU pool" in summary and "at 50 GB/s" in summary
     assert "TPOT floor is 0.00 ms (3616898.1 tok/s)" in summary
     assert "prefill at concurrency 1: 12 tokens in" in summary
+
+
+def test_smoke_sweep_of_a_moe_shape_with_every_expert_resident(tmp_path: Path) -> None:
+    """MOE_EXPERTS=gpu: no CPU pool; the floor counts the dense weights and the experts a step
+    touches, over HBM_GBPS."""
+    run_smoke(tmp_path, SHAPE="tiny-moe", MOE_EXPERTS="gpu", CONCURRENCY="1,2",
+              NUM_PROMPTS="2,4", HBM_GBPS="1000")  # fmt: skip
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert [(r["max_concurrency"], r["failed"]) for r in result["runs"]] == [(1, 0), (2, 0)]
+    assert "cpu_pool" not in (tmp_path / "server.log").read_text()
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "every expert on the GPU" in summary and "at 1000 GB/s (HBM_GBPS)" in summary
+    rows = [line.split() for line in summary.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(rows) == 2 and all(row[-1].endswith("x") for row in rows)

@@ -14,6 +14,7 @@ values do not either.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,10 +45,20 @@ def _fill_normal(param: torch.Tensor, std: float, seed: int, pool: ThreadPoolExe
         return
 
     flat = param.view(-1)
+    local = threading.local()  # a float32 chunk buffer per filling thread
 
     def chunk(i: int) -> None:
         gen = torch.Generator().manual_seed(_seed(seed, i))
-        flat[i * CHUNK : (i + 1) * CHUNK].normal_(0.0, std, generator=gen)
+        part = flat[i * CHUNK : (i + 1) * CHUNK]
+        if part.dtype == torch.float32:
+            part.normal_(0.0, std, generator=gen)
+            return
+        # 16-bit: draw in float32 and round. torch's 16-bit normal_ on the CPU is a scalar loop
+        # (31 M values/s a thread on the device's Xeon, against 134 M for float32).
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = torch.empty(CHUNK, dtype=torch.float32)
+        part.copy_(buf[: part.numel()].normal_(0.0, std, generator=gen))
 
     list(pool.map(chunk, range((n + CHUNK - 1) // CHUNK)))  # torch drops the GIL while it fills
 

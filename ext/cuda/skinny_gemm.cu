@@ -297,6 +297,18 @@ __global__ void __launch_bounds__(256) moe_gemv_kernel(
   }
 }
 
+// The dot product of 8 16-bit elements, in fp32.
+template <int DT>
+__device__ __forceinline__ float dot8(const V16& a, const V16& b) {
+  float af[8], bf[8];
+  unpack8<DT>(a, af);
+  unpack8<DT>(b, bf);
+  float d = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) d = fmaf(af[i], bf[i], d);
+  return d;
+}
+
 // The down pass of a decode-sized step, token-major (ext/cuda/skinny.py: moe_decode_experts):
 // block (bx, t); warp w owns output row h of token t and sums over the token's K slots j:
 // weights[t * K + j] * (act[t * K + j] . w2[ids[t * K + j]][h]). The K experts' loads are issued
@@ -337,30 +349,15 @@ __global__ void __launch_bounds__(256) moe_down_kernel(
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < K; ++j) {
-        float xf[8], wf[8];
-        unpack8<DT>(ldg16(xr[j] + k0 + u * step), xf);
-        unpack8<DT>(wv[u][j], wf);
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) d = fmaf(xf[i], wf[i], d);
-        part = fmaf(wj[j], d, part);
-      }
+      for (int j = 0; j < K; ++j)
+        part = fmaf(wj[j], dot8<DT>(ldg16(xr[j] + k0 + u * step), wv[u][j]), part);
   }
   for (; k0 < k; k0 += step) {
     V16 wv[K];
 #pragma unroll
     for (int j = 0; j < K; ++j) wv[j] = ldg16(wr[j] + k0);
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      float xf[8], wf[8];
-      unpack8<DT>(ldg16(xr[j] + k0), xf);
-      unpack8<DT>(wv[j], wf);
-      float d = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) d = fmaf(xf[i], wf[i], d);
-      part = fmaf(wj[j], d, part);
-    }
+    for (int j = 0; j < K; ++j) part = fmaf(wj[j], dot8<DT>(ldg16(xr[j] + k0), wv[j]), part);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);

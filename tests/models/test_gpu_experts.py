@@ -384,3 +384,35 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
         del llm, runner
     same = sum(a == b for a, b in zip(outs["auto"], outs["torch"], strict=True))
     assert same >= 4, f"gpu backend (graphs) vs torch (eager): {same}/5 identical"
+
+
+@gpu_test
+def test_engine_on_cuda_compiles_the_moe_decode(tmp_path: Path) -> None:
+    """TANDEM_COMPILE with the gpu backend: decode and prefill under torch.compile (the
+    kernels are custom ops), no compile fallback, and greedy output as the eager graphs'."""
+    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from runtime.cuda_runner import CudaRunnerOptions
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    hf.AutoModelForCausalLM.from_config(_tiny_mixtral()).save_pretrained(tmp_path)
+    ec = EngineConfig(
+        model=ModelSpec(model=str(tmp_path), device="cuda", dtype="bfloat16"),
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64),
+    )
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (4, 21, 9)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = []
+    for mode in ("default", None):
+        opts = CudaRunnerOptions(cuda_graphs=True, compile_mode=mode, compile_prefill=True)
+        llm = LLM(engine_config=ec, runner_options=opts)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        fb = llm.engine.runner.counters.fallbacks
+        assert not any("compile" in k for k in fb), fb
+        assert llm.engine.runner.counters.graph_steps > 0
+        del llm
+    same = sum(a == b for a, b in zip(*outs, strict=True))
+    assert same >= 2, f"compiled vs eager graphs: {same}/3 identical"

@@ -8,7 +8,8 @@
 #   bash tools/hybrid_serving.sh        # about 7 minutes
 # Env (defaults in brackets): CONFINES ["off on"], EXPERT_FORMAT [int4], INPUT_LEN [2048],
 #   OUTPUT_LEN [128], CONCURRENCY [1,16], NUM_PROMPTS [6,32], RUNNER [1] (0 skips the runner),
-#   BENCH_TIMEOUT [200] (s, the runner), GPU_ALL [0] (1: then the same shape served with every
+#   BENCH_TIMEOUT [200] (s, the runner), ENGINE [0] (1: tools/bench_hybrid_engine.py, the engine
+#   without HTTP, after the runner), GPU_ALL [0] (1: then the same shape served with every
 #   expert on the GPU, bf16, MOE_EXPERTS=gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,11 @@ if [ "${RUNNER:-1}" != 0 ]; then
     --decode-steps 24 --batch 16 --prompt "$in_len" --prefill "$in_len" \
     --json "$OUT/runner.json" >"$OUT/runner.log" 2>&1 || rc=1
   grep -vE "^#   " "$OUT/runner.log" | tail -n 12
+fi
+if [ "${ENGINE:-0}" != 0 ]; then  # the engine without HTTP: where the serve/runner gap lies
+  timeout "${BENCH_TIMEOUT:-200}" python3 tools/bench_hybrid_engine.py --format "$fmt" \
+    --prompt "$in_len" --json "$OUT/engine.json" >"$OUT/engine.log" 2>&1 || rc=1
+  grep -E "^# hybrid engine|cpu_pool: [0-9]+ MoE" "$OUT/engine.log" || tail -n 5 "$OUT/engine.log"
 fi
 for confine in ${CONFINES:-off on}; do
   echo "== tandem serve, TANDEM_POOL_CONFINE=$confine =="

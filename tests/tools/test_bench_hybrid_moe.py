@@ -39,3 +39,15 @@ def test_formats_may_be_empty() -> None:
     assert bench_hybrid_moe.parse_args(["--formats"]).formats == []
     with pytest.raises(SystemExit):
         bench_hybrid_moe.parse_args(["--gpu-all-backend", "cpu_pool"])
+
+
+def test_bench_hybrid_engine_on_the_cpu(tmp_path: Path) -> None:
+    """tools/bench_hybrid_engine.py: one layer of the 30B-A3B shape through the engine (int4
+    experts on the pool), a decode rate in the JSON (no CUDA events off CUDA)."""
+    from tools import bench_hybrid_engine
+
+    out = tmp_path / "e.json"
+    argv = ["--device", "cpu", "--layers", "1", "--prompt", "16", "--new", "3", "--json", str(out)]
+    assert bench_hybrid_engine.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["decode_b1_tok_s"] > 0 and res["load_s"] > 0 and "graph_steps" not in res

@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
     p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument(
+        "--gpu-experts",
+        type=int,
+        default=None,
+        help="pool runs: N experts a layer also on the GPU, which computes the slots routed to "
+        "them (the floors still count every expert on the CPU)",
+    )
     p.add_argument("--gpu-all", action="store_true", help="also run every expert on the GPU")
     p.add_argument(
         "--gpu-all-backend",
@@ -576,6 +583,8 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
         "fmt": fmt,
         "num_threads": a.threads,
         "cpu_experts": "all",
+        "gpu_experts": a.gpu_experts,
+        "rebalance_after_tokens": 0,  # the first N experts stay on the GPU: runs compare
         "expert_cache": False,  # a benchmark of compute: no conversion cache written
         "spin_us": a.spin_us,
     }

@@ -8,7 +8,9 @@
 #   bash tools/gpu_moe_check.sh                       # tests + layer: about 4 minutes
 #   STAGES="model peer" bash tools/gpu_moe_check.sh   # 30B model, ours then HF: about 6 minutes
 # Env: STAGES ["tests layer convert"], PROMPT [2048] (context of the decode runs), BENCH_TIMEOUT
-#   [300], DECODE_KERNELS ["1"]: TANDEM_MOE_DECODE_KERNELS values of the model stage ("1 0": A/B).
+#   [300], DECODE_KERNELS ["1"]: TANDEM_MOE_DECODE_KERNELS values of the model stage ("1 0": A/B),
+#   GPU_EXPERTS [32]: the split stage (the pool with N experts a layer also on the GPU, their
+#   share computed densely as before, TANDEM_GPU_EXPERTS_DENSE=1, then by the gpu backend's paths).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_gpu_moe}
@@ -39,5 +41,15 @@ if [[ $stages == *" peer "* ]]; then
   timeout "$limit" python3 tools/bench_hybrid_moe.py "${model_args[@]}" --hf \
     --json "$OUT/hf.json" >"$OUT/hf.log" 2>&1 || rc=1
   grep -E "^# hf|^\|" "$OUT/hf.log" | tail -n 8
+fi
+if [[ $stages == *" split "* ]]; then  # cpu_pool with N experts a layer also on the GPU
+  for dense in 1 0; do  # TANDEM_GPU_EXPERTS_DENSE=1: the earlier dense share of those experts
+    TANDEM_GPU_EXPERTS_DENSE=$dense timeout "$limit" python3 tools/bench_hybrid_moe.py \
+      --formats int4 --gpu-experts "${GPU_EXPERTS:-32}" --graphs on --decode-steps 16 --batch 16 \
+      --prompt "$prompt" --prefill 2048 --gpu-prefill auto \
+      --json "$OUT/split_dense$dense.json" >"$OUT/split_dense$dense.log" 2>&1 || rc=1
+    echo "gpu experts ${GPU_EXPERTS:-32}, TANDEM_GPU_EXPERTS_DENSE=$dense:"
+    grep -E "^\| hybrid_int4 \|" "$OUT/split_dense$dense.log" || tail -n 3 "$OUT/split_dense$dense.log"
+  done
 fi
 exit $rc

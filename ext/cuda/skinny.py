@@ -416,11 +416,13 @@ def moe_routed_experts(
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    skip_negative: bool = False,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]), hidden [T, H], topk_ids
     [T, k] int64, topk_weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's
-    dtype: two moe_gemv passes with no host sync (so it captures into CUDA graphs). The caller
-    checks `moe_supported` (models/layers/gpu_experts.py computes other layers in torch)."""
+    dtype: two moe_gemv passes with no host sync (so it captures into CUDA graphs). With
+    `skip_negative`, ids < 0 are slots computed elsewhere (the CPU pool's) and add nothing. The
+    caller checks `moe_supported` (models/layers/gpu_experts.py computes other layers in torch)."""
     if not moe_supported(hidden, w13, w2):
         raise ValueError("moe_routed_experts: operands the kernel does not take (moe_supported)")
     t, top_k = topk_ids.shape
@@ -434,14 +436,15 @@ def moe_routed_experts(
     x = _aligned_rows(hidden)
     act = torch.empty(flat.numel(), inter, device=hidden.device, dtype=hidden.dtype)
     launch_moe_gemv(x, w13, sorted_ids, order, offsets, None, act, top_k, glu=True)
-    y = torch.empty(flat.numel(), h, device=hidden.device, dtype=torch.float32)
+    alloc = torch.zeros if skip_negative else torch.empty  # skipped slots' rows stay zero
+    y = alloc(flat.numel(), h, device=hidden.device, dtype=torch.float32)
     w = topk_weights.reshape(-1).float().contiguous()
     launch_moe_gemv(act, w2, sorted_ids, order, offsets, w, y, top_k, glu=False)
     return y.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 
 
 @moe_routed_experts.register_fake
-def _(hidden, topk_ids, topk_weights, w13, w2):
+def _(hidden, topk_ids, topk_weights, w13, w2, skip_negative=False):
     return torch.empty_like(hidden)
 
 

@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(256) skinny_qkv_rope_kernel(
 // so a step reads each touched expert's rows once per M_MAX of its slots, not once per slot.
 // Grid: x = row blocks; y = sorted positions (offsets null: the block works only where its
 // position starts a run) or experts (offsets [E + 1]: the run is [offsets[e], offsets[e + 1])).
-// Every id must lie in [0, E).
+// Ids lie in [0, E), or are negative: a slot computed elsewhere, skipped (its rows unwritten).
 // - GLU = 1: w = w13 [E, 2N, K] (gate rows, then up rows); x row of slot s = x[s / top_k];
 //   y = act [S, N] (16-bit): silu(gate) * up, rounded once.
 // - GLU = 0: w = w2 [E, N, K]; x row of slot s = x[s] (the act rows); y = float [S, N], times
@@ -279,6 +279,7 @@ __global__ void __launch_bounds__(256) moe_gemv_kernel(
   } else {
     begin = blockIdx.y;
     e = sorted_ids[begin];
+    if (e < 0) return;  // a slot routed elsewhere (the CPU pool): nothing here
     if (begin > 0 && sorted_ids[begin - 1] == e) return;  // not the start of a run
     end = begin + 1;
     while (end < num_slots && sorted_ids[end] == e) ++end;

@@ -229,16 +229,34 @@ class _Pending:
     fused: bool = False  # started by route_and_start: finish gathers with one kernel
 
 
-# Up to this many tokens the GPU-resident experts run densely (every local expert on every
-# token, weighted by the routing, zero where not routed): no host sync, so decode steps with
-# experts split between GPU and CPU can be captured in CUDA graphs. G experts x T tokens of
+# Where the gpu backend's kernels do not apply (fp32, no CuPy), up to this many tokens the
+# GPU-resident experts run densely (every local expert on every token, weighted by the routing,
+# zero where not routed): no host sync, so decode steps with experts split between GPU and CPU
+# can be captured in CUDA graphs. G experts x T tokens of
 # work: for G = 16 and T = 256 about 40 GFLOP, ~0.1 ms on an H100.
 DENSE_GPU_EXPERT_TOKENS = 256
 
 
 def _local_experts(hidden, local_ids, weights, w13, w2) -> torch.Tensor:
-    """The GPU-resident experts' share of the MoE output, [T, H] float32: dense for small T
-    (no host sync), grouped by expert above `DENSE_GPU_EXPERT_TOKENS`."""
+    """The GPU-resident experts' share of the MoE output, [T, H] float32, without a host sync
+    where the gpu backend's paths take it (fp16/bf16 on CUDA): its routed kernels up to
+    GEMV_MAX_TOKENS tokens (slots routed elsewhere skipped: only the hit experts are read), its
+    grouped GEMMs above (those slots computed by expert 0 with weight 0). Otherwise dense for
+    small T (every local expert on every token; no host sync either), grouped by expert with one
+    sync above `DENSE_GPU_EXPERT_TOKENS`."""
+    from models.layers import gpu_experts
+
+    x = hidden.to(w13.dtype)
+    kernels = os.environ.get("TANDEM_GPU_EXPERTS_DENSE") != "1"  # 1: the earlier paths (A/B)
+    take = kernels and gpu_experts.routed_kernels_take(x, w13, w2)
+    if take and x.shape[0] <= gpu_experts.GEMV_MAX_TOKENS:
+        out = torch.ops.tandem.moe_routed_experts(x, local_ids, weights.float(), w13, w2, True)
+        return out.float()
+    if kernels and x.is_cuda and gpu_experts.grouped_supported(x, w13, w2):
+        here = local_ids >= 0
+        return gpu_experts.grouped_experts(
+            x, local_ids.clamp(min=0), weights.float() * here, w13, w2
+        ).float()
     if hidden.shape[0] <= DENSE_GPU_EXPERT_TOKENS:
         return _dense_experts(hidden, local_ids, weights, w13, w2)
     return _grouped_experts(hidden, local_ids, weights, w13, w2)

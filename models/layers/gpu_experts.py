@@ -69,6 +69,12 @@ def grouped_experts(
     return per_slot.view(t, top_k, -1).sum(dim=1).to(hidden.dtype)  # deterministic: no atomics
 
 
+def routed_kernels_take(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `torch.ops.tandem.moe_routed_experts` runs here: CUDA and CuPy, and operands
+    its kernels take."""
+    return hidden.is_cuda and skinny.moe_supported(hidden, w13, w2) and cuda_kernels_available()
+
+
 class GpuExpertBackend:
     """Stacked expert weights on the GPU (the MoE block's w13/w2); see the module docstring."""
 

@@ -418,3 +418,22 @@ def test_engine_on_cuda_compiles_the_moe_decode(tmp_path: Path) -> None:
         del llm
     same = sum(a == b for a, b in zip(*outs, strict=True))
     assert same >= 2, f"compiled vs eager graphs: {same}/3 identical"
+
+
+@gpu_test
+@pytest.mark.parametrize("t", [1, 5, 8, 40, 300])
+def test_gpu_resident_share_of_a_hybrid_layer(t: int) -> None:
+    """cpu_pool's GPU-resident experts (local ids, -1 = on the CPU pool) through the routed
+    kernels (T <= 8: slots elsewhere skipped) or the grouped GEMMs (weight 0 for them), against
+    the dense reference."""
+    from models.layers.cpu_experts import _dense_experts, _local_experts
+
+    hidden, ids, weights, w13, w2 = _layer(t, 8, 16, 256, 64, torch.bfloat16, "cuda", seed=t)
+    local = torch.where(ids % 3 == 0, ids // 3, -1)  # experts 0, 3, ..., 15 of 16 are "here"
+    g13, g2 = w13[:6].contiguous(), w2[:6].contiguous()
+    ours = _local_experts(hidden, local, weights, g13, g2)
+    ref = _dense_experts(hidden.float(), local, weights, g13.float(), g2.float())
+    torch.cuda.synchronize()
+    assert ours.dtype == torch.float32 and _rel(ours, ref.cpu()) < 1e-2
+    none_here = _local_experts(hidden, torch.full_like(local, -1), weights, g13, g2)
+    assert torch.count_nonzero(none_here) == 0

@@ -16,6 +16,7 @@ import os
 import torch
 
 from ext.attention_ref import rotate_neox, write_kv
+from ext.cuda import moe_stage
 from ext.cuda._loader import i32, i64, launch, ptr
 
 MAX_ROWS = 8
@@ -28,12 +29,17 @@ _TILES = {1: (1, 2), 2: (2, 4), 3: (2, 2), 4: (2, 2)}
 _TILE_DEFAULT = (1, 2)
 
 
+def _env_tile(var: str) -> tuple[int, int] | None:
+    """A "R,U" tile from the environment variable `var` (an override for tuning runs)."""
+    env = os.environ.get(var)
+    if not env:
+        return None
+    r, u = (int(v) for v in env.split(","))
+    return r, u
+
+
 def tile_for(m: int) -> tuple[int, int]:
-    env = os.environ.get("TANDEM_SKINNY_TILE")  # "R,U" override for tuning runs
-    if env:
-        r, u = (int(v) for v in env.split(","))
-        return r, u
-    return _TILES.get(m, _TILE_DEFAULT)
+    return _env_tile("TANDEM_SKINNY_TILE") or _TILES.get(m, _TILE_DEFAULT)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -313,11 +319,22 @@ _MOE_TILES = {True: (1, 2), False: (2, 2)}
 
 
 def moe_tile(glu: bool) -> tuple[int, int]:
-    env = os.environ.get("TANDEM_MOE_TILE_GLU" if glu else "TANDEM_MOE_TILE_DOWN")
-    if env:  # "R,U" override for tuning runs
-        r, u = (int(v) for v in env.split(","))
-        return r, u
-    return _MOE_TILES[glu]
+    return _env_tile("TANDEM_MOE_TILE_GLU" if glu else "TANDEM_MOE_TILE_DOWN") or _MOE_TILES[glu]
+
+
+def sort_slots(
+    topk_ids: torch.Tensor, num_experts: int, offsets: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A step's (token, expert) slots grouped by expert, on the device (no host sync):
+    (sorted_ids [S] int64 ascending, order [S]: the slot t * k + j at each sorted position, a
+    stable sort; offsets [E + 1] int64: expert e's run is [offsets[e], offsets[e + 1]), ids < 0
+    sort before offsets[0]; None unless asked for)."""
+    flat = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    if not offsets:
+        return sorted_ids, order, None
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
+    return sorted_ids, order, torch.searchsorted(sorted_ids, bounds)
 
 
 def moe_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -427,17 +444,14 @@ def moe_routed_experts(
         raise ValueError("moe_routed_experts: operands the kernel does not take (moe_supported)")
     t, top_k = topk_ids.shape
     e, h, inter = w2.shape
-    flat = topk_ids.reshape(-1)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    offsets = None
-    if flat.numel() > e:  # a block row per expert beats one per sorted position
-        bounds = torch.arange(e + 1, device=flat.device, dtype=flat.dtype)
-        offsets = torch.searchsorted(sorted_ids, bounds)
+    s = topk_ids.numel()
+    # offsets: a block row per expert, which beats one per sorted position when S > E
+    sorted_ids, order, offsets = sort_slots(topk_ids, e, offsets=s > e)
     x = _aligned_rows(hidden)
-    act = torch.empty(flat.numel(), inter, device=hidden.device, dtype=hidden.dtype)
+    act = torch.empty(s, inter, device=hidden.device, dtype=hidden.dtype)
     launch_moe_gemv(x, w13, sorted_ids, order, offsets, None, act, top_k, glu=True)
     alloc = torch.zeros if skip_negative else torch.empty  # skipped slots' rows stay zero
-    y = alloc(flat.numel(), h, device=hidden.device, dtype=torch.float32)
+    y = alloc(s, h, device=hidden.device, dtype=torch.float32)
     w = topk_weights.reshape(-1).float().contiguous()
     launch_moe_gemv(act, w2, sorted_ids, order, offsets, w, y, top_k, glu=False)
     return y.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
@@ -503,8 +517,6 @@ def moe_decode_supported(
 ) -> bool:
     """Whether `moe_decode_experts` takes this step (else route in torch, then
     `moe_routed_experts` or grouped GEMMs)."""
-    from ext.cuda import moe_stage
-
     if not moe_supported(hidden, w13, w2) or not logits.is_cuda or logits.dim() != 2:
         return False
     t, e = logits.shape
@@ -531,8 +543,6 @@ def moe_decode_experts(
     (moe_stage.route_sort), gate_up + SiLU-mul per expert run (moe_gemv_kernel), down summed
     per token (moe_down_kernel). hidden [T, H], logits [T, E] -> [T, H] in hidden's dtype. The
     caller checks `moe_decode_supported`."""
-    from ext.cuda import moe_stage
-
     if not moe_decode_supported(hidden, logits, w13, w2, top_k):
         raise ValueError("moe_decode_experts: operands it does not take (moe_decode_supported)")
     t, h = hidden.shape

@@ -56,11 +56,8 @@ def grouped_experts(
     """The routed experts' sum, [T, H] in hidden's dtype, by two grouped GEMMs over the
     (token, expert) slots sorted by expert; per-expert row counts stay on the device."""
     t, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
-    flat = topk_ids.reshape(-1)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype)
-    ends = torch.searchsorted(sorted_ids, bounds).to(torch.int32)  # [E] end row of each group
+    _, order, offsets = skinny.sort_slots(topk_ids, w13.shape[0])
+    ends = offsets[1:].to(torch.int32)  # [E] end row of each group
     x = hidden.index_select(0, order // top_k)  # [S, H] rows in sorted order
     gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [S, H]

@@ -20,6 +20,7 @@ import ext.cuda as cuda_ext
 from ext.cuda import skinny
 from models.layers.experts import TorchExpertBackend, get_expert_backend
 from models.layers.gpu_experts import GpuExpertBackend, grouped_experts
+from tests.models.test_cpu_pool_cuda import _mixtral_cuda_config, _one_sequence_batch
 
 _requires_cuda = pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy")
 
@@ -320,14 +321,6 @@ def test_backend_paths_on_cuda() -> None:
     assert backend.calls["gemv"] == 5 - grouped
 
 
-def _tiny_mixtral() -> hf.MixtralConfig:
-    return hf.MixtralConfig(  # head_dim 64: the cupy attention backend, and decode graphs
-        vocab_size=128, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-        num_experts_per_tok=2, initializer_range=0.05,
-    )  # fmt: skip
-
-
 @gpu_test
 def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
     """A tiny Mixtral on CUDA (bf16) picks the gpu backend, captures its decode graphs with the
@@ -339,10 +332,9 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
     from runtime.cuda_runner import CudaRunnerOptions
     from runtime.llm import LLM
     from runtime.sampling_params import SamplingParams
-    from tests.models.test_cpu_pool_cuda import _one_sequence_batch
 
     torch.manual_seed(0)
-    hf_model = hf.AutoModelForCausalLM.from_config(_tiny_mixtral()).eval()
+    hf_model = hf.AutoModelForCausalLM.from_config(_mixtral_cuda_config()).eval()
     hf_model.save_pretrained(tmp_path)
     model, config = load_model(tmp_path, dtype=torch.bfloat16, device="cuda", expert_backend="gpu")
     backend = model.expert_backend
@@ -398,7 +390,7 @@ def test_engine_on_cuda_compiles_the_moe_decode(tmp_path: Path) -> None:
     from runtime.sampling_params import SamplingParams
 
     torch.manual_seed(0)
-    hf.AutoModelForCausalLM.from_config(_tiny_mixtral()).save_pretrained(tmp_path)
+    hf.AutoModelForCausalLM.from_config(_mixtral_cuda_config()).save_pretrained(tmp_path)
     ec = EngineConfig(
         model=ModelSpec(model=str(tmp_path), device="cuda", dtype="bfloat16"),
         cache=CacheConfig(block_size=16, num_blocks=64),

@@ -4,7 +4,9 @@ weights; attention and everything dense on the GPU, the experts on the CPU exper
 ("cpu_pool" backend), per expert format; then, with --gpu-all and where it fits, the same
 model with every expert on the GPU ("gpu" expert backend: routed kernels, decode graphs; or
 --gpu-all-backend torch, the per-expert loop), and with --hf the peer, HF transformers'
-Qwen3-MoE of the same shape on the GPU, in the same process.
+Qwen3-MoE of the same shape on the GPU, in the same process. `--config config.json` takes the
+shape and architecture from an HF config instead (Qwen3-MoE, Qwen2-MoE with its shared expert
+and dense layers, Mixtral; `--layers N` cuts it to N layers).
 
 The GPU side runs with the cupy attention backend by default (--attention-backend torch: the
 reference backend, as in the first recorded figures) and its decode steps through CUDA graphs
@@ -23,7 +25,7 @@ reads every expert once. The pool holds distinct memory per layer, but every lay
 from one random layer (random init of 29 B host parameters would dominate the run).
 
     python tools/bench_hybrid_moe.py [--formats int4 bf16] [--gpu-all] [--hf] [--json out.json]
-        [--layers 48] [--decode-steps 16] [--batch 16] [--prefill 2048] [--threads N]
+        [--config config.json] [--layers 48] [--decode-steps 16] [--batch 16] [--prefill 2048] [--threads N]
         [--attention-backend cupy|torch] [--graphs on off] [--spin-us 200]
         [--pool-sync flags host_func]
 """
@@ -31,6 +33,7 @@ from one random layer (random init of 29 B host parameters would dominate the ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -50,7 +53,17 @@ from tools.bench_offline import read_bandwidth_gbps  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--layers", type=int, default=48)
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="an HF config.json (or a directory holding one) of a supported MoE architecture "
+        "(Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): its shape replaces the shape "
+        "options below, but for --layers where given",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default 48, or the config's)"
+    )
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
@@ -89,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--hf",
         action="store_true",
-        help="also the peer: HF transformers' Qwen3-MoE of this shape on the GPU (bf16)",
+        help="also the peer: HF transformers' model of this architecture and shape on the GPU "
+        "(bf16)",
     )
     p.add_argument(
         "--hf-experts",
@@ -167,12 +181,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(a: argparse.Namespace) -> ModelConfig:
+    if a.config is not None:
+        path = a.config / "config.json" if a.config.is_dir() else a.config
+        cfg = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+        if not cfg.is_moe:
+            raise SystemExit(f"{path}: {cfg.architecture} is not a mixture of experts")
+        if a.layers is not None:
+            cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers)
+        return cfg
     return ModelConfig(
         architecture="Qwen3MoeForCausalLM",
         vocab_size=a.vocab,
         hidden_size=a.hidden,
         intermediate_size=6144,
-        num_hidden_layers=a.layers,
+        num_hidden_layers=48 if a.layers is None else a.layers,
         num_attention_heads=a.heads,
         num_key_value_heads=a.kv_heads,
         head_dim=a.head_dim,
@@ -555,9 +577,15 @@ def touched_experts(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
+def moe_layers(cfg: ModelConfig) -> int:
+    """Layers with routed experts (Qwen2-MoE's decoder_sparse_step / mlp_only_layers leave
+    dense MLPs in the others)."""
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+
 def floors(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> dict[str, float]:
     one = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, fmt)
-    layers, E, k, bw = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, a.floor_gbps
+    layers, E, k, bw = moe_layers(cfg), cfg.num_experts, cfg.num_experts_per_tok, a.floor_gbps
     per_token = k * one * layers
     touched = touched_experts(E, k, a.batch)
     return {
@@ -642,9 +670,11 @@ def gpu_floors(model: nn.Module, cfg: ModelConfig, a: argparse.Namespace, gbps: 
     embedding table and the experts, plus the experts it touches under uniform routing) over
     the device's measured copy bandwidth."""
     one = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, "bf16")
-    layers, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+    layers, E, k = moe_layers(cfg), cfg.num_experts, cfg.num_experts_per_tok
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    dense = total - layers * E * one - cfg.vocab_size * cfg.hidden_size * 2
+    dense = total - layers * E * one  # a tied embedding table is the LM head: read every step
+    if not cfg.tie_word_embeddings:
+        dense -= cfg.vocab_size * cfg.hidden_size * 2
     touched = touched_experts(E, k, a.batch)
     return {
         "gpu_copy_gbps": gbps,
@@ -684,25 +714,26 @@ def run_gpu_all(cfg, a, dtype) -> dict:
 
 
 def run_hf(cfg: ModelConfig, a: argparse.Namespace) -> dict:
-    """The peer: HF transformers' Qwen3-MoE of the same shape, random bf16 weights on the GPU,
-    `generate` with its dynamic cache (eager), per experts implementation in --hf-experts.
+    """The peer: HF transformers' model of the same architecture and shape, random bf16 weights
+    on the GPU, `generate` with its dynamic cache (eager), per experts implementation in
+    --hf-experts.
     Decode rate = N / (time(prompt + N + 1 tokens) - time(prompt + 1 token)) at batch 1 and
     at --batch; prefill = --prefill / time(prompt + 1 token)."""
     import transformers as hf
 
     from models.hf_export import to_hf_config_dict
 
-    d = {
-        k: v for k, v in to_hf_config_dict(cfg).items() if k not in ("architectures", "model_type")
-    }
-    hcfg = hf.Qwen3MoeConfig(**d)
+    d = to_hf_config_dict(cfg)
+    model_type = d.pop("model_type")
+    d.pop("architectures")
+    hcfg = hf.AutoConfig.for_model(model_type, **d)
     hcfg.eos_token_id, hcfg.pad_token_id = None, 0
     t0 = time.perf_counter()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(a.device):
-            model = hf.Qwen3MoeForCausalLM(hcfg)  # random init on the device
+            model = hf.AutoModelForCausalLM.from_config(hcfg)  # random init on the device
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.eval().requires_grad_(False)

@@ -51,3 +51,45 @@ def test_bench_hybrid_engine_on_the_cpu(tmp_path: Path) -> None:
     assert bench_hybrid_engine.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["decode_b1_tok_s"] > 0 and res["load_s"] > 0 and "graph_steps" not in res
+
+
+def test_shape_from_an_hf_config(tmp_path: Path) -> None:
+    """--config: a Qwen2-MoE config.json (shared expert, every other layer dense, tied
+    embeddings) through a pool run, the all-resident run and the HF peer; the floors count the
+    MoE layers only, and the tied table as the LM head the step reads."""
+    cfg = {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "decoder_sparse_step": 2,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "r.json"
+    argv = [
+        *"--device cpu --attention-backend torch --decode-steps 3 --batch 2 --prompt 8".split(),
+        *"--prefill 16 --graphs off --gpu-prefill off --threads 1 --formats int4".split(),
+        *["--config", str(tmp_path), "--layers", "4", "--gpu-all", "--hf", "--json", str(out)],
+    ]
+    assert bench_hybrid_moe.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    pool = results["hybrid_int4_eager"]
+    assert pool["decode_b1_tok_s"] > 0
+    per_token = 2 * bench_hybrid_moe.expert_bytes(64, 32, "int4") * 2  # layers 1 and 3 are MoE
+    assert pool["active_expert_GB_per_token"] == pytest.approx(per_token / 1e9)
+    assert results["gpu_all_bf16_gpu_eager"]["decode_b1_tok_s"] > 0
+    peers = [r for name, r in results.items() if name.startswith("hf_transformers_")]
+    assert peers and all("error" not in r for r in peers), peers
+    with pytest.raises(SystemExit, match="not a mixture of experts"):
+        (tmp_path / "config.json").write_text(json.dumps(cfg | {"model_type": "llama",
+                                                                "architectures": []}))  # fmt: skip
+        bench_hybrid_moe.model_config(bench_hybrid_moe.parse_args(["--config", str(tmp_path)]))

@@ -11,6 +11,11 @@
 #   [300], DECODE_KERNELS ["1"]: TANDEM_MOE_DECODE_KERNELS values of the model stage ("1 0": A/B),
 #   GPU_EXPERTS [32]: the split stage (the pool with N experts a layer also on the GPU, their
 #   share computed densely as before, TANDEM_GPU_EXPERTS_DENSE=1, then by the gpu backend's paths).
+#   SHAPES ["mixtral-8x7b:4096:14336:8:2 qwen2-57b-a14b:3584:2560:64:8 gpt-oss:2880:2880:32:4"]:
+#   the shapes stage's layers (name:hidden:inter:experts:top-k), each through the CPU pool
+#   against torch (bench_cpu_moe.py) and the gpu backend (bench_gpu_moe.py) at SHAPE_TOKENS
+#   ["1 3 8 17 64 100 256 512"]; then every SHAPE_CONFIGS ["mixtral-8x7b qwen2-57b-a14b"] model
+#   (tools/shapes/NAME.json) cut to SHAPE_LAYERS [8] layers, int4 on the pool and all on the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_gpu_moe}
@@ -50,6 +55,29 @@ if [[ $stages == *" split "* ]]; then  # cpu_pool with N experts a layer also on
       --json "$OUT/split_dense$dense.json" >"$OUT/split_dense$dense.log" 2>&1 || rc=1
     echo "gpu experts ${GPU_EXPERTS:-32}, TANDEM_GPU_EXPERTS_DENSE=$dense:"
     grep -E "^\| hybrid_int4 \|" "$OUT/split_dense$dense.log" || tail -n 3 "$OUT/split_dense$dense.log"
+  done
+fi
+if [[ $stages == *" shapes "* ]]; then  # layer shapes and models the tests do not use
+  tokens=(${SHAPE_TOKENS:-1 3 8 17 64 100 256 512})
+  for spec in ${SHAPES:-mixtral-8x7b:4096:14336:8:2 qwen2-57b-a14b:3584:2560:64:8 gpt-oss:2880:2880:32:4}; do
+    IFS=: read -r name h i e k <<<"$spec"
+    echo "== layer $name (hidden $h, expert inter $i, $e experts top-$k) =="
+    timeout "$limit" python3 tools/bench_cpu_moe.py --hidden "$h" --inter "$i" --experts "$e" \
+      --topk "$k" --tokens "${tokens[@]}" --formats bf16 int8 int4 --routings 2 --min-time 0.1 \
+      --json "$OUT/shape_cpu_$name.json" >"$OUT/shape_cpu_$name.log" 2>&1 || rc=1
+    grep -vE "converted" "$OUT/shape_cpu_$name.log" | tail -n 26
+    timeout "$limit" python3 tools/bench_gpu_moe.py --hidden "$h" --inter "$i" --experts "$e" \
+      --topk "$k" --tokens "${tokens[@]}" --layers 2 --torch-max-tokens 8 \
+      --json "$OUT/shape_gpu_$name.json" >"$OUT/shape_gpu_$name.log" 2>&1 || rc=1
+    grep -vE "^# T=" "$OUT/shape_gpu_$name.log" | tail -n 12
+  done
+  for name in ${SHAPE_CONFIGS:-mixtral-8x7b qwen2-57b-a14b}; do
+    echo "== model tools/shapes/$name.json, ${SHAPE_LAYERS:-8} layers =="
+    timeout "$limit" python3 tools/bench_hybrid_moe.py --config "tools/shapes/$name.json" \
+      --layers "${SHAPE_LAYERS:-8}" --formats int4 --gpu-all --graphs on --decode-steps 16 \
+      --batch 16 --prompt "$prompt" --prefill 2048 --gpu-prefill auto \
+      --json "$OUT/shape_model_$name.json" >"$OUT/shape_model_$name.log" 2>&1 || rc=1
+    grep -E "^\||^# .*floor at the measured" "$OUT/shape_model_$name.log" || tail -n 5 "$OUT/shape_model_$name.log"
   done
 fi
 exit $rc

@@ -188,6 +188,11 @@ def test_decode_launchers_reject_bad_operands() -> None:
         (16, 8, 128, 512, 128),
         (33, 4, 8, 256, 40),  # runs longer than 8 slots: several chunks per expert
         (256, 8, 128, 256, 96),
+        # real layer shapes: Qwen1.5-MoE-A2.7B (60 experts), GPT-OSS-like dims, a hidden size
+        # that is a multiple of 8 only (Mixtral-8x7B's in the decode test below)
+        (4, 4, 60, 2048, 1408),
+        (7, 4, 32, 2880, 2880),
+        (3, 6, 60, 72, 1408),
     ],
 )
 def test_moe_kernel_matches_float32(dtype, t, k, e, h, inter) -> None:
@@ -264,7 +269,9 @@ def test_route_sort_matches_torch(t, e, k, renorm) -> None:
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t,k,e,h,inter", [(1, 8, 128, 2048, 768), (3, 2, 8, 256, 96),
-                                           (8, 8, 64, 512, 128), (2, 16, 32, 128, 40)])  # fmt: skip
+                                           (8, 8, 64, 512, 128), (2, 16, 32, 128, 40),
+                                           (1, 2, 8, 4096, 14336), (5, 4, 60, 2048, 1408),
+                                           (8, 6, 64, 2880, 1408), (2, 3, 5, 72, 24)])  # fmt: skip
 def test_moe_decode_experts_from_logits(dtype, t, k, e, h, inter) -> None:
     """Route + sort, gate_up runs, down summed per token (out poisoned: every row written)
     against torch's router and the float32 reference."""
@@ -376,6 +383,34 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
         del llm, runner
     same = sum(a == b for a, b in zip(outs["auto"], outs["torch"], strict=True))
     assert same >= 4, f"gpu backend (graphs) vs torch (eager): {same}/5 identical"
+
+
+@gpu_test
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_each_moe_architecture_through_the_gpu_backend_matches_hf(arch: str, tmp_path: Path):
+    """The tiny checkpoints of the cpu_pool model tests (Qwen3-MoE with a dense first layer,
+    Qwen2-MoE's gated shared expert and unnormalised top-k, Mixtral) in bf16 on CUDA through the
+    decode kernels, the routed kernels and the grouped GEMMs, against HF in float32."""
+    from models.batch import KVCache
+    from models.loader import load_model
+    from tests.models.moe_cases import _save
+
+    hf_model = _save(arch, tmp_path)
+    model, config = load_model(tmp_path, dtype=torch.bfloat16, device="cuda", expert_backend="gpu")
+    backend = model.expert_backend
+    kv = KVCache.allocate(2, 4, 16, config.num_key_value_heads, config.head_dim, torch.bfloat16,
+                          "cuda")  # fmt: skip
+    for n in (1, 8, 29):
+        ids, pos, batch = _one_sequence_batch(n, "cuda", kv)
+        ids = (ids * 11 + 3) % config.vocab_size
+        with torch.no_grad():
+            ref = hf_model(ids.cpu()[None]).logits[0].float()
+            for gemv_max, decode_kernels in ((n, True), (n, False), (0, True)):
+                backend.gemv_max_tokens, backend.decode_kernels = gemv_max, decode_kernels
+                ours = model.compute_logits(model(ids, pos, batch)).float().cpu()
+                rel = float((ours - ref).abs().max() / ref.abs().max())
+                assert rel < 3e-2, (n, gemv_max, decode_kernels, rel)
+    assert backend.calls["decode"] > 0 and backend.calls["gemv"] > 0
 
 
 @gpu_test

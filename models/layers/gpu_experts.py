@@ -5,7 +5,12 @@
   CUDA graphs. From the router's logits (`forward_logits`, which the MoE block calls first):
   `torch.ops.tandem.moe_decode_experts`, three kernels (route + sort, gate_up + SiLU-mul per
   expert, down summed per token); from routed ids (`forward`): `moe_routed_experts`.
-  `TANDEM_MOE_DECODE_KERNELS=0` leaves the routing to torch (for A/B runs).
+  `TANDEM_MOE_DECODE_KERNELS=0` leaves the routing to torch (for A/B runs). The decode kernels
+  sum each token's experts in registers, so an expert hit by several tokens has its down rows
+  read once per token: they take a step only while its slots fill at most half the experts
+  (`DECODE_MAX_SLOT_RATIO`; Mixtral's 8 experts top-2 from 3 tokens, Qwen2-57B's 64 top-8 from
+  5), and fuller steps go through the routed kernels, which read an expert's rows once per 8
+  of its slots (tools/bench_gpu_moe.py: 1.39 against 1.02 ms, Mixtral's layer at 8 tokens).
 - Larger steps (prefill, big decode batches): two grouped GEMMs over the tokens sorted by
   expert (`torch._grouped_mm`), also without a host sync.
 - Elsewhere (operands neither path takes, no CuPy, a torch without grouped GEMMs): the torch
@@ -31,6 +36,7 @@ from models.layers.experts import TorchExpertBackend, register_expert_backend
 logger = logging.getLogger(__name__)
 
 GEMV_MAX_TOKENS = 8  # tools/bench_gpu_moe.py on an H100: grouped GEMMs win from 16 tokens
+DECODE_MAX_SLOT_RATIO = 0.5  # the decode kernels while tokens * top_k <= this * experts
 
 
 def grouped_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -88,6 +94,7 @@ class GpuExpertBackend:
         self._kernels = cuda_kernels_available()  # CUDA and CuPy: the decode kernels can run
         self._grouped_failed = False
         self.decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "1") != "0"
+        self.decode_max_slot_ratio = DECODE_MAX_SLOT_RATIO
         self.calls = {"decode": 0, "gemv": 0, "grouped": 0, "torch": 0}  # calls per path
 
     def forward_logits(
@@ -102,8 +109,11 @@ class GpuExpertBackend:
     ) -> torch.Tensor | None:
         """A decode-sized step from the router's logits in three kernels; None where that does
         not apply (the block then routes in torch and calls `forward`)."""
-        if not (self._kernels and self.decode_kernels and hidden.shape[0] <= self.gemv_max_tokens):
+        tokens = hidden.shape[0]
+        if not (self._kernels and self.decode_kernels and tokens <= self.gemv_max_tokens):
             return None
+        if tokens * top_k > self.decode_max_slot_ratio * w13.shape[0]:
+            return None  # experts shared by several tokens: the routed kernels read them once
         if not skinny.moe_decode_supported(hidden, logits, w13, w2, top_k):
             return None
         self.calls["decode"] += 1

@@ -329,6 +329,26 @@ def test_backend_paths_on_cuda() -> None:
 
 
 @gpu_test
+def test_decode_kernels_only_while_the_slots_fill_half_the_experts() -> None:
+    """Mixtral's 8 experts top-2: 1 and 2 tokens through the decode kernels, 3 and 8 (experts
+    shared by tokens) through the torch router and the routed kernels; same sums either way."""
+    backend = GpuExpertBackend(gemv_max_tokens=8)
+    hidden, _, _, w13, w2 = _layer(8, 2, 8, 256, 64, torch.bfloat16, "cuda")
+    logits = torch.randn(8, 8, device="cuda").to(torch.bfloat16)
+    for t, path in ((1, "decode"), (2, "decode"), (3, None), (8, None)):
+        before = backend.calls["decode"]
+        out = backend.forward_logits(0, hidden[:t], logits[:t], 2, True, w13, w2)
+        if path is None:
+            assert out is None and backend.calls["decode"] == before
+            continue
+        assert backend.calls["decode"] == before + 1
+        from ext.cuda import moe_stage
+
+        ids, weights = moe_stage.route_ref(logits[:t], 2, True)
+        assert _rel(out, _reference(hidden[:t], ids, weights, w13, w2)) < 1e-2
+
+
+@gpu_test
 def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
     """A tiny Mixtral on CUDA (bf16) picks the gpu backend, captures its decode graphs with the
     experts inside, and decodes what the torch reference backend decodes eagerly; its logits
@@ -345,6 +365,7 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
     hf_model.save_pretrained(tmp_path)
     model, config = load_model(tmp_path, dtype=torch.bfloat16, device="cuda", expert_backend="gpu")
     backend = model.expert_backend
+    backend.decode_max_slot_ratio = float("inf")  # the decode kernels at any fill
     n = 23
     ids, pos, batch = _one_sequence_batch(n, "cuda", KVCache.allocate(
         2, 4, 16, config.num_key_value_heads, config.head_dim, torch.bfloat16, "cuda"))  # fmt: skip
@@ -398,6 +419,7 @@ def test_each_moe_architecture_through_the_gpu_backend_matches_hf(arch: str, tmp
     hf_model = _save(arch, tmp_path)
     model, config = load_model(tmp_path, dtype=torch.bfloat16, device="cuda", expert_backend="gpu")
     backend = model.expert_backend
+    backend.decode_max_slot_ratio = float("inf")  # the decode kernels at any fill
     kv = KVCache.allocate(2, 4, 16, config.num_key_value_heads, config.head_dim, torch.bfloat16,
                           "cuda")  # fmt: skip
     for n in (1, 8, 29):

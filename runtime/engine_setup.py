@@ -27,7 +27,34 @@ _DEFAULT_CPU_KV_BYTES = 1 << 30
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {name!r}; choose auto, cpu or cuda") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: no CUDA device is available here (use --device cpu)")
+    return device
+
+
+def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelConfig) -> None:
+    """The MoE placement options (cpu_experts, gpu_experts) against the model and the device,
+    before any weight is read: a ValueError that names the option where one cannot apply
+    (a dense model, more experts than a layer has, experts "on the GPU" without one)."""
+    if spec.cpu_experts is None and spec.gpu_experts is None:
+        return
+    if not config.is_moe:
+        raise ValueError(
+            f"--cpu-experts/--gpu-experts apply to mixture-of-experts models; "
+            f"{config.architecture} is dense"
+        )
+    from models.layers.cpu_experts import num_gpu_experts
+
+    gpu = num_gpu_experts(config.num_experts, spec.cpu_experts or "all", spec.gpu_experts)
+    if gpu and device.type != "cuda":
+        raise ValueError(
+            f"{gpu} experts a layer would stay on the GPU, but the model runs on {device.type}: "
+            "use --cpu-experts all (and no --gpu-experts) without a GPU"
+        )
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -69,9 +96,16 @@ def load_engine_model(
     attn = spec.attention_backend
     if attn == "auto":
         attn = _auto_attention_backend(device, dtype, model_config, model_path)
+    if model_config is None and model_path is not None:
+        from models.loader import read_model_config
+
+        model_config = read_model_config(model_path, spec.load_format)
+    if model_config is not None:
+        check_expert_options(spec, device, model_config)
     experts = spec.expert_backend
     if experts == "auto":  # the CPU pool when asked for; on CUDA every expert on the GPU
-        experts = "cpu_pool" if spec.cpu_experts is not None else _auto_expert_backend(device)
+        asked = spec.cpu_experts is not None or spec.gpu_experts is not None
+        experts = "cpu_pool" if asked else _auto_expert_backend(device)
     expert_options: dict[str, Any] | None = None
     if experts == "cpu_pool":
         expert_options = {

@@ -97,9 +97,12 @@ def parse_gpu_prefill(value: str | int | None) -> int | None:
 
 def parse_cpu_experts(value: str | int | None) -> int | None:
     """'all' / None -> None (every expert not placed on the GPU); 'N' or N -> N."""
-    if value is None or value == "all":
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
         return None
-    n = int(value)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
     if n < 0:
         raise ValueError(f"cpu_experts must be 'all' or a non-negative int, got {value!r}")
     return n
@@ -113,6 +116,13 @@ def num_gpu_experts(
     cpu_n = parse_cpu_experts(cpu_experts)
     if gpu_experts is not None and gpu_experts < 0:
         raise ValueError(f"gpu_experts must be >= 0, got {gpu_experts}")
+    if cpu_n is not None and cpu_n > num_experts:
+        raise ValueError(
+            f"cpu_experts={cpu_n} exceeds the {num_experts} experts of a layer "
+            "(use cpu_experts='all')"
+        )
+    if gpu_experts is not None and gpu_experts > num_experts:
+        raise ValueError(f"gpu_experts={gpu_experts} exceeds the {num_experts} experts of a layer")
     if gpu_experts is None:
         gpu = 0 if cpu_n is None else num_experts - min(cpu_n, num_experts)
     else:

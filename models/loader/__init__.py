@@ -93,6 +93,20 @@ def resolve_load_format(model_path: str | Path, load_format: str) -> str:
     raise ValueError(f"cannot infer the format of {model_path}; pass load_format")
 
 
+def read_model_config(model_path: str | Path, load_format: str = "auto") -> ModelConfig:
+    """The `ModelConfig` of a checkpoint (GGUF metadata or the HF config.json), without reading
+    any weight: what `load_model` would build."""
+    fmt = resolve_load_format(model_path, load_format) if load_format != "dummy" else "dummy"
+    path = Path(model_path)
+    if fmt == "gguf":
+        from models.loader.gguf import gguf_model_config
+
+        return gguf_model_config(path)
+    if fmt == "safetensors":
+        return ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
+    return ModelConfig.from_pretrained(path)
+
+
 def build_model(
     config: ModelConfig,
     *,
@@ -146,14 +160,7 @@ def load_model(
     are in, where `read_experts(layer)` reads one skipped layer's experts after all."""
     fmt = resolve_load_format(model_path, load_format) if load_format != "dummy" else "dummy"
     path = Path(model_path)
-    if fmt == "gguf":
-        from models.loader.gguf import gguf_model_config
-
-        config = config or gguf_model_config(path)
-    elif fmt == "safetensors":
-        config = config or ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
-    elif config is None:
-        config = ModelConfig.from_pretrained(path)
+    config = config or read_model_config(path, load_format)
     model = build_model(
         config,
         dtype=dtype,

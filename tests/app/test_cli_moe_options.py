@@ -1,0 +1,81 @@
+"""MoE placement options that cannot apply give one clear `tandem: error:` line (exit 2),
+before any weight is read: a dense model, more experts than a layer has, experts "on the GPU"
+without one, a non-number, a CUDA device on a machine without CUDA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.cli import main
+from models.config import ModelConfig
+from models.hf_export import to_hf_config_dict
+
+COMMON = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+)  # fmt: skip
+
+
+def _config_dir(path: Path, **kw) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(to_hf_config_dict(ModelConfig(**COMMON, **kw))))
+    return path
+
+
+@pytest.fixture
+def moe_dir(tmp_path: Path) -> Path:
+    return _config_dir(
+        tmp_path / "moe", architecture="Qwen3MoeForCausalLM", num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def dense_dir(tmp_path: Path) -> Path:
+    return _config_dir(tmp_path / "dense", architecture="LlamaForCausalLM")
+
+
+def _error(capsys, *args: str) -> str:
+    argv = ["generate", "--load-format", "dummy", "--device", "cpu", "--max-tokens", "2"]
+    assert main([*argv, *args, "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tandem: error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--cpu-experts", "999"), "exceeds the 8 experts"),
+        (("--cpu-experts", "all", "--gpu-experts", "9"), "exceeds the 8 experts"),
+        (("--cpu-experts", "foo"), "cpu_experts must be 'all' or a non-negative int"),
+        (("--cpu-experts", "0"), "on the GPU, but the model runs on cpu"),
+        (("--cpu-experts", "5"), "on the GPU, but the model runs on cpu"),
+        (("--gpu-experts", "5"), "on the GPU, but the model runs on cpu"),
+    ],
+)
+def test_bad_moe_options_are_one_line_errors(capsys, moe_dir: Path, args, says: str) -> None:
+    assert says in _error(capsys, "--model", str(moe_dir), *args)
+
+
+def test_expert_options_on_a_dense_model_are_an_error(capsys, dense_dir: Path) -> None:
+    assert "dense" in _error(capsys, "--model", str(dense_dir), "--cpu-experts", "all")
+    assert "dense" in _error(capsys, "--model", str(dense_dir), "--gpu-experts", "0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_an_error(capsys, moe_dir: Path) -> None:
+    err = _error(capsys, "--model", str(moe_dir), "--device", "cuda", "--cpu-experts", "all")
+    assert "no CUDA device" in err
+
+
+def test_good_options_still_run(capsys, moe_dir: Path) -> None:
+    argv = ["generate", "--load-format", "dummy", "--device", "cpu", "--dtype", "float32"]
+    for experts in ("all", "ALL", "8"):
+        args = ["--model", str(moe_dir), "--max-tokens", "2", "--cpu-experts", experts]
+        assert main([*argv, *args, "hi"]) == 0
+    capsys.readouterr()

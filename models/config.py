@@ -39,6 +39,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # HF's dict, e.g. {"rope_type": "llama3", ...}
     max_position_embeddings: int = 4096
+    # Mixtral's sliding-window attention (HF: a key is seen while q_pos - k_pos < window).
+    # Tandem attends to the whole context, so the engine caps max_model_len at the window,
+    # where both agree.
+    sliding_window: int | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
@@ -56,6 +60,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # as the checkpoint declares it
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence Tandem computes as the checkpoint's own code would: the
+        position limit, or a sliding window below it (attention here is never windowed)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @property
     def is_moe(self) -> bool:
@@ -110,6 +122,11 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
+            sliding_window=(
+                int(d["sliding_window"])
+                if arch == "MixtralForCausalLM" and d.get("sliding_window")
+                else None
+            ),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch.startswith("Qwen2"))),
             qk_norm=arch.startswith("Qwen3"),

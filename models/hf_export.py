@@ -32,6 +32,7 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
+        "sliding_window": cfg.sliding_window,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": cfg.hidden_act,
         "attention_bias": cfg.attention_bias,

@@ -93,7 +93,13 @@ class Engine:
         )
 
         sched_cfg = config.scheduler
-        self.max_model_len = min(sched_cfg.max_model_len, model_config.max_position_embeddings)
+        self.max_model_len = min(sched_cfg.max_model_len, model_config.max_context)
+        if self.max_model_len < min(sched_cfg.max_model_len, model_config.max_position_embeddings):
+            log.warning(
+                "max_model_len capped at the model's sliding window (%d tokens): sliding-window "
+                "attention is not implemented, and up to the window full attention is the same",
+                self.max_model_len,
+            )
         self.layout = size_kv_cache(
             config, model, model_config, self.dtype, self.device, self.max_model_len
         )

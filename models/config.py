@@ -128,7 +128,9 @@ class ModelConfig:
                 else None
             ),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch.startswith("Qwen2"))),
+            attention_bias=bool(
+                _first(d, "qkv_bias", "attention_bias", default=arch.startswith("Qwen2"))
+            ),
             qk_norm=arch.startswith("Qwen3"),
             hidden_act=d.get("hidden_act", "silu"),
             num_experts=num_experts,
@@ -153,6 +155,15 @@ class ModelConfig:
         if not path.exists():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
+    """The first of `keys` that `d` sets (not None), else `default`. transformers >= 5 spells
+    Qwen2-MoE's q/k/v bias `qkv_bias`, earlier configs `attention_bias` or nothing (bias on)."""
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
 
 
 def _arch_from_model_type(model_type: str | None) -> str:

@@ -144,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from ext.cpu import CpuExtensionError  # loaded by now: the engine set-up imported it
+
+        if not isinstance(e, CpuExtensionError):
+            raise
+        print(f"tandem: error: the CPU expert pool is unavailable: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from .build import tandem_home
 from .pool import CpuExpertPool, check_layer_file
 
 EXPERT_CACHE_ENV = "TANDEM_EXPERT_CACHE"  # "0" disables; a path overrides the directory
-LAYOUT_VERSION = 1  # bump with ext/cpu/moe.h kLayoutVersion
+LAYOUT_VERSION = 1  # of the directory key; files of an older ext/cpu/moe.h kLayoutVersion are
+# refused by their header check and reconverted in place
 _FINGERPRINT_SAMPLES = 1 << 16  # elements sampled per tensor
 
 logger = logging.getLogger(__name__)

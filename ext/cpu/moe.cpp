@@ -239,13 +239,39 @@ struct CacheHeader {
   int32_t E, I, H, Hp, fmt, group, Is, packed;
   uint64_t w13_expert, s13_expert, w2_expert, s2_expert, data_bytes;
   char key[160];  // NUL-terminated
+  uint64_t data_sample;  // FNV-1a of sampled data lines (data_sample_checksum)
   uint64_t checksum;  // FNV-1a of the bytes above
 };
 
+uint64_t fnv1a(uint64_t x, const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n; ++i) x = (x ^ p[i]) * 1099511628211ull;
+  return x;
+}
+
+constexpr uint64_t kFnvBasis = 1469598103934665603ull;
+
 uint64_t header_checksum(const CacheHeader& h) {
-  const uint8_t* p = (const uint8_t*)&h;
-  uint64_t x = 1469598103934665603ull;
-  for (size_t i = 0; i < offsetof(CacheHeader, checksum); ++i) x = (x ^ p[i]) * 1099511628211ull;
+  return fnv1a(kFnvBasis, (const uint8_t*)&h, offsetof(CacheHeader, checksum));
+}
+
+// The data lines a header's data_sample covers: kSampleLines 64-byte lines evenly spread over
+// the data, and its last line. Cheap to check at every start (a few thousand bytes a layer, no
+// full read of a file that is memory-mapped); it catches data replaced, zeroed or left
+// half-written, not a flipped byte between two sampled lines.
+constexpr size_t kSampleLines = 1024;
+
+template <typename ReadLine>
+uint64_t data_sample_checksum(size_t data_bytes, ReadLine read_line) {
+  uint64_t x = kFnvBasis;
+  uint8_t line[64];
+  auto take = [&](size_t off) {
+    const size_t n = std::min<size_t>(64, data_bytes - off);
+    read_line(off, line, n);
+    x = fnv1a(x, line, n);
+  };
+  if (data_bytes == 0) return x;
+  for (size_t i = 0; i < kSampleLines; ++i) take(data_bytes / 64 * i / kSampleLines * 64);
+  take(data_bytes - std::min<size_t>(64, data_bytes));
   return x;
 }
 
@@ -322,11 +348,20 @@ CacheHeader read_checked_header(int fd, const std::string& path, bool check_key,
   if (h.packed != 0 && (h.packed != 1 || h.fmt == FMT_BF16)) fail("bad header: packed flag");
   L->packed = h.packed == 1;
   const Shard full = plan_shard(*L, 0, (int)round_up(L->I, kKAlign));
-  const CacheHeader want = make_header(*L, full, file_key);
+  CacheHeader want = make_header(*L, full, file_key);
+  want.data_sample = h.data_sample;  // from the data, checked below
+  want.checksum = header_checksum(want);
   if (std::memcmp(&want, &h, sizeof(h)) != 0) fail("layout mismatch");
   const size_t size = kCacheHeaderBytes + full.mapped_bytes;
   if ((size_t)st.st_size != size)
     fail("size " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size));
+  bool read_ok = true;
+  const uint64_t sample = data_sample_checksum(full.mapped_bytes, [&](size_t off, uint8_t* dst,
+                                                                      size_t n) {
+    read_ok = read_ok && pread(fd, dst, n, (off_t)(kCacheHeaderBytes + off)) == (ssize_t)n;
+  });
+  if (!read_ok) fail("cannot read its data");
+  if (sample != h.data_sample) fail("data checksum mismatch (corrupted or partly written)");
   *file_bytes = size;
   return h;
 }
@@ -459,8 +494,11 @@ void ExpertPool::save_layer(int layer_idx, const std::string& path, const std::s
   const Shard full = plan_shard(L, 0, (int)round_up(L.I, kKAlign));
   CacheHeader h = make_header(L, full, key);
   const size_t size = kCacheHeaderBytes + full.mapped_bytes;
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot create " + path + ": " + std::strerror(errno));
+  // Written under a temporary name and renamed over `path` once complete, so an interrupted
+  // save never leaves a file that looks whole.
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot create " + tmp + ": " + std::strerror(errno));
   // Reserve the blocks first: writing through a mapping of a sparse file on a full disk would
   // raise SIGBUS instead of an error.
   int err = posix_fallocate(fd, 0, (off_t)size);
@@ -471,18 +509,27 @@ void ExpertPool::save_layer(int layer_idx, const std::string& path, const std::s
   }
   if (err != 0) {
     ::close(fd);
+    ::unlink(tmp.c_str());
     throw std::runtime_error("cannot write " + path + ": " + std::strerror(err));
   }
   uint8_t* base = (uint8_t*)p;
-  std::memcpy(base, &h, sizeof(h));
   Shard dst = full;
   place_shard(dst, L.E, base + kCacheHeaderBytes);
   for (const Shard& s : L.shards)
     for (int e = 0; e < L.E; ++e) copy_expert(L, dst, s, e, /*to_shard=*/false);
+  const uint8_t* data = base + kCacheHeaderBytes;
+  h.data_sample = data_sample_checksum(
+      full.mapped_bytes, [&](size_t off, uint8_t* d, size_t n) { std::memcpy(d, data + off, n); });
+  h.checksum = header_checksum(h);
+  std::memcpy(base, &h, sizeof(h));  // the header last
   munmap(p, size);
   err = ::fsync(fd) == 0 ? 0 : errno;
   ::close(fd);
-  if (err != 0) throw std::runtime_error("cannot write " + path + ": " + std::strerror(err));
+  if (err == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0) {
+    ::unlink(tmp.c_str());
+    throw std::runtime_error("cannot write " + path + ": " + std::strerror(err));
+  }
 }
 
 void ExpertPool::load_layer(int layer_idx, const std::string& path, bool check_key,

@@ -103,7 +103,9 @@ struct Layer {
 
 // Version of the converted layout that save_layer writes; bump when Shard's layout changes.
 // 2: the header records whether int rows are packed (kernels.h: packed_at).
-constexpr uint32_t kLayoutVersion = 2;
+// 3: the header carries a checksum of sampled data lines (a file whose data was overwritten or
+//    zeroed after its header was written no longer loads).
+constexpr uint32_t kLayoutVersion = 3;
 
 // The header checks of ExpertPool::load_layer (expected values, layout, file size) without
 // mapping or reading the weights: a cheap "would load_layer accept this file?". Throws

@@ -79,3 +79,16 @@ def test_good_options_still_run(capsys, moe_dir: Path) -> None:
         args = ["--model", str(moe_dir), "--max-tokens", "2", "--cpu-experts", experts]
         assert main([*argv, *args, "hi"]) == 0
     capsys.readouterr()
+
+
+def test_no_cpu_pool_build_is_a_one_line_error(capsys, moe_dir: Path, monkeypatch) -> None:
+    """No compiler (or a failed build) with --cpu-experts all: one line, not a traceback."""
+    from ext.cpu import CpuExtensionError
+    from ext.cpu import pool as pool_mod
+
+    def no_compiler():
+        raise CpuExtensionError("no C++ compiler found (set CXX or install g++)")
+
+    monkeypatch.setattr(pool_mod, "load_extension", no_compiler)
+    err = _error(capsys, "--model", str(moe_dir), "--cpu-experts", "all")
+    assert "CPU expert pool is unavailable: no C++ compiler" in err

@@ -85,6 +85,13 @@ def _saved(tmp_path: Path, fmt: str = "int4") -> Path:
         (lambda b: b"XXXX" + b[4:], "not an expert cache"),
         (lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:], "checksum"),
         (lambda b: b"", "shorter"),
+        # the data overwritten after the header was written: zeroed, or the halves swapped
+        (lambda b: b[:4096] + b"\0" * (len(b) - 4096), "data checksum"),
+        (
+            lambda b: b[:4096] + b[(len(b) + 4096) // 2 :] + b[4096 : (len(b) + 4096) // 2],
+            "data checksum",
+        ),  # fmt: skip
+        (lambda b: b[:-64] + bytes(x ^ 0xFF for x in b[-64:]), "data checksum"),  # the last line
     ],
 )
 def test_bad_files_are_refused(damage, match: str, tmp_path: Path) -> None:
@@ -134,6 +141,29 @@ def test_save_error_leaves_no_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         pool.save_layer(1, tmp_path / "l.bin")  # no such layer
     assert list(tmp_path.iterdir()) == []
+
+
+def test_save_replaces_a_file_whole(tmp_path: Path) -> None:
+    """save_layer writes a temporary file and renames it over the old one: no temporary is
+    left, and a file another pool mapped keeps its old contents."""
+    path = _saved(tmp_path, fmt="int4")
+    reader = CpuExpertPool(1)
+    reader.load_layer(0, path, key="k")
+    hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(4))
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.full((3, 2), 0.5)
+    before = reader.forward(0, hidden, ids, weights)
+    pool = CpuExpertPool(1)
+    pool.add_layer(0, *(2 * t for t in _layer()), "int4", 32)
+    pool.save_layer(0, path, key="k")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.bin"]
+    assert torch.equal(reader.forward(0, hidden, ids, weights), before)
+    fresh = CpuExpertPool(1)
+    fresh.load_layer(0, path, key="k")
+    assert torch.equal(
+        fresh.forward(0, hidden, ids, weights), pool.forward(0, hidden, ids, weights)
+    )
+    assert not torch.equal(fresh.forward(0, hidden, ids, weights), before)
 
 
 def test_cache_falls_back_with_a_warning(tmp_path: Path, caplog) -> None:

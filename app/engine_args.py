@@ -72,9 +72,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cpu-expert-format",
-        default="bf16",
-        choices=["bf16", "int8", "int4"],
-        help="weight format of the experts in the CPU pool",
+        default="auto",
+        choices=["auto", "bf16", "int8", "int4"],
+        help="weight format of the experts in the CPU pool (auto: a GGUF's own, Q4_0/Q4_1/Q4_K "
+        "-> int4 in groups of 32, Q8_0 -> int8; bf16 for float checkpoints)",
     )
     parser.add_argument(
         "--gpu-prefill",

@@ -43,7 +43,8 @@ class ModelSpec:
     cpu_experts: str | None = None  # "all" or a number per layer
     gpu_experts: int | None = None
     cpu_threads: int | None = None
-    cpu_expert_format: str = "bf16"  # bf16 | int8 | int4: experts' format in the CPU pool
+    cpu_expert_format: str = "auto"  # auto | bf16 | int8 | int4: experts' format in the CPU pool
+    # (auto: a GGUF's quantized type as int4/int8, bf16 for float checkpoints)
     gpu_prefill: str | None = None  # auto | off | N tokens: CPU-pool layers computed on the GPU
 
 

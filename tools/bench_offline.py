@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write results to this file")
     ap.add_argument("--cpu-experts", default=None, help="MoE: experts on the CPU pool (all|N)")
-    ap.add_argument("--cpu-expert-format", default="bf16", choices=["bf16", "int8", "int4"])
+    ap.add_argument("--cpu-expert-format", default="auto", choices=["auto", "bf16", "int8", "int4"])
     args = ap.parse_args()
 
     torch.manual_seed(0)

@@ -92,3 +92,14 @@ def test_no_cpu_pool_build_is_a_one_line_error(capsys, moe_dir: Path, monkeypatc
     monkeypatch.setattr(pool_mod, "load_extension", no_compiler)
     err = _error(capsys, "--model", str(moe_dir), "--cpu-experts", "all")
     assert "CPU expert pool is unavailable: no C++ compiler" in err
+
+
+def test_expert_format_defaults_to_the_checkpoints_own() -> None:
+    """--cpu-expert-format auto (the default): a GGUF's Q4_0/Q8_0 experts stay int4/int8 in the
+    pool (models/loader/gguf_experts.AUTO_FORMATS) instead of widening to bf16."""
+    from app.cli import build_parser
+    from runtime.config import ModelSpec
+
+    for command in (["generate", "hi"], ["serve"], ["chat"]):
+        assert build_parser().parse_args(command).cpu_expert_format == "auto"
+    assert ModelSpec().cpu_expert_format == "auto"

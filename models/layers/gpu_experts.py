@@ -8,8 +8,8 @@
   `TANDEM_MOE_DECODE_KERNELS=0` leaves the routing to torch (for A/B runs). The decode kernels
   sum each token's experts in registers, so an expert hit by several tokens has its down rows
   read once per token: they take a step only while its slots fill at most half the experts
-  (`DECODE_MAX_SLOT_RATIO`; Mixtral's 8 experts top-2 from 3 tokens, Qwen2-57B's 64 top-8 from
-  5), and fuller steps go through the routed kernels, which read an expert's rows once per 8
+  (`DECODE_MAX_SLOT_RATIO`, env `TANDEM_MOE_DECODE_SLOT_RATIO`; Mixtral's 8 experts top-2 from
+  3 tokens, Qwen2-57B's 64 top-8 from 5), and fuller steps go through the routed kernels, which read an expert's rows once per 8
   of its slots (tools/bench_gpu_moe.py: 1.39 against 1.02 ms, Mixtral's layer at 8 tokens).
 - Larger steps (prefill, big decode batches): two grouped GEMMs over the tokens sorted by
   expert (`torch._grouped_mm`), also without a host sync.
@@ -94,7 +94,8 @@ class GpuExpertBackend:
         self._kernels = cuda_kernels_available()  # CUDA and CuPy: the decode kernels can run
         self._grouped_failed = False
         self.decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "1") != "0"
-        self.decode_max_slot_ratio = DECODE_MAX_SLOT_RATIO
+        ratio = os.environ.get("TANDEM_MOE_DECODE_SLOT_RATIO", "").strip()  # for A/B runs
+        self.decode_max_slot_ratio = float(ratio) if ratio else DECODE_MAX_SLOT_RATIO
         self.calls = {"decode": 0, "gemv": 0, "grouped": 0, "torch": 0}  # calls per path
 
     def forward_logits(

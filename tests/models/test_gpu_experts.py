@@ -89,6 +89,9 @@ def test_backend_options(monkeypatch) -> None:
     monkeypatch.setenv("TANDEM_MOE_GEMV_TOKENS", "7")
     assert GpuExpertBackend().gemv_max_tokens == 7
     assert GpuExpertBackend(gemv_max_tokens=3).gemv_max_tokens == 3
+    assert GpuExpertBackend().decode_max_slot_ratio == 0.5
+    monkeypatch.setenv("TANDEM_MOE_DECODE_SLOT_RATIO", "inf")
+    assert GpuExpertBackend().decode_max_slot_ratio == float("inf")
 
 
 def test_auto_expert_backend_by_device() -> None:

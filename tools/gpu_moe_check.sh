@@ -15,7 +15,9 @@
 #   the shapes stage's layers (name:hidden:inter:experts:top-k), each through the CPU pool
 #   against torch (bench_cpu_moe.py) and the gpu backend (bench_gpu_moe.py) at SHAPE_TOKENS
 #   ["1 3 8 17 64 100 256 512"]; then every SHAPE_CONFIGS ["mixtral-8x7b qwen2-57b-a14b"] model
-#   (tools/shapes/NAME.json) cut to SHAPE_LAYERS [8] layers, int4 on the pool and all on the GPU.
+#   (tools/shapes/NAME.json) cut to SHAPE_LAYERS [8] layers, SHAPE_FORMATS ["int4"] on the pool
+#   and all on the GPU, SHAPE_BATCH [16] concurrent; SHAPE_TAG names the logs (A/B runs). An
+#   empty SHAPES or SHAPE_FORMATS skips those runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_gpu_moe}
@@ -59,7 +61,7 @@ if [[ $stages == *" split "* ]]; then  # cpu_pool with N experts a layer also on
 fi
 if [[ $stages == *" shapes "* ]]; then  # layer shapes and models the tests do not use
   tokens=(${SHAPE_TOKENS:-1 3 8 17 64 100 256 512})
-  for spec in ${SHAPES:-mixtral-8x7b:4096:14336:8:2 qwen2-57b-a14b:3584:2560:64:8 gpt-oss:2880:2880:32:4}; do
+  for spec in ${SHAPES-mixtral-8x7b:4096:14336:8:2 qwen2-57b-a14b:3584:2560:64:8 gpt-oss:2880:2880:32:4}; do
     IFS=: read -r name h i e k <<<"$spec"
     echo "== layer $name (hidden $h, expert inter $i, $e experts top-$k) =="
     timeout "$limit" python3 tools/bench_cpu_moe.py --hidden "$h" --inter "$i" --experts "$e" \
@@ -71,13 +73,14 @@ if [[ $stages == *" shapes "* ]]; then  # layer shapes and models the tests do n
       --json "$OUT/shape_gpu_$name.json" >"$OUT/shape_gpu_$name.log" 2>&1 || rc=1
     grep -vE "^# T=" "$OUT/shape_gpu_$name.log" | tail -n 12
   done
-  for name in ${SHAPE_CONFIGS:-mixtral-8x7b qwen2-57b-a14b}; do
+  for name in ${SHAPE_CONFIGS-mixtral-8x7b qwen2-57b-a14b}; do
     echo "== model tools/shapes/$name.json, ${SHAPE_LAYERS:-8} layers =="
     timeout "$limit" python3 tools/bench_hybrid_moe.py --config "tools/shapes/$name.json" \
-      --layers "${SHAPE_LAYERS:-8}" --formats int4 --gpu-all --graphs on --decode-steps 16 \
-      --batch 16 --prompt "$prompt" --prefill 2048 --gpu-prefill auto \
-      --json "$OUT/shape_model_$name.json" >"$OUT/shape_model_$name.log" 2>&1 || rc=1
-    grep -E "^\||^# .*floor at the measured" "$OUT/shape_model_$name.log" || tail -n 5 "$OUT/shape_model_$name.log"
+      --layers "${SHAPE_LAYERS:-8}" --formats ${SHAPE_FORMATS-int4} --gpu-all --graphs on \
+      --decode-steps 16 --batch "${SHAPE_BATCH:-16}" --prompt "$prompt" --prefill 2048 --gpu-prefill auto \
+      --json "$OUT/shape_model_$name${SHAPE_TAG:-}.json" >"$OUT/shape_model_$name${SHAPE_TAG:-}.log" 2>&1 || rc=1
+    log="$OUT/shape_model_$name${SHAPE_TAG:-}.log"
+    grep -E "^\||^# .*floor at the measured" "$log" || tail -n 5 "$log"
   done
 fi
 exit $rc

@@ -76,7 +76,9 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch

@@ -1,8 +1,10 @@
 """Rotary position embedding (neox-style `rotate_half`, as HF Llama/Qwen/Mixtral apply it).
 
 Owns the inverse frequencies for the supported `rope_scaling` types (default, "linear",
-"llama3") and cos/sin computed from absolute positions. The frequencies are a plain CPU
-tensor, not a buffer, so a model built on the meta device keeps them.
+"llama3", "yarn") and cos/sin computed from absolute positions; YaRN also scales cos/sin by its
+attention factor, as HF does. The frequencies are a plain CPU tensor, not a buffer, so a model
+built on the meta device keeps them. ("dynamic" NTK changes the frequencies with the sequence
+length at run time; it is refused.)
 """
 
 from __future__ import annotations
@@ -16,14 +18,82 @@ from ext.attention_ref import rotate_neox
 from models.config import UnsupportedModelError
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies `[head_dim // 2]` float32 on the CPU."""
+def _rope_type(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(
+    head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int | None
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as HF transformers computes it: per frequency a blend of the
+    original (extrapolated) and the `factor`-interpolated frequency, by a linear ramp between
+    the dimensions that turn beta_fast and beta_slow times over the original context; and the
+    attention factor that scales cos/sin."""
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    if not original:
+        raise UnsupportedModelError("yarn rope scaling needs original_max_position_embeddings")
+    factor = scaling.get("factor")
+    if factor is None:
+        if not max_positions:
+            raise UnsupportedModelError("yarn rope scaling needs a factor")
+        factor = max_positions / original
+    factor = float(factor)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+    )
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate it
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_attention_factor(
+    scaling: dict[str, Any] | None, max_positions: int | None = None
+) -> float:
+    """The factor cos/sin are scaled by (YaRN's; 1 for the other types)."""
+    if _rope_type(scaling) != "yarn":
+        return 1.0
+    assert scaling is not None
+    return _yarn(64, 10000.0, scaling, max_positions)[1]  # independent of head_dim and theta
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int | None = None
+) -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]` float32 on the CPU. `max_positions` (the config's
+    max_position_embeddings) is YaRN's default original context."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    rope_type = _rope_type(scaling)
     if rope_type == "default":
         return inv_freq
     assert scaling is not None
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling, max_positions)[0]
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return inv_freq / factor
@@ -45,9 +115,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding:
     """Computes cos/sin once per forward; `apply` rotates q or k per head."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        max_positions: int | None = None,
+    ) -> None:
         self.head_dim = head_dim
-        self._inv_freq = {torch.device("cpu"): rope_inv_freq(head_dim, theta, scaling)}
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions)
+        self._inv_freq = {torch.device("cpu"): inv_freq}
+        self.attention_factor = rope_attention_factor(scaling, max_positions)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -59,6 +137,11 @@ class RotaryEmbedding:
             self._inv_freq[positions.device] = inv_freq
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim // 2] float32
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
+        if self.attention_factor != 1.0:  # YaRN: scaled in float32, before the cast (as HF)
+            return (
+                (emb.cos() * self.attention_factor).to(dtype),
+                (emb.sin() * self.attention_factor).to(dtype),
+            )
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod

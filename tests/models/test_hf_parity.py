@@ -6,6 +6,7 @@ produce must match HF's full-sequence forward at the same position.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,40 @@ CASES = {
             **COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
         ),
         4,
+    ),
+    # YaRN: the ramp between interpolated and original frequencies, the attention factor from
+    # the factor; then one with explicit attention_factor and betas, no truncation.
+    "qwen3_moe_yarn": (
+        lambda: hf.Qwen3MoeConfig(
+            **COMMON,
+            **MOE,
+            num_experts=8,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),  # fmt: skip
+        4,
+    ),
+    "llama_yarn_explicit": (
+        lambda: hf.LlamaConfig(
+            **COMMON,
+            max_position_embeddings=128,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 500.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "attention_factor": 1.3,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "truncate": False,
+            },
+        ),  # fmt: skip
+        16,
     ),
     # head_dim != hidden / heads; GQA ratio 4.
     "qwen3": (lambda: hf.Qwen3Config(**_with(num_key_value_heads=1, head_dim=32)), 16),
@@ -145,3 +180,18 @@ def test_forward_returns_only_logits_rows(tmp_path: Path, paged_runner) -> None:
     assert last.shape == (2, config.hidden_size)
     torch.testing.assert_close(last, full[[2, 4]])
     assert model.compute_logits(last).dtype == torch.float32
+
+
+def test_rope_types_without_support_are_named() -> None:
+    """dynamic NTK changes its frequencies with the sequence length: refused by name."""
+    from models.config import UnsupportedModelError
+    from models.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    assert rope_attention_factor({"rope_type": "yarn", "factor": 4.0}, 256) == pytest.approx(
+        0.1 * math.log(4.0) + 1.0
+    )
+    assert rope_attention_factor({"rope_type": "llama3", "factor": 4.0}) == 1.0

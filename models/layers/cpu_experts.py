@@ -506,8 +506,9 @@ class CpuPoolExpertBackend:
             self._gguf_layers = frozenset(gguf_expert_layers(GGUFReader(checkpoint)))
         elif self.cache_source is None:
             self.cache_source = checkpoint
-        cache = self._expert_cache()
-        for block in self._blocks(model):
+        blocks = list(self._blocks(model))
+        cache = self._expert_cache(dtype=blocks[0].w13.dtype if blocks else None)
+        for block in blocks:
             layer, w13, w2 = block.layer_idx, block.w13, block.w2
             if layer in self._gguf_layers or (
                 cache is not None
@@ -583,7 +584,7 @@ class CpuPoolExpertBackend:
         E = w13.shape[0]
         device = block.gate.weight.device
         unread = layer in self._skipped  # the loader left w13/w2 uninitialized
-        cache = self._expert_cache(None if unread else (w13, w2))
+        cache = self._expert_cache(None if unread else (w13, w2), w13.dtype)
         key = self._layer_key(cache, layer, w13, w2) if cache is not None else ""
         if cache is None or not cache.load(self.pool, layer, key, _shape(w13)):
             if layer in self._gguf_layers:  # from the file's own blocks, decoded to fp32
@@ -641,10 +642,15 @@ class CpuPoolExpertBackend:
         return cache.layer_key(layer, tuple(w13.shape), tuple(w2.shape), weights_id)
 
     def _expert_cache(
-        self, weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> ExpertCache | None:
         """The cache of this model, made at the first call (None when off or unwritable, or
-        when there is neither a checkpoint file nor `weights` to key it by)."""
+        when there is neither a checkpoint file nor `weights` to key it by). A checkpoint
+        loaded in another dtype (`dtype`, what the loader casts the experts to) converts to
+        other bytes, so it gets its own directory: runs in float32 and bf16 keep one each
+        instead of overwriting each other."""
         if self._cache is not None or self._cache_option is False:
             return self._cache
         from ext.cpu import ExpertCache, default_cache_root, source_identity
@@ -660,11 +666,12 @@ class CpuPoolExpertBackend:
         if root is None:
             self._cache_option = False
             return None
-        source = (
-            f"file:{source_identity(src)}"
-            if src is not None
-            else f"weights:{weights_fingerprint(*weights)}"
-        )
+        if src is None:
+            source = f"weights:{weights_fingerprint(*weights)}"
+        elif self.gguf_source is None and dtype is not None:
+            source = f"file:{source_identity(src)}:{dtype}"
+        else:  # GGUF experts convert from the file's own blocks, whatever the model's dtype
+            source = f"file:{source_identity(src)}"
         self._cache = ExpertCache(root, source, self.fmt, self.group_size)
         return self._cache
 

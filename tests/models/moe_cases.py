@@ -98,7 +98,7 @@ def _llm(path: Path, **spec: object):
     from runtime.llm import LLM
 
     ec = EngineConfig(
-        model=ModelSpec(model=str(path), device="cpu", dtype="float32", **spec),
+        model=ModelSpec(**{"model": str(path), "device": "cpu", "dtype": "float32", **spec}),
         cache=CacheConfig(block_size=4, num_blocks=96),
         scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=24),
     )

@@ -31,8 +31,8 @@ def test_second_start_loads_converted_experts_from_the_cache(
     prompts = [[5, 9, 17, 3], list(range(1, 30))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-    def start() -> tuple[list[list[int]], CpuPoolExpertBackend]:
-        llm = _llm(model_dir, cpu_experts="all", cpu_threads=1, cpu_expert_format=fmt)
+    def start(**spec: object) -> tuple[list[list[int]], CpuPoolExpertBackend]:
+        llm = _llm(model_dir, cpu_experts="all", cpu_threads=1, cpu_expert_format=fmt, **spec)
         backend = llm.engine.model.expert_backend
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         backend.close()
@@ -48,6 +48,10 @@ def test_second_start_loads_converted_experts_from_the_cache(
     files[0].write_bytes(files[0].read_bytes()[:-7])  # short: converted again, then re-saved
     third, b3 = start()
     assert (b3.pool.layers_converted, b3.pool.layers_loaded) == (1, 0) and third == first
+    assert start()[1].pool.layers_loaded == 1
+    # another dtype converts other bytes: its own entry, and the first one stays
+    assert start(dtype="bfloat16")[1].pool.layers_converted == 1
+    assert start(dtype="bfloat16")[1].pool.layers_loaded == 1
     assert start()[1].pool.layers_loaded == 1
     monkeypatch.setenv("TANDEM_EXPERT_CACHE", "0")
     off, b5 = start()

@@ -665,21 +665,43 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
     return results
 
 
-def gpu_floors(model: nn.Module, cfg: ModelConfig, a: argparse.Namespace, gbps: float) -> dict:
-    """Decode floors with every weight on the GPU: the bytes a step reads (every weight but the
-    embedding table and the experts, plus the experts it touches under uniform routing) over
-    the device's measured copy bandwidth."""
+def dense_step_bytes(cfg: ModelConfig) -> float:
+    """bf16 bytes a decode step reads besides the routed experts, from the config alone: every
+    layer's attention (q/k/v/o and their biases), norms, router, shared expert (and its gate) or
+    dense MLP, the final norm and the LM head; not the embedding rows a step looks up (a tied
+    table is the LM head, read in full)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.attention_bias else 0)
+    attn += 2 * hd if cfg.qk_norm else 0
+    total = 0
+    for i in range(cfg.num_hidden_layers):
+        total += attn + 2 * h  # and the two norms
+        if cfg.is_moe_layer(i):
+            total += cfg.num_experts * h  # router
+            if cfg.shared_expert_intermediate_size:
+                total += 3 * h * cfg.shared_expert_intermediate_size + h
+        else:
+            total += 3 * h * cfg.intermediate_size
+    return 2.0 * (total + h + cfg.vocab_size * h)
+
+
+def gpu_step_bytes(cfg: ModelConfig, batch: int) -> float:
+    """Bytes a decode step of `batch` sequences reads with every weight on the GPU (bf16): the
+    dense part and the experts it touches under uniform routing. One formula for this tool and
+    tools/gpu_serving.sh's summary."""
     one = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, "bf16")
-    layers, E, k = moe_layers(cfg), cfg.num_experts, cfg.num_experts_per_tok
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    dense = total - layers * E * one  # a tied embedding table is the LM head: read every step
-    if not cfg.tie_word_embeddings:
-        dense -= cfg.vocab_size * cfg.hidden_size * 2
-    touched = touched_experts(E, k, a.batch)
+    touched = touched_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
+    return dense_step_bytes(cfg) + touched * one * moe_layers(cfg)
+
+
+def gpu_floors(cfg: ModelConfig, a: argparse.Namespace, gbps: float) -> dict:
+    """Decode floors with every weight on the GPU: `gpu_step_bytes` over the device's measured
+    copy bandwidth."""
     return {
         "gpu_copy_gbps": gbps,
-        "decode_b1_floor_tok_s": gbps * 1e9 / (dense + k * one * layers),
-        f"decode_b{a.batch}_floor_tok_s": a.batch * gbps * 1e9 / (dense + touched * one * layers),
+        "decode_b1_floor_tok_s": gbps * 1e9 / gpu_step_bytes(cfg, 1),
+        f"decode_b{a.batch}_floor_tok_s": a.batch * gbps * 1e9 / gpu_step_bytes(cfg, a.batch),
     }
 
 
@@ -704,7 +726,7 @@ def run_gpu_all(cfg, a, dtype) -> dict:
     results = measure_modes(runner, a, f"gpu_all_bf16_{a.gpu_all_backend}")
     if a.profile:
         profile_decode(runner, a, f"gpu_all_bf16_{a.gpu_all_backend}")
-    fl = gpu_floors(model, cfg, a, gbps)
+    fl = gpu_floors(cfg, a, gbps)
     for res in results.values():
         res.update(fl, load_s=load_s, expert_calls=dict(getattr(model.expert_backend, "calls", {})))
     del model, runner

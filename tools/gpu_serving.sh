@@ -17,6 +17,8 @@
 #   OUTPUT_LEN [256], CONCURRENCY [1,16,64,256], NUM_PROMPTS [32,64,256,512] (per level),
 #   WARMUP [32], DEVICE [auto], PORT [8123], MAX_NUM_SEQS [256], MAX_NUM_BATCHED_TOKENS [8192],
 #   SERVER_ARGS (more `tandem serve` flags), START_TIMEOUT [300], BENCH_TIMEOUT [420] (s),
+#   CONFIG (an HF config.json to serve instead of SHAPE, e.g. tools/shapes/mixtral-8x7b.json; a MoE
+#   one is hybrid like 30B-A3B), LAYERS (cut CONFIG to that many layers),
 #   HBM_GBPS (bandwidth for the floor; default: measured here on CUDA), HEALTH_PROBE [1] (0: no
 #   GET /health every 20 ms during the load). TANDEM_COMPILE,
 #   TANDEM_CUDA_GRAPHS, TANDEM_OVERLAP reach the server through the environment.
@@ -38,11 +40,18 @@ MAX_NUM_SEQS=${MAX_NUM_SEQS:-256} MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKEN
 SERVER_ARGS=${SERVER_ARGS:-} START_TIMEOUT=${START_TIMEOUT:-300} BENCH_TIMEOUT=${BENCH_TIMEOUT:-420}
 OUT=${OUT:-/tmp/tandem_serving}
 PY=${PYTHON:-python3}
-case "$SHAPE" in
-  *-A3B|*moe) MODEL_DIR="$OUT/qwen3moe-$SHAPE-dummy"
+IS_MOE=0 MODEL_NAME="llama-$SHAPE-dummy"  # the model id clients see
+case "$SHAPE" in *-A3B|*moe) IS_MOE=1 MODEL_NAME="qwen3moe-$SHAPE-dummy" ;; esac
+if [ -n "${CONFIG:-}" ]; then  # any HF config.json: the model dir is named after the file
+  SHAPE=$(basename "$CONFIG" .json) MODEL_NAME="$(basename "$CONFIG" .json)-dummy"
+  IS_MOE=$("$PY" -c 'import json, sys; c = json.load(open(sys.argv[1]))
+print(1 if c.get("num_experts") or c.get("num_local_experts") else 0)' "$CONFIG") || exit 2
+fi
+MODEL_DIR="$OUT/$MODEL_NAME"
+case "$IS_MOE" in
+  1)
     if [ "${MOE_EXPERTS:-cpu}" = gpu ]; then EXPERT_FORMAT=""  # every expert on the GPU (bf16)
     else SERVER_ARGS="--cpu-experts all --cpu-expert-format ${EXPERT_FORMAT:=int4} $SERVER_ARGS"; fi ;;
-  *) MODEL_DIR="$OUT/llama-$SHAPE-dummy" ;;  # its name is the model id clients see
 esac
 mkdir -p "$MODEL_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -50,8 +59,14 @@ T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
 # The shape as an HF config.json: `tandem serve --load-format dummy` needs nothing else.
-"$PY" - "$SHAPE" "$MODEL_DIR/config.json" <<'EOF' || exit 2
+"$PY" - "$SHAPE" "$MODEL_DIR/config.json" "${CONFIG:-}" "${LAYERS:-}" <<'EOF' || exit 2
 import json, sys
+if sys.argv[3]:  # CONFIG: taken as it is, cut to LAYERS layers
+    c = json.load(open(sys.argv[3]))
+    if sys.argv[4]:
+        c["num_hidden_layers"] = int(sys.argv[4])
+    json.dump(c, open(sys.argv[2], "w"), indent=2)
+    sys.exit(0)
 rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
 base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -168,16 +183,15 @@ try:
     res = json.load(open(res_path))
 except (OSError, ValueError) as e:
     sys.exit(f"no results ({e})")
-c = json.load(open(cfg_path))
-h, L, hd = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
-attn = h * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd \
-    + c["num_attention_heads"] * hd * h
-moe = "num_experts" in c
-per_layer = attn + (0 if moe else 3 * h * c["intermediate_size"])
-read = 2 * (L * per_layer + c["vocab_size"] * h)  # bf16; every weight but the embedding lookup
+from models.config import ModelConfig
+from tools.bench_hybrid_moe import (dense_step_bytes, expert_bytes, gpu_step_bytes, moe_layers,
+                                    touched_experts)
+cfg = ModelConfig.from_hf_dict(json.load(open(cfg_path)))
+moe = cfg.is_moe
+read = dense_step_bytes(cfg)  # bf16; every weight but the embedding lookup (and routed experts)
 if moe:
-    from tools.bench_hybrid_moe import expert_bytes, touched_experts
-    E, k, inter = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    E, k, inter, L = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, moe_layers(cfg)
+    h = cfg.hidden_size
 source = "HBM_GBPS"
 if not hbm and not expert_fmt:
     try:
@@ -206,10 +220,9 @@ if expert_fmt:  # hybrid: the routed experts' bytes on the CPU dominate a decode
           f"of active experts per token; at {float(cpu_gbps):g} GB/s (CPU read) the batch-1 TPOT "
           f"floor is {floor_ms:.2f} ms ({1e3 / floor_ms:.1f} tok/s)")
 elif hbm and moe:  # every expert on the GPU: the dense weights and the experts a step touches
-    one = expert_bytes(h, inter, "bf16") * L
-    ms = lambda conc: (read + touched_experts(E, k, conc) * one) / (float(hbm) * 1e9) * 1e3
+    ms = lambda conc: gpu_step_bytes(cfg, conc) / (float(hbm) * 1e9) * 1e3
     floor_ms, step_floor_ms = ms(1), ms
-    print(f"every expert on the GPU: {(read + k * one) / 1e9:.2f} GB read per batch-1 step; at "
+    print(f"every expert on the GPU: {gpu_step_bytes(cfg, 1) / 1e9:.2f} GB read per batch-1 step; at "
           f"{float(hbm):.0f} GB/s ({source}) the batch-1 TPOT floor is {floor_ms:.2f} ms "
           f"({1e3 / floor_ms:.0f} tok/s)")
 elif hbm:

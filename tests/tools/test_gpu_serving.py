@@ -87,3 +87,26 @@ def test_smoke_sweep_of_a_moe_shape_with_every_expert_resident(tmp_path: Path) -
     assert "every expert on the GPU" in summary and "at 1000 GB/s (HBM_GBPS)" in summary
     rows = [line.split() for line in summary.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert len(rows) == 2 and all(row[-1].endswith("x") for row in rows)
+
+
+def test_smoke_sweep_of_a_config_file(tmp_path: Path) -> None:
+    """CONFIG=any HF config.json (here a tiny Mixtral, cut to LAYERS=1): served hybrid, named
+    after the file; the floor counts the MoE layers from the config (Mixtral's expert size is
+    its intermediate_size)."""
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+           "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "max_position_embeddings": 512,
+           "tie_word_embeddings": False}  # fmt: skip
+    path = tmp_path / "tiny-mixtral.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    run_smoke(out, CONFIG=str(path), LAYERS="1", CONCURRENCY="1,2", NUM_PROMPTS="2,4",
+              CPU_GBPS="50")  # fmt: skip
+    result = json.loads((out / "serving.json").read_text())
+    assert result["model"] == "tiny-mixtral-dummy"
+    assert [(r["max_concurrency"], r["failed"]) for r in result["runs"]] == [(1, 0), (2, 0)]
+    assert "cpu_pool: 1 MoE layers (int4" in (out / "server.log").read_text()
+    summary = (out / "summary.txt").read_text()
+    # 2 active experts x 3 x 64 x 32 x (0.5 + 4/64) bytes x 1 layer = 6,912 B at 50 GB/s
+    assert "TPOT floor is 0.00 ms (7233796.3 tok/s)" in summary

@@ -49,7 +49,11 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         )
     from models.layers.cpu_experts import num_gpu_experts
 
-    gpu = num_gpu_experts(config.num_experts, spec.cpu_experts or "all", spec.gpu_experts)
+    gpu = num_gpu_experts(
+        config.num_experts,
+        "all" if spec.cpu_experts is None else spec.cpu_experts,
+        spec.gpu_experts,
+    )
     if gpu and device.type != "cuda":
         raise ValueError(
             f"{gpu} experts a layer would stay on the GPU, but the model runs on {device.type}: "
@@ -111,7 +115,7 @@ def load_engine_model(
         expert_options = {
             "fmt": spec.cpu_expert_format,
             "num_threads": spec.cpu_threads,
-            "cpu_experts": spec.cpu_experts or "all",
+            "cpu_experts": "all" if spec.cpu_experts is None else spec.cpu_experts,
             "gpu_experts": spec.gpu_experts,
             "gpu_prefill": spec.gpu_prefill,
             # keys the expert cache by checkpoint path, size and mtime

@@ -103,3 +103,17 @@ def test_expert_format_defaults_to_the_checkpoints_own() -> None:
     for command in (["generate", "hi"], ["serve"], ["chat"]):
         assert build_parser().parse_args(command).cpu_expert_format == "auto"
     assert ModelSpec().cpu_expert_format == "auto"
+
+
+def test_zero_cpu_experts_from_python_is_not_all() -> None:
+    """ModelSpec(cpu_experts=0) (an int, from the Python API) means no expert on the pool, not
+    "all": on a CPU-only machine that leaves experts on a missing GPU."""
+    from models.config import ModelConfig
+    from runtime.config import ModelSpec
+    from runtime.engine_setup import check_expert_options
+
+    cfg = ModelConfig(**COMMON, architecture="Qwen3MoeForCausalLM", num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
+    with pytest.raises(ValueError, match="8 experts a layer would stay on the GPU"):
+        check_expert_options(ModelSpec(cpu_experts=0), torch.device("cpu"), cfg)
+    check_expert_options(ModelSpec(cpu_experts="all"), torch.device("cpu"), cfg)

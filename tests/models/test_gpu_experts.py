@@ -351,6 +351,19 @@ def test_decode_kernels_only_while_the_slots_fill_half_the_experts() -> None:
         assert _rel(out, _reference(hidden[:t], ids, weights, w13, w2)) < 1e-2
 
 
+@torch.no_grad()
+def _three_paths_match_hf(model, hf_model, ids, pos, batch) -> None:
+    """One sequence's logits through the gpu backend's decode kernels, routed kernels and
+    grouped GEMMs (the backend's switches set for the step's size), each against HF's."""
+    backend, n = model.expert_backend, ids.shape[0]
+    ref = hf_model(ids.cpu()[None]).logits[0].float()
+    for gemv_max, decode_kernels in ((n, True), (n, False), (0, True)):
+        backend.gemv_max_tokens, backend.decode_kernels = gemv_max, decode_kernels
+        ours = model.compute_logits(model(ids, pos, batch)).float().cpu()
+        rel = float((ours - ref).abs().max() / ref.abs().max())
+        assert rel < 3e-2, (n, gemv_max, decode_kernels, rel)
+
+
 @gpu_test
 def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
     """A tiny Mixtral on CUDA (bf16) picks the gpu backend, captures its decode graphs with the
@@ -373,14 +386,7 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
     ids, pos, batch = _one_sequence_batch(n, "cuda", KVCache.allocate(
         2, 4, 16, config.num_key_value_heads, config.head_dim, torch.bfloat16, "cuda"))  # fmt: skip
     ids = ids * 5 % 128
-    with torch.no_grad():
-        ref = hf_model(ids.cpu()[None]).logits[0].float()
-        # the prompt through the decode kernels, the routed kernels, then the grouped GEMMs
-        for gemv_max, decode_kernels in ((n, True), (n, False), (0, True)):
-            backend.gemv_max_tokens, backend.decode_kernels = gemv_max, decode_kernels
-            ours = model.compute_logits(model(ids, pos, batch)).float().cpu()
-            rel = float((ours - ref).abs().max() / ref.abs().max())
-            assert rel < 3e-2, (gemv_max, decode_kernels, rel)
+    _three_paths_match_hf(model, hf_model, ids, pos, batch)
     calls = backend.calls
     assert calls["decode"] == calls["gemv"] == 2 and calls["grouped"] + calls["torch"] == 2
     del model
@@ -427,14 +433,7 @@ def test_each_moe_architecture_through_the_gpu_backend_matches_hf(arch: str, tmp
                           "cuda")  # fmt: skip
     for n in (1, 8, 29):
         ids, pos, batch = _one_sequence_batch(n, "cuda", kv)
-        ids = (ids * 11 + 3) % config.vocab_size
-        with torch.no_grad():
-            ref = hf_model(ids.cpu()[None]).logits[0].float()
-            for gemv_max, decode_kernels in ((n, True), (n, False), (0, True)):
-                backend.gemv_max_tokens, backend.decode_kernels = gemv_max, decode_kernels
-                ours = model.compute_logits(model(ids, pos, batch)).float().cpu()
-                rel = float((ours - ref).abs().max() / ref.abs().max())
-                assert rel < 3e-2, (n, gemv_max, decode_kernels, rel)
+        _three_paths_match_hf(model, hf_model, (ids * 11 + 3) % config.vocab_size, pos, batch)
     assert backend.calls["decode"] > 0 and backend.calls["gemv"] > 0
 
 

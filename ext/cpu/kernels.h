@@ -21,7 +21,13 @@ enum Fmt : int { FMT_BF16 = 0, FMT_INT8 = 1, FMT_INT4 = 2 };
 //       so one widening load and a mask or a shift give 32 consecutive elements.
 constexpr int kKAlign = 64;
 constexpr int kRowBlock = 64;   // weight rows per work item (gate/up: 32 gate + 32 up rows)
-constexpr int kAmxMinTokens = 4;  // tokens of one expert from which the AMX path is used
+constexpr int kAmxMinTokens = 4;  // tokens of one expert from which the AMX bf16 path is used
+// Tokens of one expert from which the AMX int8 path runs (below: VNNI). It quantizes activations
+// with one scale per token row, VNNI per block of 32: on SmolLM2's real MLP inputs the row scale
+// gives 4x the error (4.8% against 1.2% of the MLP output, up to 14.8% in one layer), and an
+// expert's output then depends on how many tokens share it. VNNI is as fast up to ~16 tokens an
+// expert (BENCHMARKS, session 8), so the AMX int8 path waits until it clearly wins.
+constexpr int kAmxRowScaleMinTokens = 16;
 
 struct WeightView {
   int fmt;
@@ -227,7 +233,7 @@ void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst);
 void vnni_unpack_int4_s8(const WeightView& w, int R, int K, int8_t* dst);
 #endif
 #ifdef TANDEM_HAVE_AMX_INT8
-KernelSet kernels_amx_int8();  // tdpbssd from kAmxMinTokens tokens, VNNI below
+KernelSet kernels_amx_int8();  // tdpbssd from kAmxRowScaleMinTokens tokens, VNNI below
 #endif
 
 }  // namespace tandem_cpu

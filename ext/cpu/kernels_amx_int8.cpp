@@ -1,8 +1,8 @@
 // The integer path on AMX (Sapphire Rapids and later): tdpbssd, s8 weights x s8 activations,
-// int32 16 x 16 tiles. Activations are quantized with ONE scale per token over its whole row
-// (absmax / 127; the VNNI path below kAmxMinTokens uses blocks of 32), so a tile needs no
-// rescaling between K blocks: int8 weights (one scale per row) sum all of K in one int32 tile
-// and are scaled once; int4 weights (one scale per group of 32 or 64) take one tdpbssd per
+// int32 16 x 16 tiles, from kAmxRowScaleMinTokens tokens of one expert (kernels.h says why not
+// fewer). Activations are quantized with ONE scale per token over its whole row (absmax / 127;
+// the VNNI path below uses blocks of 32), so a tile needs no rescaling between K blocks: int8
+// weights (one scale per row) sum all of K in one int32 tile and are scaled once; int4 weights (one scale per group of 32 or 64) take one tdpbssd per
 // group and fold its row scales into 16 fp32 accumulators held in registers. (The first version
 // scaled every tile per 32-element block through memory, which cost several times the AMX work
 // at 256 tokens.)
@@ -44,7 +44,7 @@ constexpr size_t kBlockBytes = 16 * kKB;  // 16 rows (4-element groups) x 16 tok
 size_t token_block_bytes(int K) { return (size_t)(K / kKB) * kBlockBytes + 16 * 4; }
 
 size_t prep_bytes(int K, int n) {
-  if (n < kAmxMinTokens) return vnni_prep_bytes(K, n);
+  if (n < kAmxRowScaleMinTokens) return vnni_prep_bytes(K, n);
   return (size_t)((n + 15) / 16) * token_block_bytes(K);
 }
 
@@ -55,7 +55,7 @@ size_t prep_bytes(int K, int n) {
 // tdpbssd reads those rows in place (a sum over all of K does not care about the order).
 template <bool PACKED>
 void prep_order(const float* const* x, int Kv, int K, int n, void* dst) {
-  if (n < kAmxMinTokens) {
+  if (n < kAmxRowScaleMinTokens) {
     vnni_prep(x, Kv, K, n, dst);
     return;
   }
@@ -90,7 +90,8 @@ void prep(const float* const* x, int Kv, int K, int n, void* dst) {
   prep_order<false>(x, Kv, K, n, dst);
 }
 
-// Below kAmxMinTokens both are vnni_prep, whose layout does not depend on the weights' order.
+// Below kAmxRowScaleMinTokens both are vnni_prep, whose layout does not depend on the
+// weights' order.
 void prep_packed(const float* const* x, int Kv, int K, int n, void* dst) {
   prep_order<true>(x, Kv, K, n, dst);
 }
@@ -127,7 +128,7 @@ inline void write_block(const float* v, float* C, int ldc, int r0, int tb, int n
 
 void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
           uint8_t* scratch) {
-  if (n < kAmxMinTokens) {
+  if (n < kAmxRowScaleMinTokens) {
     vnni_gemm(w, R, K, xp, n, C, ldc, scratch);
     return;
   }

@@ -40,9 +40,9 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
 
 
-# Tokens of one expert from which the AMX int8 path runs (ext/cpu/kernels.h: kAmxMinTokens),
+# Tokens of one expert from which the AMX int8 path runs (ext/cpu/kernels.h: kAmxRowScaleMinTokens),
 # quantizing activations with one scale per token row.
-AMX_ROW_SCALE_MIN_TOKENS = 4
+AMX_ROW_SCALE_MIN_TOKENS = 16
 
 
 def quantize_activations(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:

@@ -5,9 +5,8 @@ really run where it is selected and stay off where it is not.
 
 Tolerances (relative L2 error of the layer output):
   * against moe_reference(quantize_acts=True), which quantizes both projections' inputs exactly
-    as the kernels do (ext/cpu/reference.py: quantize_activations): # AMX quantizes an expert's activations per token row from AMX_ROW_SCALE_MIN_TOKENS tokens
-ROW_SCALE = {"amx": AMX_ROW_SCALE_MIN_TOKENS}
-INT_EXACT_TOL = 2e-3. Only
+    as the kernels do (ext/cpu/reference.py: quantize_activations; on AMX an expert with at
+    least AMX_ROW_SCALE_MIN_TOKENS tokens per token row): INT_EXACT_TOL = 2e-3. Only
     the order of fp32 sums differs, and through it, rarely, an intermediate element rounds to
     the neighbouring int8 level (one step, absmax / 127 of its block); observed <= 3e-4.
   * against the fp32 reference on the same dequantized weights: INT_FP32_TOL = 3e-2. The
@@ -201,3 +200,22 @@ def test_env_var(monkeypatch):
         monkeypatch.setenv(pool_mod.INT_PATH_ENV, "5")
         with CpuExpertPool(num_threads=1, isa=INT_ISAS[-1]) as pool:
             assert pool.int_min_tokens == 5
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_a_tokens_output_does_not_depend_on_the_batch(isa, fmt, group):
+    """Below AMX_ROW_SCALE_MIN_TOKENS tokens an expert, every ISA quantizes activations per
+    32-element block, whatever else the call holds: a token's output alone equals its output in
+    a batch (up to the order of fp32 sums), so greedy answers do not change with the load."""
+    w13, w2 = random_layer(7)
+    E, _, H = w13.shape
+    T, k = 24, 2  # at most 24 * 2 slots over E experts; checked below to stay under the threshold
+    hidden, ids, weights = random_call(T, k, E, H, seed=8)
+    assert ids[ids >= 0].bincount().max() < AMX_ROW_SCALE_MIN_TOKENS
+    with CpuExpertPool(num_threads=2, isa=isa, int_min_tokens=1) as pool:
+        pool.add_layer(0, w13, w2, fmt, group)
+        batched = pool.forward(0, hidden, ids, weights)
+        alone = torch.cat([pool.forward(0, hidden[t : t + 1], ids[t : t + 1], weights[t : t + 1])
+                           for t in range(T)])  # fmt: skip
+    assert rel_err(batched, alone) < 1e-5

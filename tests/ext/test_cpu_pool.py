@@ -34,7 +34,7 @@ FORMATS = ("bf16", "int8", "int4")
 # scalar/avx2 keep fp32 activations; avx512/amx round activations and the intermediate to bf16.
 REL_TOL = {"scalar": 2e-5, "avx2": 2e-5, "avx512": 1.5e-2, "amx": 1.5e-2}
 # int8/int4 layers on ISAs with the integer path (VNNI, AMX int8) also quantize activations to
-# int8 (per token and block of 32, or per token row on AMX from 4 tokens an expert): at most
+# int8 (per token and block of 32, or per token row on AMX from 16 tokens an expert): at most
 # absmax / 254 an element, measured 1.2-1.8e-2 relative on these random layers; the bound of
 # tests/ext/test_cpu_int8_path.py (INT_FP32_TOL).
 INT_PATH_TOL = 3e-2

@@ -72,7 +72,7 @@ def test_packed_pool_equals_natural_pool(isa, fmt, group, E, inter, H, split) ->
         # the rows really are permuted (not stored twice the same way)
         sp, sn = packed.layer_shards(0)[0], natural.layer_shards(0)[0]
         assert not torch.equal(packed.shard_memory(sp), natural.shard_memory(sn))
-        # integer path from 1 token (packed rows in place; AMX from 4 tokens unpacks them),
+        # integer path from 1 token (packed rows in place; AMX from 16 tokens unpacks them),
         # then the float path (unpacked first)
         for threshold in (1, 0):
             packed.int_min_tokens = natural.int_min_tokens = threshold

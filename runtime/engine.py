@@ -294,9 +294,15 @@ class Engine:
         detok = tracked.detok
         if detok is not None:
             text = detok.add_tokens(new_ids)
-            if detok.stop_matched is not None and not req.is_finished:
-                req.stop_reason = detok.stop_matched
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if detok.stop_matched is not None:
+                if not req.is_finished:
+                    req.stop_reason = detok.stop_matched
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                elif req.status == RequestStatus.FINISHED_LENGTH:
+                    # the token that completed the stop string was also the last one allowed:
+                    # the text ends at the stop string, so the reason is "stop" (as vLLM says)
+                    req.stop_reason = detok.stop_matched
+                    req.status = RequestStatus.FINISHED_STOPPED
             if req.is_finished:
                 text += detok.flush()
         tracked.sent_tokens = num_output

@@ -111,6 +111,23 @@ def test_stop_string_ends_generation_and_is_not_emitted(llm, byte_bpe):
     assert_idle(llm)
 
 
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm, byte_bpe):
+    """The text ends at the stop string, so the reason is "stop", not "length" (as vLLM)."""
+    params = dict(temperature=0.0, ignore_eos=True)
+    ids = llm.generate(["Hello"], SamplingParams(max_tokens=40, **params))[0].token_ids
+    for k in range(3, len(ids) + 1):  # a clean cut: stop = the last char before + last token
+        text, last = byte_bpe.decode(ids[:k]), byte_bpe.decode(ids[k - 1 : k])
+        stop = text[-len(last) - 1 :] if last else ""
+        if stop and "\ufffd" not in text and text.find(stop) == len(text) - len(stop):
+            break
+    else:
+        pytest.skip("no clean stop string in this generation")
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=k, stop=[stop], **params))[0]
+    assert out.text == text[: -len(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert_idle(llm)
+
+
 def test_stop_token_ids_and_eos(llm):
     free = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[
         0

@@ -146,6 +146,11 @@ class SamplingParams:
         )
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "ignore_eos must be a boolean")
         need(
+            isinstance(self.skip_special_tokens, bool),
+            "skip_special_tokens",
+            "skip_special_tokens must be a boolean",
+        )
+        need(
             is_int(self.n) and 1 <= self.n <= MAX_N,
             "n",
             f"n must be an integer in [1, {MAX_N}], got {self.n!r}",

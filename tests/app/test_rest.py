@@ -133,6 +133,16 @@ async def test_ignore_eos_and_min_tokens(make_harness) -> None:
     assert ignored["choices"][0]["text"] == REPLY[:6]
 
 
+async def test_non_boolean_skip_special_tokens_is_a_400(harness: Harness) -> None:
+    # it reached the detokenizer in the engine thread, whose TypeError killed the engine
+    resp = await harness.client.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 2, "skip_special_tokens": 3}
+    )
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "skip_special_tokens"
+    assert (await harness.client.get("/health")).status == 200
+
+
 async def test_models(harness: Harness) -> None:
     data = await (await harness.client.get("/v1/models")).json()
     assert data["object"] == "list"

@@ -33,6 +33,8 @@ from runtime.sampling_params import SamplingParams, SamplingParamsError, expand_
         ({"n": 17}, "n"),
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"skip_special_tokens": 3}, "skip_special_tokens"),  # killed the engine thread
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ],
 )
 def test_invalid_values_name_the_parameter(kwargs, param):

@@ -125,10 +125,29 @@ async def serve_until_signal(config: ServerConfig, engine: Any) -> int:
         "on" if config.api_keys else "off",
     )
     await stop.wait()
-    logger.warning("shutting down: draining for up to %.1fs", config.shutdown_timeout)
+    stop.clear()
+    logger.warning(
+        "shutting down: draining for up to %.1fs (signal again to abort now)",
+        config.shutdown_timeout,
+    )
     server.engine_loop.begin_drain()
-    aborted = await server.shutdown(config.shutdown_timeout)
-    logger.warning("stopped (%d request(s) aborted)", aborted)
+    forced: list[int] = []
+
+    async def abort_on_second_signal() -> None:
+        # A second Ctrl-C / SIGTERM does not wait out the drain: abort what still runs now.
+        await stop.wait()
+        ids = server.engine_loop.request_ids()
+        logger.warning("second signal: aborting %d request(s) now", len(ids))
+        for request_id in ids:
+            server.engine_loop.abort(request_id)
+        forced.append(len(ids))
+
+    forcer = asyncio.create_task(abort_on_second_signal())
+    try:
+        aborted = await server.shutdown(config.shutdown_timeout)
+    finally:
+        forcer.cancel()
+    logger.warning("stopped (%d request(s) aborted)", aborted + sum(forced))
     return 0
 
 

@@ -116,6 +116,41 @@ async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
             await proc.wait()
 
 
+async def test_a_second_signal_aborts_the_drain_now() -> None:
+    script = SERVER_SCRIPT.replace("shutdown_timeout=1.0", "shutdown_timeout=120.0").replace(
+        "step_delay=0.01", "step_delay=0.2"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script.format(root=str(ROOT)), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        port = None
+        while port is None:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            assert line, "server exited before listening"
+            if m := re.search(r"http://127\.0\.0\.1:(\d+)", line):
+                port = int(m.group(1))
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(  # ~50 s of steps: far longer than the test waits
+                f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 250, "stream": True}
+            )
+            assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
+            proc.send_signal(signal.SIGINT)
+            for _ in range(2000):  # until the signal is handled (bounded poll)
+                if (await http.get(f"{base}/health")).status == 503:
+                    break
+                await asyncio.sleep(0.005)
+            proc.send_signal(signal.SIGINT)  # before: ignored, the drain ran its 120 s
+            rest = await asyncio.wait_for(resp.read(), 10)
+            assert b'"finish_reason":"abort"' in rest and rest.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 def _tandem_command() -> list[str]:
     """The installed console script, else the same entry point through this interpreter."""
     script = shutil.which("tandem")

@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the server's own handler (loading the model)
+        print("tandem: interrupted", file=sys.stderr)
+        return 130
     except RuntimeError as e:
         from ext.cpu import CpuExtensionError  # loaded by now: the engine set-up imported it
 

@@ -231,6 +231,11 @@ class EngineLoop:
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         num_seqs = len(prompts) * params.n
+        if num_seqs > self.capacity:  # never fits, however long the client retries
+            raise ValueError(
+                f"this request needs {num_seqs} sequences (prompts x n) but the server admits "
+                f"at most {self.capacity} at once"
+            )
         if self._num_admitted + num_seqs > self.capacity:
             self.metrics.num_rejected += 1
             raise QueueFullError(

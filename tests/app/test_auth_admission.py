@@ -51,6 +51,17 @@ def test_key_matches_checks_every_key() -> None:
     assert not key_matches("bet", keys) and not key_matches("\udcff", keys)
 
 
+async def test_a_request_larger_than_the_capacity_is_a_400_not_a_429(
+    make_harness: MakeHarness,
+) -> None:
+    h = await make_harness(FakeEngine(max_num_seqs=2), max_queue=1)  # capacity 3 sequences
+    resp = await h.client.post("/v1/completions", json={**BODY, "n": 4})
+    assert resp.status == 400  # before: 429 "retry later" on an idle server, forever
+    assert "at most 3" in (await resp.json())["error"]["message"]
+    assert (await h.client.post("/v1/completions", json={**BODY, "n": 3})).status == 200
+    assert h.loop.metrics.num_rejected == 0
+
+
 async def test_queue_full_429_under_burst(make_harness: MakeHarness) -> None:
     engine = FakeEngine(max_num_seqs=2)
     engine.gate = threading.Event()  # nothing finishes until the burst is judged

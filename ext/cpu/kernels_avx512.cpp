@@ -96,7 +96,11 @@ void gemm_int4(const WeightView& w, int R, int K, const uint16_t* X, int n, floa
   alignas(64) uint16_t tbl[32];
   for (int i = 0; i < 32; ++i) tbl[i] = f32_to_bf16((float)(i - 8));
   const __m512i table = _mm512_load_si512((const void*)tbl);
-  for (int t0 = 0; t0 < n; t0 += 2) {
+  int t0 = 0;
+  for (; t0 + 4 <= n; t0 += 4)
+    for (int r0 = 0; r0 < R; r0 += 4)
+      tile_int4<4>(w, r0, K, X + (size_t)t0 * K, table, C + (size_t)t0 * ldc, ldc);
+  for (; t0 < n; t0 += 2) {
     for (int r0 = 0; r0 < R; r0 += 4) {
       if (n - t0 >= 2) tile_int4<2>(w, r0, K, X + (size_t)t0 * K, table, C + (size_t)t0 * ldc, ldc);
       else tile_int4<1>(w, r0, K, X + (size_t)t0 * K, table, C + (size_t)t0 * ldc, ldc);
@@ -168,16 +172,18 @@ void avx512_gemm(const WeightView& w, int R, int K, const void* xp, int n, float
   const float* rowscale = w.fmt == FMT_INT8 ? w.scales : nullptr;
   if (w.fmt == FMT_BF16) {
     gemm_fmt<FMT_BF16>(w, R, K, X, n, nullptr, C, ldc);
+  } else if (w.fmt == FMT_INT4) {
+    // Always the nibble tiles, never widened rows: those round (q - 8) * scale to bf16, so a
+    // token's result changed with the number of tokens its expert got (batch-dependent).
+    gemm_int4(w, R, K, X, n, C, ldc);
   } else if (n > 4) {
-    // Several token groups: widen the quantized rows once, then run the bf16 tiles.
+    // int8: widen the rows once (q is exact in bf16, the row scale comes after), bf16 tiles.
     uint16_t* wb = (uint16_t*)scratch;
     avx512_dequant_bf16(w, R, K, wb);
     const WeightView v{FMT_BF16, (const uint8_t*)wb, (size_t)K * 2, nullptr, 0};
     gemm_fmt<FMT_BF16>(v, R, K, X, n, rowscale, C, ldc);
-  } else if (w.fmt == FMT_INT8) {
-    gemm_fmt<FMT_INT8>(w, R, K, X, n, rowscale, C, ldc);
   } else {
-    gemm_int4(w, R, K, X, n, C, ldc);
+    gemm_fmt<FMT_INT8>(w, R, K, X, n, rowscale, C, ldc);
   }
 }
 

@@ -728,3 +728,32 @@ def test_converter_rounds_ties_to_even(fmt: str, pack: bool) -> None:
         assert torch.equal(d, expected)
         assert torch.equal(d, quantize(w, fmt, 32))
         assert {float(v) for v in d.unique()} >= {0.0, 2.0, -2.0, 4.0, -6.0, 6.0}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tokens_output_does_not_depend_on_the_other_tokens_of_the_call(pools, isa, fmt):
+    """Greedy output under load must not change with what else runs: each token's result is
+    the same alone and in a batch that gives its experts many tokens (the float path included,
+    int_min_tokens 0). Before: avx512 int4 widened the rows to bf16 from 5 tokens an expert,
+    rounding (q - 8) * scale, so results moved by ~4e-3 relative with the batch."""
+    pool = pools(isa)
+    E, inter, H, k, T = 8, 96, 64, 2, 24
+    w13, w2 = make_layer(E, inter, H, seed=5)
+    hidden, ids, weights = make_inputs(T, H, E, k, seed=6)
+    before = pool.int_min_tokens
+    try:
+        for int_min in sorted({before, 0}):
+            pool.int_min_tokens = int_min
+            pool.add_layer(9, w13, w2, fmt=fmt, group_size=32)
+            batched = pool.forward(9, hidden, ids, weights)
+            alone = torch.cat(
+                [
+                    pool.forward(9, hidden[t : t + 1].clone(), ids[t : t + 1].clone(),
+                                 weights[t : t + 1].clone())
+                    for t in range(T)
+                ]
+            )
+            assert torch.equal(batched, alone), (isa, fmt, int_min)
+    finally:
+        pool.int_min_tokens = before

@@ -232,7 +232,7 @@ class Engine:
                 if tracked is not None and req.params.logprobs:
                     tracked.pending_logprobs.append(lp)
         for req in sampled:
-            delta = self._make_delta(req)
+            delta = self._safe_delta(req)
             if delta is not None:
                 deltas.append(delta)
         return deltas
@@ -278,10 +278,35 @@ class Engine:
         for req, ok in zip(sampled, taken, strict=True):
             if not ok and not req.is_finished:
                 continue
-            delta = self._make_delta(req)
+            delta = self._safe_delta(req)
             if delta is not None:
                 deltas.append(delta)
         return deltas
+
+    def _safe_delta(self, req: Request) -> RequestDelta | None:
+        """`_make_delta`, but a failure of one request's own post-processing (detokenizer, stop
+        strings) ends that request with "abort" instead of raising out of step(), which the
+        loop treats as a dead engine: every later request would get 503."""
+        try:
+            return self._make_delta(req)
+        except Exception:
+            rid = req.request_id
+            log.exception("request %s failed after its step; aborting it", rid)
+            tracked = self._tracked.pop(rid, None)
+            if not req.is_finished:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(rid)
+            if tracked is None:
+                return None
+            return RequestDelta(
+                request_id=rid,
+                new_token_ids=(),
+                new_text="",
+                finish_reason="abort",
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
 
     def _make_delta(self, req: Request) -> RequestDelta | None:
         tracked = self._tracked.get(req.request_id)

@@ -1,11 +1,11 @@
-// The integer path on AMX (Sapphire Rapids and later): tdpbssd, s8 weights x s8 activations,
-// int32 16 x 16 tiles, from kAmxRowScaleMinTokens tokens of one expert (kernels.h says why not
-// fewer). Activations are quantized with ONE scale per token over its whole row (absmax / 127;
-// the VNNI path below uses blocks of 32), so a tile needs no rescaling between K blocks: int8
-// weights (one scale per row) sum all of K in one int32 tile and are scaled once; int4 weights (one scale per group of 32 or 64) take one tdpbssd per
-// group and fold its row scales into 16 fp32 accumulators held in registers. (The first version
-// scaled every tile per 32-element block through memory, which cost several times the AMX work
-// at 256 tokens.)
+// The integer path on AMX (Sapphire Rapids and later): tdpbssd, s8 weights x s8 activations, int32
+// 16 x 16 tiles, from kAmxRowScaleMinTokens tokens of one expert (kernels.h says why not fewer).
+// Activations are quantized with ONE scale per token over its whole row (absmax / 127; the VNNI
+// path below uses blocks of 32), so a tile needs no rescaling between K blocks: int8 weights (one
+// scale per row) sum all of K in one int32 tile and are scaled once; int4 weights (one scale per
+// group of 32 or 64) take one tdpbssd per group and fold its row scales into 16 fp32 accumulators
+// held in registers. (The first version scaled every tile per 32-element block through memory,
+// which cost several times the AMX work at 256 tokens.)
 //   A (weights): row-major s8, 16 rows x kstep bytes. int8 rows are read in place; int4 rows
 //     are unpacked once per work item to q - 8.
 //   B (activations): per 16-token block, [K / 64][16 groups of 4][16 tokens][4] s8, then the

@@ -749,11 +749,19 @@ def test_a_tokens_output_does_not_depend_on_the_other_tokens_of_the_call(pools, 
             batched = pool.forward(9, hidden, ids, weights)
             alone = torch.cat(
                 [
-                    pool.forward(9, hidden[t : t + 1].clone(), ids[t : t + 1].clone(),
-                                 weights[t : t + 1].clone())
+                    pool.forward(
+                        9,
+                        hidden[t : t + 1].clone(),
+                        ids[t : t + 1].clone(),
+                        weights[t : t + 1].clone(),
+                    )
                     for t in range(T)
                 ]
             )
-            assert torch.equal(batched, alone), (isa, fmt, int_min)
+            if isa == "amx":  # tiles from 4 (bf16) / 16 (int) tokens an expert, AVX-512 below:
+                # the same products, summed in another order
+                assert rel_err(batched, alone) < 1e-5, (isa, fmt, int_min)
+            else:
+                assert torch.equal(batched, alone), (isa, fmt, int_min)
     finally:
         pool.int_min_tokens = before

@@ -53,6 +53,19 @@ class _InFlight:
     handle: object  # the runner's launch handle
 
 
+def _abort_delta(req: Request) -> RequestDelta:
+    """The last delta of an aborted request: no new tokens, finish_reason "abort"."""
+    return RequestDelta(
+        request_id=req.request_id,
+        new_token_ids=(),
+        new_text="",
+        finish_reason="abort",
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+    )
+
+
 class Engine:
     def __init__(
         self,
@@ -196,18 +209,7 @@ class Engine:
             return
         self.scheduler.abort_request(request_id)
         self.runner.release(request_id)
-        req = tracked.request
-        self._aborted.append(
-            RequestDelta(
-                request_id=request_id,
-                new_token_ids=(),
-                new_text="",
-                finish_reason="abort",
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens,
-                num_cached_tokens=req.num_cached_tokens,
-            )
-        )
+        self._aborted.append(_abort_delta(tracked.request))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or bool(self._aborted) or self._in_flight is not None
@@ -296,17 +298,7 @@ class Engine:
             if not req.is_finished:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             self.runner.release(rid)
-            if tracked is None:
-                return None
-            return RequestDelta(
-                request_id=rid,
-                new_token_ids=(),
-                new_text="",
-                finish_reason="abort",
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens,
-                num_cached_tokens=req.num_cached_tokens,
-            )
+            return None if tracked is None else _abort_delta(req)
 
     def _make_delta(self, req: Request) -> RequestDelta | None:
         tracked = self._tracked.get(req.request_id)

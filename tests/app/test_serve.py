@@ -77,6 +77,15 @@ sys.exit(asyncio.run(serve_until_signal(ServerConfig(port=0, shutdown_timeout=1.
 """
 
 
+async def _listening_at(proc: asyncio.subprocess.Process) -> str:
+    """The base URL the server script logs once it listens (its stderr, 30 s a line)."""
+    while True:
+        line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+        assert line, "server exited before listening"
+        if m := re.search(r"http://127\.0\.0\.1:(\d+)", line):
+            return f"http://127.0.0.1:{m.group(1)}"
+
+
 async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -86,13 +95,7 @@ async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
         cwd=str(ROOT),
     )
     try:
-        port = None
-        while port is None:
-            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
-            assert line, "server exited before listening"
-            if m := re.search(r"http://127\.0\.0\.1:(\d+)", line):
-                port = int(m.group(1))
-        base = f"http://127.0.0.1:{port}"
+        base = await _listening_at(proc)
         async with aiohttp.ClientSession() as http:
             resp = await http.post(
                 f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True}
@@ -124,13 +127,7 @@ async def test_a_second_signal_aborts_the_drain_now() -> None:
         sys.executable, "-c", script.format(root=str(ROOT)), stderr=asyncio.subprocess.PIPE
     )
     try:
-        port = None
-        while port is None:
-            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
-            assert line, "server exited before listening"
-            if m := re.search(r"http://127\.0\.0\.1:(\d+)", line):
-                port = int(m.group(1))
-        base = f"http://127.0.0.1:{port}"
+        base = await _listening_at(proc)
         async with aiohttp.ClientSession() as http:
             resp = await http.post(  # ~50 s of steps: far longer than the test waits
                 f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 250, "stream": True}

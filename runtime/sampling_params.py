@@ -120,9 +120,10 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}",
         )
         need(
-            is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            # from 1e-6: smaller ones become 0 in float32 and divide the logits by zero
+            is_num(self.repetition_penalty) and 1e-6 <= self.repetition_penalty <= 10.0,
             "repetition_penalty",
-            f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
+            f"repetition_penalty must be in [1e-6, 10], got {self.repetition_penalty!r}",
         )
         need(
             self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),

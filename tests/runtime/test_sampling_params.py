@@ -21,6 +21,7 @@ from runtime.sampling_params import SamplingParams, SamplingParamsError, expand_
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32
         ({"seed": "x"}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["a"] * 17}, "stop"),

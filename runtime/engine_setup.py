@@ -97,15 +97,15 @@ def load_engine_model(
     model_path = None
     if not (spec.load_format == "dummy" and model_config is not None):
         model_path = resolve_model(spec.model)
-    attn = spec.attention_backend
-    if attn == "auto":
-        attn = _auto_attention_backend(device, dtype, model_config, model_path)
     if model_config is None and model_path is not None:
         from models.loader import read_model_config
 
         model_config = read_model_config(model_path, spec.load_format)
     if model_config is not None:
         check_expert_options(spec, device, model_config)
+    attn = spec.attention_backend
+    if attn == "auto":
+        attn = _auto_attention_backend(device, dtype, model_config)
     experts = spec.expert_backend
     if experts == "auto":  # the CPU pool when asked for; on CUDA every expert on the GPU
         asked = spec.cpu_experts is not None or spec.gpu_experts is not None
@@ -228,24 +228,11 @@ def _auto_expert_backend(device) -> str:
     return "gpu" if device.type == "cuda" else "torch"
 
 
-def _auto_attention_backend(device, dtype, model_config, model_path) -> str:
+def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> str:
     """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
     if device.type != "cuda":
         return "torch"
     from models.cupy_backend import cupy_backend_supports
 
-    mc = model_config
-    if mc is None and model_path is not None:
-        try:
-            if Path(model_path).is_dir():
-                from models.config import ModelConfig
-
-                mc = ModelConfig.from_pretrained(model_path)
-            elif Path(model_path).suffix == ".gguf":
-                from models.loader.gguf import gguf_model_config
-
-                mc = gguf_model_config(model_path)
-        except Exception:  # the loader reports a bad config with a better error
-            mc = None
-    head_dim = mc.head_dim if mc is not None else 128
+    head_dim = model_config.head_dim if model_config is not None else 128
     return "cupy" if cupy_backend_supports(head_dim, dtype, device) else "torch"

@@ -26,13 +26,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(
-    head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int | None
-) -> tuple[torch.Tensor, float]:
-    """YaRN (arXiv 2309.00071) as HF transformers computes it: per frequency a blend of the
-    original (extrapolated) and the `factor`-interpolated frequency, by a linear ramp between
-    the dimensions that turn beta_fast and beta_slow times over the original context; and the
-    attention factor that scales cos/sin."""
+def _yarn_factor(scaling: dict[str, Any], max_positions: int | None) -> tuple[float, float]:
+    """YaRN's (factor, original context): `factor` where given, else the ratio of the config's
+    max_position_embeddings to the original context."""
     original = scaling.get("original_max_position_embeddings") or max_positions
     if not original:
         raise UnsupportedModelError("yarn rope scaling needs original_max_position_embeddings")
@@ -41,14 +37,18 @@ def _yarn(
         if not max_positions:
             raise UnsupportedModelError("yarn rope scaling needs a factor")
         factor = max_positions / original
-    factor = float(factor)
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _yarn_mscale(factor)
+    return float(factor), float(original)
+
+
+def _yarn_inv_freq(
+    pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any],
+    max_positions: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """YaRN (arXiv 2309.00071) as HF transformers computes it: per frequency a blend of the
+    original (extrapolated) and the `factor`-interpolated one, by a linear ramp between the
+    dimensions that turn beta_fast and beta_slow times over the original context.
+    `pos_freqs`: theta ** (2i / head_dim)."""
+    factor, original = _yarn_factor(scaling, max_positions)
     beta_fast = scaling.get("beta_fast") or 32
     beta_slow = scaling.get("beta_slow") or 1
 
@@ -63,22 +63,25 @@ def _yarn(
         high += 0.001  # no zero-width ramp
     ramp = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
     ramp = ((ramp - low) / (high - low)).clamp(0, 1)
-    pos_freqs = theta ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
-    )
     extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate it
-    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
+    return (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
 
 
 def rope_attention_factor(
     scaling: dict[str, Any] | None, max_positions: int | None = None
 ) -> float:
-    """The factor cos/sin are scaled by (YaRN's; 1 for the other types)."""
+    """The factor cos/sin are scaled by: YaRN's (from its factor, or `attention_factor`, or
+    `mscale` / `mscale_all_dim`, as HF), 1 for the other types."""
     if _rope_type(scaling) != "yarn":
         return 1.0
     assert scaling is not None
-    return _yarn(64, 10000.0, scaling, max_positions)[1]  # independent of head_dim and theta
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, _ = _yarn_factor(scaling, max_positions)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
 
 
 def rope_inv_freq(
@@ -87,13 +90,14 @@ def rope_inv_freq(
     """Inverse frequencies `[head_dim // 2]` float32 on the CPU. `max_positions` (the config's
     max_position_embeddings) is YaRN's default original context."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)
+    pos_freqs = theta**exponent
+    inv_freq = 1.0 / pos_freqs
     rope_type = _rope_type(scaling)
     if rope_type == "default":
         return inv_freq
     assert scaling is not None
     if rope_type == "yarn":
-        return _yarn(head_dim, theta, scaling, max_positions)[0]
+        return _yarn_inv_freq(pos_freqs, head_dim, theta, scaling, max_positions)
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return inv_freq / factor

@@ -200,22 +200,3 @@ def test_env_var(monkeypatch):
         monkeypatch.setenv(pool_mod.INT_PATH_ENV, "5")
         with CpuExpertPool(num_threads=1, isa=INT_ISAS[-1]) as pool:
             assert pool.int_min_tokens == 5
-
-
-@pytest.mark.parametrize("isa", INT_ISAS)
-@pytest.mark.parametrize("fmt,group", FORMATS)
-def test_a_tokens_output_does_not_depend_on_the_batch(isa, fmt, group):
-    """Below AMX_ROW_SCALE_MIN_TOKENS tokens an expert, every ISA quantizes activations per
-    32-element block, whatever else the call holds: a token's output alone equals its output in
-    a batch (up to the order of fp32 sums), so greedy answers do not change with the load."""
-    w13, w2 = random_layer(7)
-    E, _, H = w13.shape
-    T, k = 24, 2  # at most 24 * 2 slots over E experts; checked below to stay under the threshold
-    hidden, ids, weights = random_call(T, k, E, H, seed=8)
-    assert ids[ids >= 0].bincount().max() < AMX_ROW_SCALE_MIN_TOKENS
-    with CpuExpertPool(num_threads=2, isa=isa, int_min_tokens=1) as pool:
-        pool.add_layer(0, w13, w2, fmt, group)
-        batched = pool.forward(0, hidden, ids, weights)
-        alone = torch.cat([pool.forward(0, hidden[t : t + 1], ids[t : t + 1], weights[t : t + 1])
-                           for t in range(T)])  # fmt: skip
-    assert rel_err(batched, alone) < 1e-5

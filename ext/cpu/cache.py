@@ -108,8 +108,9 @@ class ExpertCache:
         return fmt, self.group_size if fmt == "int4" else None
 
     def check(self, layer_idx: int, key: str, shape: tuple[int, int, int]) -> bool:
-        """Whether `load` would take the layer's file, from its 4 KiB header and size alone
-        (no mapping, no weights read). Silent: a bad file is reported by `load`."""
+        """Whether `load` would take the layer's file, from its 4 KiB header, its size and the
+        header's 1,025 sampled data lines (no mapping, no full read). Silent: a bad file is
+        reported by `load`."""
         path = self.layer_path(layer_idx)
         if not path.exists():
             return False

@@ -107,9 +107,9 @@ struct Layer {
 //    zeroed after its header was written no longer loads).
 constexpr uint32_t kLayoutVersion = 3;
 
-// The header checks of ExpertPool::load_layer (expected values, layout, file size) without
-// mapping or reading the weights: a cheap "would load_layer accept this file?". Throws
-// invalid_argument naming the mismatch.
+// The header checks of ExpertPool::load_layer (expected values, layout, file size, the sampled
+// data lines' checksum) without mapping or reading all the weights: a cheap "would load_layer
+// accept this file?". Throws invalid_argument naming the mismatch.
 void check_layer_file(const std::string& path, bool check_key, const std::string& key, int E,
                       int I, int H, int fmt, int group);
 

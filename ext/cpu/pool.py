@@ -141,8 +141,9 @@ def check_layer_file(
     group_size: int | None = None,
 ) -> None:
     """The checks of `CpuExpertPool.load_layer` (header, expected key / shape / format, file
-    size) without mapping the weights or needing a pool: reads one 4 KiB header. Raises
-    ValueError naming the mismatch, as load_layer would."""
+    size, sampled data lines) without mapping the weights or needing a pool: reads the 4 KiB
+    header and 1,025 lines of 64 bytes. Raises ValueError naming the mismatch, as load_layer
+    would."""
     load_extension().check_layer_file(*_layer_file_args(path, key, shape, fmt, group_size))
 
 

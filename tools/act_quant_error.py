@@ -4,8 +4,8 @@ Runs a prompt through the model (any dense or MoE checkpoint Tandem loads; defau
 SmolLM2-135M-Instruct), captures the input of every dense MLP (post-norm hidden states: real
 outlier channels, unlike random tests), and computes each layer's MLP output in float32 with
 its two inputs (the gate/up input and the down input) quantized to int8 as the integer path
-does: per token and 32-element block (VNNI; AMX below ext/cpu/kernels.h kAmxRowScaleMinTokens
-tokens an expert), or with one scale per token row (the AMX int8 tiles from that many tokens).
+does: per token and 32-element block (VNNI and, since session 9, the AMX tiles), or with one
+scale per token row (what the AMX tiles did from 16 tokens an expert in session 8).
 Prints the relative L2 error of the MLP output per layer and on average. Weights stay exact,
 so only the activations' share of the error shows.
 

@@ -22,12 +22,11 @@ enum Fmt : int { FMT_BF16 = 0, FMT_INT8 = 1, FMT_INT4 = 2 };
 constexpr int kKAlign = 64;
 constexpr int kRowBlock = 64;   // weight rows per work item (gate/up: 32 gate + 32 up rows)
 constexpr int kAmxMinTokens = 4;  // tokens of one expert from which the AMX bf16 path is used
-// Tokens of one expert from which the AMX int8 path runs (below: VNNI). It quantizes activations
-// with one scale per token row, VNNI per block of 32: on SmolLM2's real MLP inputs the row scale
-// gives 4x the error (4.8% against 1.2% of the MLP output, up to 14.8% in one layer), and an
-// expert's output then depends on how many tokens share it. VNNI is as fast up to ~16 tokens an
-// expert (BENCHMARKS, session 8), so the AMX int8 path waits until it clearly wins.
-constexpr int kAmxRowScaleMinTokens = 16;
+// Tokens of one expert from which the AMX int8 path multiplies in tiles (below: VNNI; env
+// TANDEM_AMX_TILE_MIN_TOKENS overrides). Both quantize activations per 32-element block, so the
+// choice is speed only: on the device's Xeon the tiles win from 6-8 tokens an expert (8 experts
+// of the Qwen3-30B-A3B shape, top-8; BENCHMARKS, session 9), VNNI below.
+constexpr int kAmxTileMinTokens = 8;
 
 struct WeightView {
   int fmt;
@@ -56,9 +55,6 @@ struct KernelSet {
   // gemm takes packed int rows (WeightView.packed) as they are; false: the caller hands it
   // natural rows (unpacked per work item).
   bool reads_packed = false;
-  // Non-null: the activations for gemm over packed int8 rows come from this instead of `prep`
-  // (same signature and size; the order of K matches the packed rows).
-  void (*prep_packed)(const float* const* x, int Kv, int K, int n, void* dst) = nullptr;
 };
 
 static inline size_t gemm_scratch_bytes(int R, int K) {
@@ -233,7 +229,7 @@ void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst);
 void vnni_unpack_int4_s8(const WeightView& w, int R, int K, int8_t* dst);
 #endif
 #ifdef TANDEM_HAVE_AMX_INT8
-KernelSet kernels_amx_int8();  // tdpbssd from kAmxRowScaleMinTokens tokens, VNNI below
+KernelSet kernels_amx_int8();  // tdpbssd from kAmxTileMinTokens tokens, VNNI below
 #endif
 
 }  // namespace tandem_cpu

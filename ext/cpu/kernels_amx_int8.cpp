@@ -1,20 +1,25 @@
 // The integer path on AMX (Sapphire Rapids and later): tdpbssd, s8 weights x s8 activations, int32
-// 16 x 16 tiles, from kAmxRowScaleMinTokens tokens of one expert (kernels.h says why not fewer).
-// Activations are quantized with ONE scale per token over its whole row (absmax / 127; the VNNI
-// path below uses blocks of 32), so a tile needs no rescaling between K blocks: int8 weights (one
-// scale per row) sum all of K in one int32 tile and are scaled once; int4 weights (one scale per
-// group of 32 or 64) take one tdpbssd per group and fold its row scales into 16 fp32 accumulators
-// held in registers. (The first version scaled every tile per 32-element block through memory,
-// which cost several times the AMX work at 256 tokens.)
-//   A (weights): row-major s8, 16 rows x kstep bytes. int8 rows are read in place; int4 rows
-//     are unpacked once per work item to q - 8.
-//   B (activations): per 16-token block, [K / 64][16 groups of 4][16 tokens][4] s8, then the
-//     16 token scales.
+// 16 x 16 tiles, from kAmxTileMinTokens tokens of one expert (VNNI below: kernels.h).
+// Activations are quantized exactly as VNNI quantizes them (kernels.h: kQBlock; simd_q8.h:
+// q8_block32): one scale per token and block of 32 elements, so an expert's output does not
+// depend on which path its token count picked. (Session 8's version took one scale per token
+// row from 16 tokens: 4x the error on real activations, and batch-dependent.) So a C tile may
+// only sum products that share a scale: each tile store holds, per column, one 32-block's int32
+// sums, which are scaled into 16 fp32 accumulators held in registers by the 16 lanes'
+// activation scales and, for int4, the weight group's row scales (int8 rows take their one
+// scale at the end). A token block of few tokens puts several blocks side by side in the
+// columns of one tile (blocks_per_tile), so one store and one rescale serve them all. Two C
+// tiles alternate, and a tile is scaled kLag steps after its store.
+//   A (weights): 16 rows x 64 bytes of natural s8 rows, unpacked per 16-row tile (packed int8
+//     rows by vnni_unpack_rows, int4 to q - 8); natural int8 rows are read in place.
+//   B (activations): per 16-token block, 1 KB tiles [16 rows of 4 elements][16 columns][4] s8,
+//     then one 16-lane scale vector per tile store (prep below).
 // Compiled with the AVX-512 flags plus -mamx-tile -mamx-int8; used only after CPUID reports AMX
 // and the kernel granted XTILEDATA (isa.cpp).
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "amx_tiles.h"
 #include "kernels.h"
@@ -23,77 +28,72 @@
 namespace tandem_cpu {
 namespace {
 
-// Tile 0: C (16 x 16 int32); 4: A (16 weight rows x kstep bytes); 6: B (kstep / 4 rows of
-// 16 tokens x 4 bytes). kstep = 64 (int8 rows, int4 groups of 64) or 32 (int4 groups of 32).
-inline void configure_tiles(int kstep) {
+// Tokens of one expert from which the tiles run; TANDEM_AMX_TILE_MIN_TOKENS overrides it (read
+// once, when the kernel set is made) to measure the crossover with VNNI.
+int tile_min_tokens = kAmxTileMinTokens;
+
+// Tiles 0, 1: C (16 x 16 int32); 4, 5: A (16 weight rows x 64 bytes); 6, 7: B (16 rows of 16
+// columns x 4 bytes). Every tdpbssd sums one 64-element chunk of K.
+inline void configure_tiles() {
   AmxTileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
-  cfg.colsb[0] = 64;
-  cfg.rows[0] = 16;
-  cfg.colsb[4] = (uint16_t)kstep;
-  cfg.rows[4] = 16;
-  cfg.colsb[6] = 64;
-  cfg.rows[6] = (uint8_t)(kstep / 4);
+  for (int t : {0, 1, 4, 5, 6, 7}) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
   _tile_loadconfig(&cfg);
 }
 
-constexpr int kKB = 64;                   // K elements per activation block of the layout
-constexpr size_t kBlockBytes = 16 * kKB;  // 16 rows (4-element groups) x 16 tokens x 4 bytes
+constexpr int kKB = 64;          // K elements per tdpbssd
+constexpr size_t kTileB = 1024;  // one B tile: 16 rows (4-element groups) x 16 columns x 4 bytes
 
-size_t token_block_bytes(int K) { return (size_t)(K / kKB) * kBlockBytes + 16 * 4; }
+// A token block of nt <= 16 tokens puts P blocks of 32 (the scale domain) side by side in the
+// 16 columns of one C tile, nt <= 16 / P tokens each, so one tile store and one rescale serve P
+// blocks: P = 1 (9-16 tokens), 2 (5-8), 4 (1-4, where K / 32 is a multiple of 4).
+inline int blocks_per_tile(int nt, int nb) { return nt <= 4 && nb % 4 == 0 ? 4 : nt <= 8 ? 2 : 1; }
 
-size_t prep_bytes(int K, int n) {
-  if (n < kAmxRowScaleMinTokens) return vnni_prep_bytes(K, n);
-  return (size_t)((n + 15) / 16) * token_block_bytes(K);
+// B tiles of a token block: P = 1: one per 32-block b (its 8 rows of the 64-chunk; the other 8
+// zero); P = 2, 4: one per 64-chunk. Then the scales, one 16-lane vector per tile store.
+size_t token_block_bytes(int K, int P) {
+  const int nb = K / kQBlock;
+  return (size_t)(P == 1 ? nb : K / kKB) * kTileB + (size_t)(nb / P) * 16 * 4;
 }
 
-// Token block tb: [K / 64][16][16 tokens][4] s8, then the 16 tokens' scales (fp32). One scale
-// per token over its whole row (absmax / 127, q = round-half-even(x / scale)), so a tile sums
-// over all of K in int32 and is scaled once; padded tokens (and all-zero rows) are zero.
-// PACKED: the 4-element groups in the order of packed int8 rows (kernels.h: packed_at), so
-// tdpbssd reads those rows in place (a sum over all of K does not care about the order).
-template <bool PACKED>
-void prep_order(const float* const* x, int Kv, int K, int n, void* dst) {
-  if (n < kAmxRowScaleMinTokens) {
+size_t prep_bytes(int K, int n) {
+  if (n < tile_min_tokens) return vnni_prep_bytes(K, n);
+  const int nb = K / kQBlock, full = n / 16, rest = n % 16;
+  return (size_t)full * token_block_bytes(K, 1) +
+         (rest ? token_block_bytes(K, blocks_per_tile(rest, nb)) : 0);
+}
+
+// Token block tb (at tb * token_block_bytes(K, 1): only the last one may be partial): token j,
+// block b goes to column (b % P) * (16 / P) + j of B tile (P = 1 ? b : b / 2), rows (b % 2) * 8
+// .. + 7 (elements 4 g .. 4 g + 3 of the block in row (b % 2) * 8 + g), and its scale to lane
+// (b % P) * (16 / P) + j of scale vector b / P. Everything else is zero (padded tokens, all-zero
+// blocks, blocks past Kv, and the other blocks' places in each column).
+void prep(const float* const* x, int Kv, int K, int n, void* dst) {
+  if (n < tile_min_tokens) {
     vnni_prep(x, Kv, K, n, dst);
     return;
   }
   std::memset(dst, 0, prep_bytes(K, n));
+  const int nb = K / kQBlock;
   for (int t = 0; t < n; ++t) {
-    uint8_t* blk = (uint8_t*)dst + (size_t)(t / 16) * token_block_bytes(K);
-    float* scales = (float*)(blk + (size_t)(K / kKB) * kBlockBytes);
-    const int j = t % 16;
-    __m512 amax = _mm512_setzero_ps();
-    for (int k = 0; k < Kv; k += 16)
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k)));
-    const float sc = _mm512_reduce_max_ps(amax) / 127.f;
-    if (!(sc > 0.f)) continue;
-    scales[j] = sc;
-    const __m512 sv = _mm512_set1_ps(sc);
-    alignas(16) int8_t q[16];
-    for (int k = 0; k < Kv; k += 16) {
-      const __m512 v = _mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k);
-      // Division, not a reciprocal multiply: the same rounding as the torch reference.
-      _mm_store_si128((__m128i*)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(v, sv))));
-      // Elements k + 4g .. k + 4g + 3 are one 4-byte group; group d of the K order goes to
-      // row d % 16 of 64-element block d / 16, i.e. byte 64 d (+ 4 per token).
-      for (int g = 0; g < 4; ++g) {
-        const size_t d = PACKED ? packed_word(FMT_INT8, K, k + 4 * g) : (size_t)(k / 4 + g);
-        std::memcpy(blk + d * 64 + j * 4, q + 4 * g, 4);
-      }
+    const int tb = t / 16, j = t % 16, P = blocks_per_tile(std::min(16, n - tb * 16), nb);
+    const int T = 16 / P;
+    uint8_t* blk = (uint8_t*)dst + (size_t)tb * token_block_bytes(K, 1);
+    float* scales = (float*)(blk + (size_t)(P == 1 ? nb : K / kKB) * kTileB);
+    for (int b = 0; b < nb && b * kQBlock < Kv; ++b) {
+      alignas(16) int8_t q[kQBlock];
+      int32_t sum;
+      const int col = (b % P) * T + j;
+      if (!q8_block32(x[t] + b * kQBlock, Kv - b * kQBlock, q, &scales[(b / P) * 16 + col], &sum))
+        continue;
+      uint8_t* tile = blk + (size_t)(P == 1 ? b : b / 2) * kTileB + (b % 2) * 8 * 64 + col * 4;
+      for (int g = 0; g < kQBlock / 4; ++g) std::memcpy(tile + g * 64, q + 4 * g, 4);
     }
   }
-}
-
-void prep(const float* const* x, int Kv, int K, int n, void* dst) {
-  prep_order<false>(x, Kv, K, n, dst);
-}
-
-// Below kAmxRowScaleMinTokens both are vnni_prep, whose layout does not depend on the
-// weights' order.
-void prep_packed(const float* const* x, int Kv, int K, int n, void* dst) {
-  prep_order<true>(x, Kv, K, n, dst);
 }
 
 // int4 rows [0, R) as s8 (q - 8), row-major [R][K].
@@ -112,94 +112,161 @@ void unpack_int4(const WeightView& w, int R, int K, int8_t* dst) {
   }
 }
 
+// Staging buffers between a tile's store and its scaling: the C tile of step s is stored to
+// ring[s % kRing] and scaled kLag steps later, so the vector loads do not wait on a tile store
+// just issued.
+constexpr int kRing = 4, kLag = 3;
+
 size_t scratch_bytes(int R, int K) {
-  // unpacked int4 rows, two 16 x 16 staging tiles, alignment
-  return (size_t)R * K + 2 * 1024 + 128 + vnni_scratch_bytes(R, K);
+  // 16 s8 rows, the staging ring of 16 x 16 int32 tiles and one fp32 block, alignment
+  (void)R;
+  return (size_t)16 * K + (kRing + 1) * 1024 + 128 + vnni_scratch_bytes(R, K);
 }
 
-// C[token][row] for the 16 rows r0.. and the valid tokens of token block tb: v[m * 16 + j] is
+// C[token][row] for the 16 rows r0.. and the nt tokens of token block tb: v[m * 16 + j] is
 // row m, token j (already fully scaled).
-inline void write_block(const float* v, float* C, int ldc, int r0, int tb, int n) {
-  for (int j = 0; j < 16 && tb * 16 + j < n; ++j) {
+inline void write_block(const float* v, float* C, int ldc, int r0, int tb, int nt) {
+  for (int j = 0; j < nt; ++j) {
     float* c = C + (size_t)(tb * 16 + j) * ldc + r0;
     for (int m = 0; m < 16; ++m) c[m] = v[m * 16 + j];
   }
 }
 
-void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
-          uint8_t* scratch) {
-  if (n < kAmxRowScaleMinTokens) {
-    vnni_gemm(w, R, K, xp, n, C, ldc, scratch);
-    return;
+// Step s of a token block into C tile c (B tile bt): P = 1: block s (A chunk s / 2); P = 2:
+// chunk s; P = 4: chunks 2 s and 2 s + 1 (A tiles 4 and 5, B tiles bt and bt2), summed in c. A
+// macro: the tile intrinsics paste their tile number into the asm text, so it must be a literal.
+#define TANDEM_TILE_STEP(c, bt, bt2, s)                                                     \
+  do {                                                                                     \
+    _tile_zero(c);                                                                         \
+    const int ch_ = P == 4 ? 2 * (s) : P == 2 ? (s) : (s) / 2;                             \
+    _tile_loadd(4, A + (size_t)ch_ * kKB, ldw);                                            \
+    _tile_loadd(bt, xb + (size_t)(P == 1 ? (s) : ch_) * kTileB, 64);                       \
+    _tile_dpbssd(c, 4, bt);                                                                \
+    if (P == 4) {                                                                          \
+      _tile_loadd(5, A + (size_t)(ch_ + 1) * kKB, ldw);                                    \
+      _tile_loadd(bt2, xb + (size_t)(ch_ + 1) * kTileB, 64);                               \
+      _tile_dpbssd(c, 5, bt2);                                                             \
+    }                                                                                      \
+    _tile_stored(c, ring + ((s) % kRing) * 256, 64);                                       \
+  } while (0)
+
+// acc[m] += ring tile of step s, row m (int32) x its 16 lanes' activation scales x (int4) the
+// row's weight-group scale of each lane's block. A macro, not a function or lambda: acc must
+// stay in registers (the tile asm clobbers memory).
+#define TANDEM_SCALE_STEP(s)                                                                \
+  do {                                                                                     \
+    const int32_t* t_ = ring + ((s) % kRing) * 256;                                        \
+    const __m512 xs_ = _mm512_loadu_ps(xs + (size_t)(s) * 16);                             \
+    const float* wsb_ = ws + (INT4 ? (size_t)(s) * P * kQBlock / w.group : 0);             \
+    _Pragma("GCC unroll 16") for (int m = 0; m < 16; ++m) {                                \
+      const __m512 v_ = _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(t_ + m * 16))); \
+      __m512 s_ = xs_;                                                                     \
+      if (INT4)                                                                            \
+        s_ = _mm512_mul_ps(xs_, P == 1 ? _mm512_set1_ps(wsb_[(size_t)m * groups])          \
+                                       : _mm512_permutexvar_ps(                            \
+                                             gidx, _mm512_maskz_loadu_ps(                  \
+                                                       gmask, wsb_ + (size_t)m * groups)));  \
+      acc[m] = _mm512_fmadd_ps(v_, s_, acc[m]);                                            \
+    }                                                                                      \
+  } while (0)
+
+// Rows [r0, r0 + 16) of w as natural s8 rows [16][K] in dst (int8 natural rows: in place).
+inline const int8_t* rows16(const WeightView& w, int r0, int K, int8_t* dst) {
+  WeightView v = w;
+  v.data = w.data + (size_t)r0 * w.row_bytes;
+  if (w.fmt == FMT_INT4) {
+    if (w.packed) vnni_unpack_int4_s8(v, 16, K, dst);
+    else unpack_int4(v, 16, K, dst);
+    return dst;
   }
-  const bool int4 = w.fmt == FMT_INT4;
-  uint8_t* free_scratch = (uint8_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-  const int8_t* W = (const int8_t*)w.data;
-  size_t ldw = w.row_bytes;
-  // int8 rows are read in place: packed ones against prep_packed's activations (the pool's
-  // choice), whose K order is theirs. int4 rows are unpacked to s8 in the natural order.
-  if (int4) {
-    if (w.packed) vnni_unpack_int4_s8(w, R, K, (int8_t*)free_scratch);
-    else unpack_int4(w, R, K, (int8_t*)free_scratch);
-    W = (const int8_t*)free_scratch;
-    ldw = (size_t)K;
-    free_scratch += ((size_t)R * K + 63) & ~(size_t)63;
-  }
-  int32_t* tile = (int32_t*)free_scratch;       // [16][16] int32
-  float* out = (float*)(free_scratch + 1024);   // [16][16] fp32
-  const int kstep = int4 ? std::min(kKB, w.group) : kKB;
-  const int groups = int4 ? K / w.group : 0;
-  const int ntb = (n + 15) / 16;
-  const size_t tbb = token_block_bytes(K);
-  const uint8_t* X = (const uint8_t*)xp;
-  configure_tiles(kstep);
+  if (!w.packed) return (const int8_t*)v.data;
+  vnni_unpack_rows(v, 16, K, (uint8_t*)dst);
+  return dst;
+}
+
+template <bool INT4>
+void tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, float* C, int ldc,
+           int8_t* rows, int32_t* ring, float* out) {
+  const int groups = INT4 ? K / w.group : 1, nb = K / kQBlock, ntb = (n + 15) / 16;
+  const size_t tbb = token_block_bytes(K, 1);
+  const bool natural = !INT4 && !w.packed;
+  const size_t ldw = natural ? w.row_bytes : (size_t)K;
+  configure_tiles();
   for (int r0 = 0; r0 < R; r0 += 16) {
-    const int8_t* A = W + (size_t)r0 * ldw;
+    // This r-tile's rows, unpacked once for all token blocks; while its tiles run, the next
+    // r-tile's source lines are prefetched to L2 (spread over the first token block's steps), so
+    // the unpack that follows reads from cache instead of waiting on memory.
+    const int8_t* A = rows16(w, r0, K, rows);
+    asm volatile("" ::: "memory");  // the tile loads' asm names no memory: keep the rows' stores first
+    const float* ws = w.scales + (size_t)r0 * groups;
+    const uint8_t* pf = r0 + 16 < R ? w.data + (size_t)(r0 + 16) * w.row_bytes : nullptr;
+    const size_t pf_lines = pf ? 16 * w.row_bytes / 64 : 0;
     for (int tb = 0; tb < ntb; ++tb) {
+      const int nt = std::min(16, n - tb * 16), P = blocks_per_tile(nt, nb), T = 16 / P;
+      const int steps = nb / P;
       const uint8_t* xb = X + (size_t)tb * tbb;
-      const __m512 xs = _mm512_loadu_ps((const float*)(xb + (size_t)(K / kKB) * kBlockBytes));
-      if (!int4) {  // int8: per-row scales, the whole of K in one int32 tile
-        _tile_zero(0);
-        for (int b = 0; b < K / kKB; ++b) {
-          _tile_loadd(4, A + b * kKB, ldw);
-          _tile_loadd(6, xb + (size_t)b * kBlockBytes, 64);
-          _tile_dpbssd(0, 4, 6);
-        }
-        _tile_stored(0, tile, 64);
-        for (int m = 0; m < 16; ++m) {
-          const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(tile + m * 16)));
-          _mm512_store_ps(out + m * 16,
-                          _mm512_mul_ps(v, _mm512_mul_ps(xs, _mm512_set1_ps(w.scales[r0 + m]))));
-        }
-      } else {  // int4: one int32 tile per group, scaled by the group's row scales into fp32
-        __m512 acc[16];
+      const float* xs = (const float*)(xb + (size_t)(P == 1 ? nb : K / kKB) * kTileB);
+      // int4, P > 1: lane l takes the weight group of block l / T of the step, loaded from the
+      // step's first group (P * 32 / group of them).
+      alignas(64) int32_t gi[16];
+      for (int l = 0; l < 16; ++l) gi[l] = INT4 ? (l / T) * kQBlock / w.group : 0;
+      const __m512i gidx = _mm512_load_si512((const void*)gi);
+      const __mmask16 gmask = (__mmask16)((1u << std::max(1, INT4 ? P * kQBlock / w.group : 1)) - 1);
+      const size_t pf_per_step = tb == 0 ? (pf_lines + steps - 1) / steps : 0;
+      __m512 acc[16];
 #pragma GCC unroll 16
-        for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
-        for (int k0 = 0; k0 < K; k0 += kstep) {
-          _tile_zero(0);
-          _tile_loadd(4, A + k0, ldw);
-          _tile_loadd(6, xb + (size_t)(k0 / kKB) * kBlockBytes + (k0 % kKB) / 4 * 64, 64);
-          _tile_dpbssd(0, 4, 6);
-          _tile_stored(0, tile, 64);
-          const float* ws = w.scales + (size_t)r0 * groups + k0 / w.group;
-#pragma GCC unroll 16
-          for (int m = 0; m < 16; ++m)
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(tile + m * 16))),
-                                     _mm512_set1_ps(ws[(size_t)m * groups]), acc[m]);
+      for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+      for (int s = 0; s < steps; s += 2) {
+        for (size_t i = s * pf_per_step; i < std::min(pf_lines, (s + 2) * pf_per_step); ++i)
+          _mm_prefetch((const char*)(pf + (i % 16) * w.row_bytes + (i / 16) * 64), _MM_HINT_T1);
+        TANDEM_TILE_STEP(0, 6, 7, s);
+        if (s >= kLag) TANDEM_SCALE_STEP(s - kLag);
+        if (s + 1 < steps) {
+          TANDEM_TILE_STEP(1, 7, 6, s + 1);
+          if (s + 1 >= kLag) TANDEM_SCALE_STEP(s + 1 - kLag);
         }
-#pragma GCC unroll 16
-        for (int m = 0; m < 16; ++m) _mm512_store_ps(out + m * 16, _mm512_mul_ps(acc[m], xs));
       }
-      write_block(out, C, ldc, r0, tb, n);
+      for (int s = std::max(0, steps - kLag); s < steps; ++s) TANDEM_SCALE_STEP(s);
+      // Lane (i * T + j) holds block i's share of token j: sum the P shares into lanes 0..T-1.
+#pragma GCC unroll 16
+      for (int m = 0; m < 16; ++m) {
+        __m512 v = acc[m];
+        if (P >= 2) v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+        if (P == 4) v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+        _mm512_store_ps(out + m * 16, INT4 ? v : _mm512_mul_ps(v, _mm512_set1_ps(ws[m])));
+      }
+      write_block(out, C, ldc, r0, tb, nt);
     }
   }
   _tile_release();
+}
+#undef TANDEM_TILE_STEP
+#undef TANDEM_SCALE_STEP
+
+void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
+          uint8_t* scratch) {
+  if (n < tile_min_tokens) {
+    vnni_gemm(w, R, K, xp, n, C, ldc, scratch);
+    return;
+  }
+  uint8_t* free_scratch = (uint8_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+  int8_t* rows = (int8_t*)free_scratch;                                 // [16][K] s8
+  int32_t* ring = (int32_t*)(free_scratch + (((size_t)16 * K + 63) & ~(size_t)63));
+  float* out = (float*)((uint8_t*)ring + kRing * 1024);                 // [16][16] fp32
+  if (w.fmt == FMT_INT4) tiles<true>(w, R, K, (const uint8_t*)xp, n, C, ldc, rows, ring, out);
+  else tiles<false>(w, R, K, (const uint8_t*)xp, n, C, ldc, rows, ring, out);
 }
 
 }  // namespace
 
 KernelSet kernels_amx_int8() {
-  return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes, nullptr, true, prep_packed};
+  static const int min_tokens = [] {
+    const char* v = std::getenv("TANDEM_AMX_TILE_MIN_TOKENS");
+    const int t = v ? std::atoi(v) : 0;
+    return t > 0 ? t : kAmxTileMinTokens;
+  }();
+  tile_min_tokens = min_tokens;
+  return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes, nullptr, true};
 }
 
 }  // namespace tandem_cpu

@@ -801,10 +801,6 @@ void ExpertPool::run_step(int worker) {
   const Shard& sh = L.shards[ni];
   const int na = (int)active_.size(), H = L.H, Hp = L.Hp, Is = sh.Is, fmt = L.fmt;
   const size_t ctile = round_up((size_t)max_count_ * kRowBlock * sizeof(float), 64);
-  // Expert a's activations in the order of packed int8 rows (the kernel's prep_packed).
-  auto packed_acts = [&](int a) {
-    return L.packed && L.fmt == FMT_INT8 && kernels_for(a).prep_packed != nullptr;
-  };
   const int Kmax = std::max(Hp, Is);
   size_t kbytes = kernel_scratch_bytes(kernels_, kRowBlock, Kmax);
   if (ikernels_.name) kbytes = std::max(kbytes, kernel_scratch_bytes(ikernels_, kRowBlock, Kmax));
@@ -828,9 +824,7 @@ void ExpertPool::run_step(int worker) {
       if (!scratch) continue;
       rows.resize(count_[a]);
       for (int p = 0; p < count_[a]; ++p) rows[p] = hidden_ + (size_t)pair_token_[first_[a] + p] * H;
-      const KernelSet& ks = kernels_for(a);
-      (packed_acts(a) ? ks.prep_packed : ks.prep)(rows.data(), H, Hp, count_[a],
-                                                  ns.xprep.data() + ns.x_off[a]);
+      kernels_for(a).prep(rows.data(), H, Hp, count_[a], ns.xprep.data() + ns.x_off[a]);
     }
     busy(PH_PREP_X);
     ns.barrier.fetch_add(1);
@@ -875,9 +869,7 @@ void ExpertPool::run_step(int worker) {
       if (!scratch) continue;
       rows.resize(count_[a]);
       for (int p = 0; p < count_[a]; ++p) rows[p] = ns.act.data() + (size_t)(first_[a] + p) * Is;
-      const KernelSet& ks = kernels_for(a);
-      (packed_acts(a) ? ks.prep_packed : ks.prep)(rows.data(), Is, Is, count_[a],
-                                                  ns.aprep.data() + ns.a_off[a]);
+      kernels_for(a).prep(rows.data(), Is, Is, count_[a], ns.aprep.data() + ns.a_off[a]);
     }
     busy(PH_PREP_ACT);
     ns.barrier.fetch_add(1);

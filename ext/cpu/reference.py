@@ -40,11 +40,6 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
 
 
-# Tokens of one expert from which the AMX int8 path runs (ext/cpu/kernels.h: kAmxRowScaleMinTokens),
-# quantizing activations with one scale per token row.
-AMX_ROW_SCALE_MIN_TOKENS = 16
-
-
 def quantize_activations(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
     """Activations as the pool's integer path sees them, dequantized to float32 (same shape).
 
@@ -67,20 +62,13 @@ def moe_reference(
     topk_ids: torch.Tensor,  # [T, k] int; -1 skips the slot
     topk_weights: torch.Tensor,  # [T, k] float32
     quantize_acts: bool = False,
-    row_scale_min_tokens: int | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j weight[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert ids[t, j], fp32.
     quantize_acts: both projections' inputs go through quantize_activations first (what the
-    integer path computes, up to the order of float sums). row_scale_min_tokens: experts with
-    at least this many tokens quantize with one scale per token over the whole row (the AMX
-    int8 path: AMX_ROW_SCALE_MIN_TOKENS), the others per block of QBLOCK."""
+    integer path computes, up to the order of float sums)."""
 
-    def q(t: torch.Tensor, n: int) -> torch.Tensor:
-        if not quantize_acts:
-            return t
-        if row_scale_min_tokens is not None and n >= row_scale_min_tokens:
-            return quantize_activations(t, block=t.shape[-1])
-        return quantize_activations(t)
+    def q(t: torch.Tensor) -> torch.Tensor:
+        return quantize_activations(t) if quantize_acts else t
 
     hidden = hidden.float()
     out = torch.zeros_like(hidden)
@@ -90,9 +78,8 @@ def moe_reference(
         if e < 0:
             continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        n = tok.numel()
-        gu = q(hidden[tok], n) @ w13[e].float().t()
+        gu = q(hidden[tok]) @ w13[e].float().t()
         act = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = q(act, n) @ w2[e].float().t()
+        y = q(act) @ w2[e].float().t()
         out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
     return out

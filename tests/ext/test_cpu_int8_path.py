@@ -5,8 +5,8 @@ really run where it is selected and stay off where it is not.
 
 Tolerances (relative L2 error of the layer output):
   * against moe_reference(quantize_acts=True), which quantizes both projections' inputs exactly
-    as the kernels do (ext/cpu/reference.py: quantize_activations; on AMX an expert with at
-    least AMX_ROW_SCALE_MIN_TOKENS tokens per token row): INT_EXACT_TOL = 2e-3. Only
+    as the kernels do (ext/cpu/reference.py: quantize_activations; VNNI and the AMX tiles
+    alike): INT_EXACT_TOL = 2e-3. Only
     the order of fp32 sums differs, and through it, rarely, an intermediate element rounds to
     the neighbouring int8 level (one step, absmax / 127 of its block); observed <= 3e-4.
   * against the fp32 reference on the same dequantized weights: INT_FP32_TOL = 3e-2. The
@@ -25,12 +25,9 @@ import torch
 
 from ext.cpu import CpuExpertPool, moe_reference, quantize, supported_isas
 from ext.cpu import pool as pool_mod
-from ext.cpu.reference import AMX_ROW_SCALE_MIN_TOKENS
 
 INT_PATHS = {"avx512": "vnni", "amx": "amx-int8"}  # kernel set -> its integer path
 INT_ISAS = [isa for isa in supported_isas() if isa in INT_PATHS]
-# AMX quantizes an expert's activations per token row from AMX_ROW_SCALE_MIN_TOKENS tokens
-ROW_SCALE = {"amx": AMX_ROW_SCALE_MIN_TOKENS}
 INT_EXACT_TOL = 2e-3
 INT_FP32_TOL = 3e-2
 FORMATS = [("int8", 64), ("int4", 32), ("int4", 64)]
@@ -102,15 +99,44 @@ def test_parity_with_quantized_activation_reference(isa, fmt, group, layer_seed)
             # Every active expert took the integer path (one node here), none the float one.
             assert stats["int_experts"] == int(ids[ids >= 0].unique().numel()), stats
             assert stats["float_experts"] == 0 and stats["int_items"] > 0, stats
-            ref_q = moe_reference(
-                hidden, dq13, dq2, ids, weights, quantize_acts=True,
-                row_scale_min_tokens=ROW_SCALE.get(isa),
-            )  # fmt: skip
+            ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=True)
             ref = moe_reference(hidden, dq13, dq2, ids, weights)
             assert torch.isfinite(out).all()
             label = f"{isa} {fmt}/{group} E={E} I={two_i // 2} H={H} T={T} k={k}"
             assert rel_err(out, ref_q) < INT_EXACT_TOL, label
             assert rel_err(out, ref) < INT_FP32_TOL, label
+
+
+# Tokens an expert such that the AMX tiles see every shape of token block: 16 tokens, and a last
+# block of 1-4 (4 blocks of 32 side by side in a C tile where K / 32 allows), 5-8 (2) or 9-15
+# (1); 1-7 stay on VNNI.
+TOKEN_BLOCK_COUNTS = [1, 7, 8, 9, 12, 16, 17, 20, 22, 29, 32, 35]
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+@pytest.mark.parametrize("fmt,group", FORMATS)
+@pytest.mark.parametrize("H,inter", [(640, 96), (576, 160)])  # K / 32: 20, 3 / 18, 5
+def test_every_token_block_shape_matches_the_reference(isa, fmt, group, H, inter):
+    """Expert e gets exactly TOKEN_BLOCK_COUNTS[e] tokens (top-1), so every tile layout the AMX
+    int8 kernel picks by a token block's size runs, on K / 32 both a multiple of 4 and not; the
+    result is the quantized-activation reference's (on VNNI machines: the same check of VNNI)."""
+    E = len(TOKEN_BLOCK_COUNTS)
+    g = torch.Generator().manual_seed(23)
+    w13 = torch.randn(E, 2 * inter, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, inter, generator=g) / inter**0.5
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(TOKEN_BLOCK_COUNTS)])
+    ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1)
+    hidden = torch.randn(ids.shape[0], H, generator=g)
+    weights = torch.rand(ids.shape[0], 1, generator=g) + 0.5
+    dq13, dq2 = quantize(w13, fmt, group), quantize(w2, fmt, group)
+    with CpuExpertPool(num_threads=2, isa=isa, int_min_tokens=1) as pool:
+        pool.add_layer(0, w13, w2, fmt, group)
+        out = pool.forward(0, hidden, ids, weights)
+        assert pool.phase_stats()["int_experts"] == E
+    ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=True)
+    for e, c in enumerate(TOKEN_BLOCK_COUNTS):  # per expert, so one bad layout cannot hide
+        rows = (ids[:, 0] == e).nonzero().flatten()
+        assert rel_err(out[rows], ref_q[rows]) < INT_EXACT_TOL, (isa, fmt, group, H, c)
 
 
 @pytest.mark.parametrize("isa", INT_ISAS)
@@ -162,10 +188,6 @@ def test_int_path_with_node_shards(isa):
         pool.add_layer(0, w13, w2, "int4", 32)
         out = pool.forward(0, hidden, ids, weights)
         assert pool.phase_stats()["int_experts"] > 0
-    if isa in ROW_SCALE:  # per-token scales over each node's slice of I: the fp32 bound
-        ref = moe_reference(hidden, dq13, dq2, ids, weights)
-        assert rel_err(out, ref) < INT_FP32_TOL
-        return
     ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=True)
     assert rel_err(out, ref_q) < INT_EXACT_TOL
 

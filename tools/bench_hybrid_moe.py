@@ -764,15 +764,31 @@ def run_hf(cfg: ModelConfig, a: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(3)
     n = a.decode_steps
 
-    def timed(batch: int, prompt: int, new: int) -> float:
+    class Clock(hf.StoppingCriteria):  # the time of every generated token (never stops)
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw) -> torch.Tensor:
+            _sync(a.device)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def timed(batch: int, prompt: int, new: int) -> list[float]:
+        """Times of generate's start and of each of its `new` tokens."""
         ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=gen).to(a.device)
+        clock = Clock()
         _sync(a.device)
         t = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, disable_compile=True)  # fmt: skip
-        _sync(a.device)
-        assert out.shape == (batch, prompt + new), out.shape
-        return time.perf_counter() - t
+                             min_new_tokens=new, do_sample=False, disable_compile=True,
+                             stopping_criteria=hf.StoppingCriteriaList([clock]))  # fmt: skip
+        assert out.shape == (batch, prompt + new) and len(clock.times) == new, out.shape
+        return [t, *clock.times]
+
+    def decode_tok_s(batch: int) -> float:
+        """Decode tokens a second: the steps after the first token (prefill excluded)."""
+        times = timed(batch, a.prompt, n + 1)
+        return batch * n / (times[-1] - times[1])
 
     results: dict[str, dict] = {}
     picked = getattr(model.config, "_experts_implementation", None)  # HF's own choice
@@ -784,11 +800,10 @@ def run_hf(cfg: ModelConfig, a: argparse.Namespace) -> dict:
             res: dict = {"load_s": load_s, "transformers": hf.__version__}
             res["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
             timed(1, a.prompt, 2)  # warm-up
-            t1 = min(timed(1, a.prompt, 1) for _ in range(2))
-            res["decode_b1_tok_s"] = n / (timed(1, a.prompt, n + 1) - t1)
-            t1 = timed(a.batch, a.prompt, 1)
-            res[f"decode_b{a.batch}_tok_s"] = a.batch * n / (timed(a.batch, a.prompt, n + 1) - t1)
-            res["prefill_tok_s"] = a.prefill / timed(1, a.prefill, 1)
+            res["decode_b1_tok_s"] = decode_tok_s(1)
+            res[f"decode_b{a.batch}_tok_s"] = decode_tok_s(a.batch)
+            start, first = timed(1, a.prefill, 1)
+            res["prefill_tok_s"] = a.prefill / (first - start)
         except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
             res = {"error": f"{type(e).__name__}: {e}"}
         results[name] = res

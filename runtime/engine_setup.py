@@ -39,8 +39,28 @@ def resolve_device(name: str) -> torch.device:
 def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelConfig) -> None:
     """The MoE placement options (cpu_experts, gpu_experts) against the model and the device,
     before any weight is read: a ValueError that names the option where one cannot apply
-    (a dense model, more experts than a layer has, experts "on the GPU" without one)."""
-    if spec.cpu_experts is None and spec.gpu_experts is None:
+    (a dense model, more experts than a layer has, experts "on the GPU" without one, the
+    pool's format or threads without the pool, which they would silently not reach)."""
+    pool_options = [
+        flag
+        for flag, given in (
+            ("--cpu-expert-format", spec.cpu_expert_format != "auto"),
+            ("--cpu-threads", spec.cpu_threads is not None),
+        )
+        if given
+    ]
+    pool_asked = spec.cpu_experts is not None or spec.gpu_experts is not None
+    if pool_options and not config.is_moe:
+        raise ValueError(
+            f"{'/'.join(pool_options)} only apply to mixture-of-experts models; "
+            f"{config.architecture} is dense"
+        )
+    if pool_options and not pool_asked and spec.expert_backend != "cpu_pool":
+        raise ValueError(
+            f"{'/'.join(pool_options)} only apply to the CPU expert pool, which --cpu-experts "
+            "selects: add --cpu-experts all"
+        )
+    if not pool_asked:
         return
     if not config.is_moe:
         raise ValueError(

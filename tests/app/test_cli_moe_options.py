@@ -1,6 +1,7 @@
 """MoE placement options that cannot apply give one clear `tandem: error:` line (exit 2),
 before any weight is read: a dense model, more experts than a layer has, experts "on the GPU"
-without one, a non-number, a CUDA device on a machine without CUDA."""
+without one, a non-number, a CUDA device on a machine without CUDA, the pool's format or threads
+without the pool."""
 
 from __future__ import annotations
 
@@ -65,6 +66,25 @@ def test_bad_moe_options_are_one_line_errors(capsys, moe_dir: Path, args, says: 
 def test_expert_options_on_a_dense_model_are_an_error(capsys, dense_dir: Path) -> None:
     assert "dense" in _error(capsys, "--model", str(dense_dir), "--cpu-experts", "all")
     assert "dense" in _error(capsys, "--model", str(dense_dir), "--gpu-experts", "0")
+    assert "dense" in _error(capsys, "--model", str(dense_dir), "--cpu-expert-format", "int4")
+
+
+@pytest.mark.parametrize(
+    "args", [("--cpu-expert-format", "int4"), ("--cpu-threads", "2"), ("--cpu-expert-format", "int8", "--cpu-threads", "1")]
+)  # fmt: skip
+def test_pool_options_without_the_pool_are_an_error(capsys, moe_dir: Path, args) -> None:
+    """Without --cpu-experts the experts run in torch: an int4 format or a thread count given
+    alone would be dropped silently (full-width experts, maybe out of memory), so it is an error
+    that says what selects the pool. With ModelSpec(expert_backend="cpu_pool") they apply."""
+    err = _error(capsys, "--model", str(moe_dir), *args)
+    assert "only apply to the CPU expert pool" in err and "--cpu-experts all" in err
+    from runtime.config import ModelSpec
+    from runtime.engine_setup import check_expert_options
+
+    cfg = ModelConfig(**COMMON, architecture="Qwen3MoeForCausalLM", num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
+    spec = ModelSpec(expert_backend="cpu_pool", cpu_expert_format="int4", cpu_threads=1)
+    check_expert_options(spec, torch.device("cpu"), cfg)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -78,6 +98,8 @@ def test_good_options_still_run(capsys, moe_dir: Path) -> None:
     for experts in ("all", "ALL", "8"):
         args = ["--model", str(moe_dir), "--max-tokens", "2", "--cpu-experts", experts]
         assert main([*argv, *args, "hi"]) == 0
+    pool = ["--cpu-experts", "all", "--cpu-expert-format", "int4", "--cpu-threads", "1"]
+    assert main([*argv, "--model", str(moe_dir), "--max-tokens", "2", *pool, "hi"]) == 0
     capsys.readouterr()
 
 

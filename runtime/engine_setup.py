@@ -7,6 +7,7 @@ Kept apart from `runtime/engine.py`, which owns the per-step loop and request bo
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,12 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         )
     if not pool_asked:
         return
+    cpus = allowed_cpu_count()
+    if spec.cpu_threads is not None and spec.cpu_threads > cpus:
+        raise ValueError(
+            f"--cpu-threads {spec.cpu_threads} exceeds the {cpus} cpus this process may use "
+            "(workers would share cpus, which slows every layer down)"
+        )
     if not config.is_moe:
         raise ValueError(
             f"--cpu-experts/--gpu-experts apply to mixture-of-experts models; "
@@ -79,6 +86,13 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
             f"{gpu} experts a layer would stay on the GPU, but the model runs on {device.type}: "
             "use --cpu-experts all (and no --gpu-experts) without a GPU"
         )
+
+
+def allowed_cpu_count() -> int:
+    """The cpus this process may run on (its affinity mask, as the CPU expert pool counts them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -1,7 +1,7 @@
 """MoE placement options that cannot apply give one clear `tandem: error:` line (exit 2),
 before any weight is read: a dense model, more experts than a layer has, experts "on the GPU"
 without one, a non-number, a CUDA device on a machine without CUDA, the pool's format or threads
-without the pool."""
+without the pool, more pool threads than cpus."""
 
 from __future__ import annotations
 
@@ -61,6 +61,15 @@ def _error(capsys, *args: str) -> str:
 )
 def test_bad_moe_options_are_one_line_errors(capsys, moe_dir: Path, args, says: str) -> None:
     assert says in _error(capsys, "--model", str(moe_dir), *args)
+
+
+def test_more_pool_threads_than_cpus_is_an_error(capsys, moe_dir: Path) -> None:
+    """Workers past the process's cpus share them (999 on 2 cpus decoded ~8x slower)."""
+    from runtime.engine_setup import allowed_cpu_count
+
+    too_many = str(allowed_cpu_count() + 1)
+    err = _error(capsys, "--model", str(moe_dir), "--cpu-experts", "all", "--cpu-threads", too_many)
+    assert f"--cpu-threads {too_many} exceeds the {allowed_cpu_count()} cpus" in err
 
 
 def test_expert_options_on_a_dense_model_are_an_error(capsys, dense_dir: Path) -> None:

@@ -55,6 +55,15 @@ def _int_min_tokens_from_env() -> int | None:
 
 
 PACK_ROWS_ENV = "TANDEM_CPU_PACK_ROWS"
+# Tokens of one expert from which AMX int8 tiles replace VNNI (ext/cpu/kernels.h:
+# kAmxTileMinTokens); read by the extension when its first pool starts, checked here.
+AMX_TILE_ENV = "TANDEM_AMX_TILE_MIN_TOKENS"
+
+
+def _check_amx_tile_env() -> None:
+    raw = os.environ.get(AMX_TILE_ENV, "").strip()
+    if raw and not (raw.isdigit() and int(raw) > 0):
+        raise ValueError(f"{AMX_TILE_ENV} must be a positive int, got {raw!r}")
 
 
 def switch_from_env(name: str) -> bool | None:
@@ -207,6 +216,7 @@ class CpuExpertPool:
             isa = os.environ.get(ISA_ENV, "") or None
         if isa is not None and isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+        _check_amx_tile_env()
         ext = load_extension()
         # ValueError if unavailable
         self._pool = ext.ExpertPool(num_threads or 0, isa or "", int(split_nodes))

@@ -78,6 +78,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "-> int4 in groups of 32, Q8_0 -> int8; bf16 for float checkpoints)",
     )
     parser.add_argument(
+        "--cpu-expert-group-size",
+        type=int,
+        default=None,
+        choices=[32, 64],
+        help="elements per scale of int4 experts converted from float weights (default 64; "
+        "with --cpu-expert-format int4)",
+    )
+    parser.add_argument(
         "--gpu-prefill",
         default=None,
         type=_gpu_prefill_arg,
@@ -119,6 +127,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             gpu_experts=args.gpu_experts,
             cpu_threads=args.cpu_threads,
             cpu_expert_format=args.cpu_expert_format,
+            cpu_expert_group_size=args.cpu_expert_group_size,
             gpu_prefill=args.gpu_prefill,
         ),
         cache=CacheConfig(

@@ -45,6 +45,7 @@ class ModelSpec:
     cpu_threads: int | None = None
     cpu_expert_format: str = "auto"  # auto | bf16 | int8 | int4: experts' format in the CPU pool
     # (auto: a GGUF's quantized type as int4/int8, bf16 for float checkpoints)
+    cpu_expert_group_size: int | None = None  # int4 groups of converted experts (None: 64)
     gpu_prefill: str | None = None  # auto | off | N tokens: CPU-pool layers computed on the GPU
 
 

@@ -47,6 +47,7 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         for flag, given in (
             ("--cpu-expert-format", spec.cpu_expert_format != "auto"),
             ("--cpu-threads", spec.cpu_threads is not None),
+            ("--cpu-expert-group-size", spec.cpu_expert_group_size is not None),
         )
         if given
     ]
@@ -60,6 +61,10 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         raise ValueError(
             f"{'/'.join(pool_options)} only apply to the CPU expert pool, which --cpu-experts "
             "selects: add --cpu-experts all"
+        )
+    if spec.cpu_expert_group_size is not None and spec.cpu_expert_format != "int4":
+        raise ValueError(
+            "--cpu-expert-group-size applies to int4 experts: add --cpu-expert-format int4"
         )
     if not pool_asked:
         return
@@ -148,6 +153,7 @@ def load_engine_model(
     if experts == "cpu_pool":
         expert_options = {
             "fmt": spec.cpu_expert_format,
+            "group_size": spec.cpu_expert_group_size,
             "num_threads": spec.cpu_threads,
             "cpu_experts": "all" if spec.cpu_experts is None else spec.cpu_experts,
             "gpu_experts": spec.gpu_experts,

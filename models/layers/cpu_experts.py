@@ -383,7 +383,7 @@ class CpuPoolExpertBackend:
     def __init__(
         self,
         fmt: str = "bf16",
-        group_size: int = 64,
+        group_size: int | None = None,
         num_threads: int | None = None,
         isa: str | None = None,
         cpu_experts: str | int | None = "all",
@@ -409,7 +409,10 @@ class CpuPoolExpertBackend:
         self._gpu_prefill: GpuExpertPrefill | None = None
         self._gpu_prefill_failed = False
         parse_cpu_experts(cpu_experts)  # validate early
-        self.fmt, self.group_size = fmt, group_size
+        if group_size not in (None, 32, 64):
+            raise ValueError(f"group_size must be 32 or 64, got {group_size!r}")
+        # int4 groups: group_size, else 64 (a GGUF's Q4 experts keep their 32)
+        self.fmt, self.group_size, self._group_option = fmt, group_size or 64, group_size
         self.cpu_experts, self.gpu_experts = cpu_experts, gpu_experts
         self.rebalance_after_tokens = rebalance_after_tokens
         self._pool_args = (num_threads, isa)
@@ -590,7 +593,9 @@ class CpuPoolExpertBackend:
             if layer in self._gguf_layers:  # from the file's own blocks, decoded to fp32
                 from models.loader.gguf_experts import load_gguf_experts
 
-                load_gguf_experts(self.gguf_source, self.pool, self.fmt, [layer])
+                load_gguf_experts(
+                    self.gguf_source, self.pool, self.fmt, [layer], self._group_option
+                )
             else:
                 if unread:
                     if read_experts is None:

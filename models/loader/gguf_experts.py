@@ -63,9 +63,11 @@ def load_gguf_experts(
     pool: CpuExpertPool,
     fmt: str = "auto",
     layers: list[int] | None = None,
+    group_size: int | None = None,
 ) -> dict[int, tuple[str, int]]:
     """Converts the experts of `layers` (default all) into `pool`; returns layer -> (format,
-    group size). `fmt` "auto" picks from the GGUF type (AUTO_FORMATS), else bf16/int8/int4."""
+    group size). `fmt` "auto" picks from the GGUF type (AUTO_FORMATS), else bf16/int8/int4;
+    int4 groups: `group_size`, else 32 for Q4 types (Q4_0 lossless) and 64 for the others."""
     reader = path if isinstance(path, GGUFReader) else GGUFReader(path)
     done: dict[int, tuple[str, int]] = {}
     for layer in layers if layers is not None else list(gguf_expert_layers(reader)):
@@ -74,6 +76,7 @@ def load_gguf_experts(
             pool_fmt, group = AUTO_FORMATS.get(qtype, ("bf16", 64))
         else:
             pool_fmt, group = fmt, 32 if qtype in ("Q4_0", "Q4_1", "Q4_K") else 64
+            group = group_size or group
         pool.add_layer(layer, w13, w2, pool_fmt, group)
         done[layer] = (pool_fmt, group)
     return done

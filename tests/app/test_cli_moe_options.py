@@ -57,6 +57,18 @@ def _error(capsys, *args: str) -> str:
         (("--cpu-experts", "0"), "on the GPU, but the model runs on cpu"),
         (("--cpu-experts", "5"), "on the GPU, but the model runs on cpu"),
         (("--gpu-experts", "5"), "on the GPU, but the model runs on cpu"),
+        (("--cpu-experts", "all", "--cpu-expert-group-size", "32"), "applies to int4 experts"),
+        (
+            (
+                "--cpu-experts",
+                "all",
+                "--cpu-expert-format",
+                "int8",
+                "--cpu-expert-group-size",
+                "64",
+            ),
+            "applies to int4",
+        ),
     ],
 )
 def test_bad_moe_options_are_one_line_errors(capsys, moe_dir: Path, args, says: str) -> None:
@@ -79,7 +91,8 @@ def test_expert_options_on_a_dense_model_are_an_error(capsys, dense_dir: Path) -
 
 
 @pytest.mark.parametrize(
-    "args", [("--cpu-expert-format", "int4"), ("--cpu-threads", "2"), ("--cpu-expert-format", "int8", "--cpu-threads", "1")]
+    "args", [("--cpu-expert-format", "int4"), ("--cpu-threads", "2"), ("--cpu-expert-format", "int8", "--cpu-threads", "1"),
+             ("--cpu-expert-format", "int4", "--cpu-expert-group-size", "32")]
 )  # fmt: skip
 def test_pool_options_without_the_pool_are_an_error(capsys, moe_dir: Path, args) -> None:
     """Without --cpu-experts the experts run in torch: an int4 format or a thread count given
@@ -110,6 +123,19 @@ def test_good_options_still_run(capsys, moe_dir: Path) -> None:
     pool = ["--cpu-experts", "all", "--cpu-expert-format", "int4", "--cpu-threads", "1"]
     assert main([*argv, "--model", str(moe_dir), "--max-tokens", "2", *pool, "hi"]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int4_group_size_reaches_the_pool(moe_dir: Path, group: int | None) -> None:
+    """--cpu-expert-group-size: the pool's int4 layers take it (default 64)."""
+    from runtime.config import EngineConfig, ModelSpec
+    from runtime.llm import LLM
+
+    spec = ModelSpec(model=str(moe_dir), load_format="dummy", device="cpu", dtype="float32",
+                     cpu_experts="all", cpu_expert_format="int4", cpu_expert_group_size=group)  # fmt: skip
+    backend = LLM(engine_config=EngineConfig(model=spec)).engine.model.expert_backend
+    layers = sorted(backend._num_experts)
+    assert layers and {backend.pool.layer_format(i) for i in layers} == {("int4", group or 64)}
 
 
 def test_no_cpu_pool_build_is_a_one_line_error(capsys, moe_dir: Path, monkeypatch) -> None:

@@ -230,6 +230,9 @@ def test_gguf_experts_into_pool(qtype: str, tmp_path: Path) -> None:
         torch.testing.assert_close(w2, quantize(down, fmt, group), rtol=1e-6, atol=1e-7)
     rel = float((w13 - src13).norm() / src13.norm())
     assert rel < (0.02 if qtype == "Q8_0" else 0.12), rel
+    with CpuExpertPool(num_threads=1, isa="scalar") as pool:  # --cpu-expert-group-size 64
+        assert load_gguf_experts(path, pool, "int4", group_size=64) == {1: ("int4", 64)}
+        torch.testing.assert_close(pool.dequantize(1)[1], quantize(down, "int4", 64))
 
 
 @pytest.mark.skipif(

@@ -86,6 +86,29 @@ async def _listening_at(proc: asyncio.subprocess.Process) -> str:
             return f"http://127.0.0.1:{m.group(1)}"
 
 
+async def _signal_mid_stream(
+    http: aiohttp.ClientSession,
+    base: str,
+    proc: asyncio.subprocess.Process,
+    sig: int,
+    max_tokens: int,
+) -> tuple[aiohttp.ClientResponse, aiohttp.ClientResponse]:
+    """A streamed completion with its first event read, then `sig` to the server: the stream's
+    response and the first /health answer once the signal is handled (503; bounded poll)."""
+    resp = await http.post(
+        f"{base}/v1/completions",
+        json={"prompt": "a", "max_tokens": max_tokens, "stream": True},
+    )
+    assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
+    proc.send_signal(sig)
+    for _ in range(2000):
+        health = await http.get(f"{base}/health")
+        if health.status == 503:
+            break
+        await asyncio.sleep(0.005)
+    return resp, health
+
+
 async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -97,16 +120,7 @@ async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
     try:
         base = await _listening_at(proc)
         async with aiohttp.ClientSession() as http:
-            resp = await http.post(
-                f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True}
-            )
-            assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
-            proc.send_signal(signal.SIGTERM)
-            for _ in range(2000):  # until the signal is handled (bounded poll)
-                health = await http.get(f"{base}/health")
-                if health.status == 503:
-                    break
-                await asyncio.sleep(0.005)
+            resp, health = await _signal_mid_stream(http, base, proc, signal.SIGTERM, 200)
             assert (await health.json()) == {"status": "draining"}
             refused = await http.post(f"{base}/v1/completions", json={"prompt": "a"})
             assert refused.status == 503
@@ -129,15 +143,8 @@ async def test_a_second_signal_aborts_the_drain_now() -> None:
     try:
         base = await _listening_at(proc)
         async with aiohttp.ClientSession() as http:
-            resp = await http.post(  # ~50 s of steps: far longer than the test waits
-                f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 250, "stream": True}
-            )
-            assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
-            proc.send_signal(signal.SIGINT)
-            for _ in range(2000):  # until the signal is handled (bounded poll)
-                if (await http.get(f"{base}/health")).status == 503:
-                    break
-                await asyncio.sleep(0.005)
+            # 250 tokens: ~50 s of steps, far longer than the test waits
+            resp, _ = await _signal_mid_stream(http, base, proc, signal.SIGINT, 250)
             proc.send_signal(signal.SIGINT)  # before: ignored, the drain ran its 120 s
             rest = await asyncio.wait_for(resp.read(), 10)
             assert b'"finish_reason":"abort"' in rest and rest.endswith(b"data: [DONE]\n\n")

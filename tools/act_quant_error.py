@@ -4,8 +4,9 @@ Runs a prompt through the model (any dense or MoE checkpoint Tandem loads; defau
 SmolLM2-135M-Instruct), captures the input of every dense MLP (post-norm hidden states: real
 outlier channels, unlike random tests), and computes each layer's MLP output in float32 with
 its two inputs (the gate/up input and the down input) quantized to int8 as the integer path
-does: per token and 32-element block (VNNI and, since session 9, the AMX tiles), or with one
-scale per token row (what the AMX tiles did from 16 tokens an expert in session 8).
+does: per token and 32-element block (VNNI, and the AMX tiles on int4 weights), with one scale
+per token row (what the AMX tiles did from 16 tokens an expert in session 8), or per row with 16
+bits (row16: the AMX tiles on packed int8 weights since session 10).
 Prints the relative L2 error of the MLP output per layer and on average. Weights stay exact,
 so only the activations' share of the error shows.
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ext.cpu.reference import quantize_activations  # noqa: E402
+from ext.cpu.reference import quantize_activations, quantize_activations_row16  # noqa: E402
 from models.layers.mlp import GatedMLP  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 from runtime.config import EngineConfig, ModelSpec  # noqa: E402
@@ -66,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     schemes = {
         "block32": quantize_activations,
         "row": lambda t: quantize_activations(t, block=t.shape[-1]),
+        "row16": quantize_activations_row16,
     }
     rows = []
-    print("layer tokens  absmax/rms  rel err: per 32-block   per row")
+    print("layer tokens  absmax/rms  rel err: per 32-block   per row   row16")
     for i, x in sorted(captured.items()):
         ref = mlp_out(mlps[i], x)
         err = {
@@ -76,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         peak = float((x.abs().amax(-1) / x.pow(2).mean(-1).sqrt()).median())
         rows.append({"layer": i, "tokens": x.shape[0], "absmax_over_rms": peak, **err})
-        print(f"{i:5d} {x.shape[0]:6d} {peak:11.1f} {err['block32']:20.4f} {err['row']:9.4f}")
+        print(
+            f"{i:5d} {x.shape[0]:6d} {peak:11.1f} {err['block32']:20.4f} {err['row']:9.4f}"
+            f" {err['row16']:9.6f}"
+        )
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in schemes}
-    print(f"mean: per 32-block {mean['block32']:.4f}, per row {mean['row']:.4f} "
-          f"(max {max(r['block32'] for r in rows):.4f} / {max(r['row'] for r in rows):.4f})")  # fmt: skip
+    print(f"mean: per 32-block {mean['block32']:.4f}, per row {mean['row']:.4f}, "
+          f"row16 {mean['row16']:.6f} (max {max(r['block32'] for r in rows):.4f} / "
+          f"{max(r['row'] for r in rows):.4f} / {max(r['row16'] for r in rows):.6f})")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"layers": rows, "mean": mean}, indent=2))
     return 0

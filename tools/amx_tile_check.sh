@@ -10,8 +10,11 @@
 #   this tree against AB_FILES swapped back (tools/pool_ab.sh), torch in the same run.
 #   AB_FILES=".device-wheels/ab_s8/kernels_amx_int8.cpp:ext/cpu/kernels_amx_int8.cpp ..." \
 #     bash tools/amx_tile_check.sh
-# Env: STAGES ["tests cross ab"; also "models"], AB_FILES (stage ab), AB_TOKENS ["8 64 128 256"],
-#   ROUNDS [1], CROSS_TOKENS ["1 2 4 6 8 12 16 32"].
+# - mixtral: the same A/B on Mixtral-8x7B's layer (4096 / 14336, 8 experts, top-2) at MIX_TOKENS,
+#   no torch (big experts: many tokens an expert).
+# Env: STAGES ["tests cross ab"; also "models", "mixtral"], AB_FILES (stages ab, mixtral),
+#   AB_TOKENS ["8 64 128 256"], MIX_TOKENS ["17 64 256 512"], ROUNDS [1],
+#   CROSS_TOKENS ["1 2 4 6 8 12 16 32"], FORMATS ["int8 int4"].
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tandem_amx_tile}
@@ -29,13 +32,18 @@ if [[ $stages == *" cross "* ]]; then
   for thr in 1 1000000; do
     echo "== TANDEM_AMX_TILE_MIN_TOKENS=$thr (8 experts, top-8: tokens = tokens an expert)"
     TANDEM_AMX_TILE_MIN_TOKENS=$thr timeout 200 python3 tools/bench_cpu_moe.py --experts 8 --topk 8 \
-      --tokens ${CROSS_TOKENS:-1 2 4 6 8 12 16 32} --formats int8 int4 --no-torch --min-time 0.3 \
+      --tokens ${CROSS_TOKENS:-1 2 4 6 8 12 16 32} --formats ${FORMATS:-int8 int4} --no-torch --min-time 0.3 \
       >"$OUT/cross.$thr.log" 2>&1 || rc=1
     grep -vE "converted" "$OUT/cross.$thr.log" | tail -n 20
   done
 fi
 if [[ $stages == *" ab "* ]]; then
   OUT="$OUT/ab" ROUNDS=${ROUNDS:-1} bash tools/pool_ab.sh timeout 280 python3 tools/bench_cpu_moe.py \
-    --tokens ${AB_TOKENS:-8 64 128 256} --formats int8 int4 --min-time 0.5 || rc=1
+    --tokens ${AB_TOKENS:-8 64 128 256} --formats ${FORMATS:-int8 int4} --min-time 0.5 || rc=1
+fi
+if [[ $stages == *" mixtral "* ]]; then
+  OUT="$OUT/mixtral" ROUNDS=${ROUNDS:-1} bash tools/pool_ab.sh timeout 280 python3 tools/bench_cpu_moe.py \
+    --hidden 4096 --inter 14336 --experts 8 --topk 2 --tokens ${MIX_TOKENS:-17 64 256 512} \
+    --formats ${FORMATS:-int8 int4} --no-torch --routings 2 --min-time 0.1 || rc=1
 fi
 exit $rc

@@ -154,6 +154,7 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def("layer_ids", &ExpertPool::layer_ids)
       .def_property_readonly("isa", &ExpertPool::isa)
       .def_property_readonly("int_isa", &ExpertPool::int_isa)
+      .def_property_readonly("int_tiles_from", &ExpertPool::int_tiles_from)
       .def_property("int_min_tokens", &ExpertPool::int_min_tokens,
                     &ExpertPool::set_int_min_tokens)
       .def_property("pack_rows", &ExpertPool::pack_rows, &ExpertPool::set_pack_rows)

@@ -112,11 +112,12 @@ KernelSet select_kernels(const std::string& want) {
   return kernels_scalar();
 }
 
-KernelSet select_int_kernels(const std::string& isa) {
+KernelSet select_int_kernels(const std::string& isa, int fmt) {
   const CpuCaps& c = cpu_caps();
   (void)c;
+  (void)fmt;
 #ifdef TANDEM_HAVE_AMX_INT8
-  if (isa == "amx" && c.amx && c.vnni) return kernels_amx_int8();
+  if (isa == "amx" && c.amx && c.vnni) return kernels_amx_int8(fmt);
 #endif
 #ifdef TANDEM_HAVE_VNNI
   if ((isa == "amx" || isa == "avx512") && c.vnni) return kernels_vnni();

@@ -22,7 +22,9 @@ std::vector<std::string> supported_isas();
 KernelSet select_kernels(const std::string& want);
 // The integer path (kernels.h: kQBlock) that goes with kernel set `isa` (a name from
 // supported_isas()): "amx-int8" with "amx", "vnni" with "avx512" (the CPU has VNNI), else none
-// (name null): the scalar and AVX2 sets keep widening int8/int4 weights to floats.
-KernelSet select_int_kernels(const std::string& isa);
+// (name null): the scalar and AVX2 sets keep widening int8/int4 weights to floats. fmt: the
+// weights' format; FMT_INT8 gives the set for packed int8 rows (AMX: 16-bit activations),
+// anything else the set for int4 and natural int8 rows.
+KernelSet select_int_kernels(const std::string& isa, int fmt);
 
 }  // namespace tandem_cpu

@@ -23,10 +23,18 @@ constexpr int kKAlign = 64;
 constexpr int kRowBlock = 64;   // weight rows per work item (gate/up: 32 gate + 32 up rows)
 constexpr int kAmxMinTokens = 4;  // tokens of one expert from which the AMX bf16 path is used
 // Tokens of one expert from which the AMX int8 path multiplies in tiles (below: VNNI; env
-// TANDEM_AMX_TILE_MIN_TOKENS overrides). Both quantize activations per 32-element block, so the
-// choice is speed only: on the device's Xeon the tiles win from 6-8 tokens an expert (8 experts
-// of the Qwen3-30B-A3B shape, top-8; BENCHMARKS, session 9), VNNI below.
+// TANDEM_AMX_TILE_MIN_TOKENS overrides): on the device's Xeon the tiles win from 6-8 tokens an
+// expert (8 experts of the Qwen3-30B-A3B shape, top-8; BENCHMARKS, session 9), VNNI below.
+// For int4 weights the tiles quantize activations per 32-element block as VNNI does, so the
+// choice is speed only. For packed int8 rows they take 16-bit activations with one scale per
+// token (kRow16Levels): 60x more accurate than the blocks on SmolLM2's activations
+// (tools/act_quant_error.py) and free of per-block rescaling; such an expert's output then
+// changes across this threshold by the blocks' error.
 constexpr int kAmxTileMinTokens = 8;
+// The tiles' int8-weight activations: scale = absmax of the token's row / kRow16Levels, q =
+// round-half-even(x / scale) in [-kRow16Levels, kRow16Levels], as hi * 256 + lo with hi, lo in
+// [-127, 127] / [-128, 127] (ext/cpu/reference.py: quantize_activations(levels=kRow16Levels)).
+constexpr int kRow16Levels = 32639;
 
 struct WeightView {
   int fmt;
@@ -55,6 +63,8 @@ struct KernelSet {
   // gemm takes packed int rows (WeightView.packed) as they are; false: the caller hands it
   // natural rows (unpacked per work item).
   bool reads_packed = false;
+  // Tokens of one expert from which gemm multiplies in AMX tiles (kernels_amx_int8); 0: none.
+  int tiles_from = 0;
 };
 
 static inline size_t gemm_scratch_bytes(int R, int K) {
@@ -229,7 +239,8 @@ void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst);
 void vnni_unpack_int4_s8(const WeightView& w, int R, int K, int8_t* dst);
 #endif
 #ifdef TANDEM_HAVE_AMX_INT8
-KernelSet kernels_amx_int8();  // tdpbssd from kAmxTileMinTokens tokens, VNNI below
+// tdpbssd from kAmxTileMinTokens tokens, VNNI below; fmt: the weights' (FMT_INT8 or FMT_INT4).
+KernelSet kernels_amx_int8(int fmt);
 #endif
 
 }  // namespace tandem_cpu

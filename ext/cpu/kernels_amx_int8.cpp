@@ -1,17 +1,18 @@
 // The integer path on AMX (Sapphire Rapids and later): tdpbssd, s8 weights x s8 activations, int32
-// 16 x 16 tiles, from kAmxTileMinTokens tokens of one expert (VNNI below: kernels.h).
-// Activations are quantized exactly as VNNI quantizes them (kernels.h: kQBlock; simd_q8.h:
-// q8_block32): one scale per token and block of 32 elements, so an expert's output does not
-// depend on which path its token count picked. (Session 8's version took one scale per token
-// row from 16 tokens: 4x the error on real activations, and batch-dependent.) So a C tile may
-// only sum products that share a scale: each tile store holds, per column, one 32-block's int32
-// sums, which are scaled into 16 fp32 accumulators held in registers by the 16 lanes'
-// activation scales and, for int4, the weight group's row scales (int8 rows take their one
-// scale at the end). A token block of few tokens puts several blocks side by side in the
-// columns of one tile (blocks_per_tile), so one store and one rescale serve them all. Two C
-// tiles alternate, and a tile is scaled kLag steps after its store.
-//   A (weights): 16 rows x 64 bytes of natural s8 rows, unpacked per 16-row tile (packed int8
-//     rows by vnni_unpack_rows, int4 to q - 8); natural int8 rows are read in place.
+// 16 x 16 tiles, from kAmxTileMinTokens tokens of one expert (VNNI below: kernels.h). Two kinds:
+// - packed int8 rows (row16_*, below): 16-bit activations, one scale per token, split in two s8
+//   halves, so a C tile sums a whole row of K and is scaled once (kernels.h: kRow16Levels);
+// - int4 rows, and int8 rows not packed (tiles<>): activations quantized exactly as VNNI
+//   quantizes them (kernels.h: kQBlock; simd_q8.h: q8_block32): one scale per token and block of
+//   32 elements, so the output does not depend on which path its token count picked.
+// With per-block scales a C tile may only sum products that share a scale: each tile store holds,
+// per column, one 32-block's int32 sums, which are scaled into 16 fp32 accumulators held in
+// registers by the 16 lanes' activation scales and, for int4, the weight group's row scales
+// (int8 rows take their one scale at the end). A token block of few tokens puts several blocks
+// side by side in the columns of one tile (blocks_per_tile), so one store and one rescale serve
+// them all. Two C tiles alternate, and a tile is scaled kLag steps after its store.
+//   A (weights): 16 rows x 64 bytes of natural s8 rows, unpacked per 16-row tile (int4 to
+//     q - 8); natural int8 rows are read in place.
 //   B (activations): per 16-token block, 1 KB tiles [16 rows of 4 elements][16 columns][4] s8,
 //     then one 16-lane scale vector per tile store (prep below).
 // Compiled with the AVX-512 flags plus -mamx-tile -mamx-int8; used only after CPUID reports AMX
@@ -32,13 +33,14 @@ namespace {
 // once, when the kernel set is made) to measure the crossover with VNNI.
 int tile_min_tokens = kAmxTileMinTokens;
 
-// Tiles 0, 1: C (16 x 16 int32); 4, 5: A (16 weight rows x 64 bytes); 6, 7: B (16 rows of 16
-// columns x 4 bytes). Every tdpbssd sums one 64-element chunk of K.
+// Every tile 16 x 64 bytes. tiles<>: 0, 1: C (16 x 16 int32); 4, 5: A (16 weight rows x 64
+// bytes); 6, 7: B (16 rows of 16 columns x 4 bytes). row16_tiles: 0-3 C, 4, 5 A, 6, 7 B. Every
+// tdpbssd sums one 64-element chunk of K.
 inline void configure_tiles() {
   AmxTileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
-  for (int t : {0, 1, 4, 5, 6, 7}) {
+  for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
@@ -118,8 +120,8 @@ void unpack_int4(const WeightView& w, int R, int K, int8_t* dst) {
 constexpr int kRing = 4, kLag = 3;
 
 size_t scratch_bytes(int R, int K) {
-  // 16 s8 rows, the staging ring of 16 x 16 int32 tiles and one fp32 block, alignment
-  (void)R;
+  // 16 s8 rows, the staging ring of 16 x 16 int32 tiles (row16_tiles: 4 C tiles) and one fp32
+  // block, alignment
   return (size_t)16 * K + (kRing + 1) * 1024 + 128 + vnni_scratch_bytes(R, K);
 }
 
@@ -243,6 +245,132 @@ void tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, float* C,
 #undef TANDEM_TILE_STEP
 #undef TANDEM_SCALE_STEP
 
+// ---- packed int8 weights: 16-bit activations, one scale per token (kernels.h: kRow16Levels) ----
+// A token's q = hi * 256 + lo goes into two B tiles per 64-chunk, hi then lo, so the int32 C
+// tiles sum a whole row of K with no rescale: C = 256 * C_hi + C_lo at the end, times the token's
+// scale and the row's. |C_hi|, |C_lo| <= 128 * 127 * K: no overflow below K = 132,000.
+// Without per-block scales the order of K is free, so the weights are read as the pool packs
+// them for VNNI (kernels.h: packed_word) with no unpack, and the activations are put in that order.
+//   A (weights): 16 packed rows x 64 bytes, two r-tiles (rows r0 .. r0 + 31) per pass.
+//   B (activations): per 16-token block, per 64-chunk (16 packed words): the hi tile, then the lo
+//     tile (1 KB each, [16 words][16 tokens][4] s8); then the 16 tokens' scales (0: a zero row).
+constexpr size_t kChunk16 = 2 * kTileB;
+
+size_t row16_block_bytes(int K) { return (size_t)(K / kKB) * kChunk16 + 16 * sizeof(float); }
+
+size_t row16_prep_bytes(int K, int n) {
+  if (n < tile_min_tokens) return vnni_prep_bytes(K, n);
+  return (size_t)((n + 15) / 16) * row16_block_bytes(K);
+}
+
+void row16_prep(const float* const* x, int Kv, int K, int n, void* dst) {
+  if (n < tile_min_tokens) {
+    vnni_prep(x, Kv, K, n, dst);
+    return;
+  }
+  std::memset(dst, 0, row16_prep_bytes(K, n));
+  const __m512i lim = _mm512_set1_epi32(kRow16Levels), half = _mm512_set1_epi32(128);
+  for (int t = 0; t < n; ++t) {
+    const int j = t % 16;
+    uint8_t* blk = (uint8_t*)dst + (size_t)(t / 16) * row16_block_bytes(K);
+    __m512 amax = _mm512_setzero_ps();
+    for (int k = 0; k < Kv; k += 16)
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k)));
+    const float s = _mm512_reduce_max_ps(amax) / (float)kRow16Levels;
+    if (!(s > 0.f)) continue;  // an all-zero row: zero tiles and scale
+    ((float*)(blk + (size_t)(K / kKB) * kChunk16))[j] = s;
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int k = 0; k < Kv; k += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k);
+      // Division, not a reciprocal multiply: the same rounding as the torch reference.
+      __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(v, sv));  // MXCSR default: half to even
+      q = _mm512_max_epi32(_mm512_min_epi32(q, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);
+      const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+      alignas(16) int8_t h[16], l[16];
+      _mm_store_si128((__m128i*)h, _mm512_cvtepi32_epi8(hi));
+      _mm_store_si128((__m128i*)l, _mm512_cvtepi32_epi8(lo));
+      // Elements k .. k + 15: 4 groups of 4, runs (k % 32) / 4 .. + 3 of block (k % 512) / 32 of
+      // super-block k / 512, which has m blocks: packed word sb * 128 + run * m + block.
+      const int sb = k / kQSuper, m = packed_blocks(K, sb);
+      const int word0 = sb * (kQSuper / 4) + ((k % kQBlock) / 4) * m + (k % kQSuper) / kQBlock;
+      for (int g = 0; g < 4; ++g) {
+        const int word = word0 + g * m;
+        uint8_t* d = blk + (size_t)(word / 16) * kChunk16 + (size_t)(word % 16) * 64 + j * 4;
+        std::memcpy(d, h + 4 * g, 4);
+        std::memcpy(d + kTileB, l + 4 * g, 4);
+      }
+    }
+  }
+}
+
+// Tiles 0-3: C (rows r0 hi, r0 lo, r0 + 16 hi, r0 + 16 lo); 4, 5: A (rows r0, r0 + 16); 6, 7: B.
+void row16_tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, float* C, int ldc,
+                 int32_t* stage, float* out) {
+  const int chunks = K / kKB, ntb = (n + 15) / 16;
+  const size_t tbb = row16_block_bytes(K), ldw = w.row_bytes;
+  configure_tiles();
+  for (int r0 = 0; r0 < R; r0 += 32) {
+    const int8_t* A = (const int8_t*)(w.data + (size_t)r0 * ldw);
+    // The next 32 rows, prefetched to L2 over the first token block's chunks. (Prefetching this
+    // r-pair's chunks to L1 a few ahead as well was no faster: BENCHMARKS, session 10.)
+    const uint8_t* pf = r0 + 32 < R ? w.data + (size_t)(r0 + 32) * ldw : nullptr;
+    const size_t pf_lines = pf ? 32 * ldw / 64 : 0;
+    const size_t pf_per_chunk = (pf_lines + chunks - 1) / chunks;
+    for (int tb = 0; tb < ntb; ++tb) {
+      const int nt = std::min(16, n - tb * 16);
+      const uint8_t* xb = X + (size_t)tb * tbb;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int c = 0; c < chunks; ++c) {
+        if (tb == 0)
+          for (size_t i = c * pf_per_chunk; i < std::min(pf_lines, (c + 1) * pf_per_chunk); ++i)
+            _mm_prefetch((const char*)(pf + (i % 32) * ldw + (i / 32) * 64), _MM_HINT_T1);
+        _tile_loadd(4, A + (size_t)c * kKB, ldw);
+        _tile_loadd(6, xb + (size_t)c * kChunk16, 64);
+        _tile_loadd(7, xb + (size_t)c * kChunk16 + kTileB, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_loadd(5, A + 16 * ldw + (size_t)c * kKB, ldw);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
+      _tile_stored(0, stage, 64);
+      _tile_stored(1, stage + 256, 64);
+      _tile_stored(2, stage + 512, 64);
+      _tile_stored(3, stage + 768, 64);
+      const __m512 xs = _mm512_loadu_ps((const float*)(xb + (size_t)chunks * kChunk16));
+      const __m512 k256 = _mm512_set1_ps(256.f);
+      for (int half = 0; half < 2; ++half) {
+        const int32_t* hi = stage + half * 512;
+        const float* ws = w.scales + r0 + half * 16;
+#pragma GCC unroll 4
+        for (int m = 0; m < 16; ++m) {
+          const __m512 vh = _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(hi + m * 16)));
+          const __m512 vl = _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(hi + 256 + m * 16)));
+          const __m512 v = _mm512_fmadd_ps(vh, k256, vl);
+          _mm512_store_ps(out + m * 16, _mm512_mul_ps(v, _mm512_mul_ps(xs, _mm512_set1_ps(ws[m]))));
+        }
+        write_block(out, C, ldc, r0 + half * 16, tb, nt);
+      }
+    }
+  }
+  _tile_release();
+}
+
+void row16_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
+                uint8_t* scratch) {
+  if (n < tile_min_tokens) {
+    vnni_gemm(w, R, K, xp, n, C, ldc, scratch);
+    return;
+  }
+  int32_t* stage = (int32_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  // 4 C tiles
+  float* out = (float*)((uint8_t*)stage + 4 * 1024);                          // [16][16] fp32
+  row16_tiles(w, R, K, (const uint8_t*)xp, n, C, ldc, stage, out);
+}
+
 void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
           uint8_t* scratch) {
   if (n < tile_min_tokens) {
@@ -259,14 +387,17 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
 
 }  // namespace
 
-KernelSet kernels_amx_int8() {
+KernelSet kernels_amx_int8(int fmt) {
   static const int min_tokens = [] {
     const char* v = std::getenv("TANDEM_AMX_TILE_MIN_TOKENS");
     const int t = v ? std::atoi(v) : 0;
     return t > 0 ? t : kAmxTileMinTokens;
   }();
   tile_min_tokens = min_tokens;
-  return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes, nullptr, true};
+  if (fmt == FMT_INT8)  // packed int8 rows only (ExpertPool::kernels_for)
+    return {"amx-int8", row16_prep_bytes, row16_prep, row16_gemm, scratch_bytes, nullptr, true,
+            min_tokens};
+  return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes, nullptr, true, min_tokens};
 }
 
 }  // namespace tandem_cpu

@@ -380,7 +380,9 @@ size_t Layer::weight_bytes() const {
 }
 
 ExpertPool::ExpertPool(int num_threads, const std::string& isa, int split_nodes)
-    : kernels_(select_kernels(isa)), ikernels_(select_int_kernels(kernels_.name)) {
+    : kernels_(select_kernels(isa)),
+      ikernels_(select_int_kernels(kernels_.name, FMT_INT4)),
+      ikernels8_(select_int_kernels(kernels_.name, FMT_INT8)) {
   int_min_tokens_ = !ikernels_.name                              ? 0
                    : std::string(ikernels_.name) == "amx-int8" ? kAmxIntMinTokens
                                                                 : kVnniMinTokens;
@@ -712,6 +714,7 @@ void ExpertPool::submit(int layer_idx, const float* hidden, const void* ids, boo
     pair_token_[p] = s / k;
     pair_slot_[p] = s;
   }
+  L_ = L;  // kernels_for reads its format
   // Path per expert: the integer path for int8/int4 experts with enough tokens.
   const int na = (int)active_.size();
   use_int_.assign(na, 0);
@@ -737,7 +740,6 @@ void ExpertPool::submit(int layer_idx, const float* hidden, const void* ids, boo
     if (ns.act.size() < (size_t)pairs * sh.Is) ns.act.resize((size_t)pairs * sh.Is);
     if (ns.y.size() < (size_t)T * k * L->Hp) ns.y.resize((size_t)T * k * L->Hp);
   }
-  L_ = L;
   hidden_ = hidden;
   weights_ = weights;
   out_ = out;
@@ -803,7 +805,8 @@ void ExpertPool::run_step(int worker) {
   const size_t ctile = round_up((size_t)max_count_ * kRowBlock * sizeof(float), 64);
   const int Kmax = std::max(Hp, Is);
   size_t kbytes = kernel_scratch_bytes(kernels_, kRowBlock, Kmax);
-  if (ikernels_.name) kbytes = std::max(kbytes, kernel_scratch_bytes(ikernels_, kRowBlock, Kmax));
+  for (const KernelSet* ks : {&ikernels_, &ikernels8_})
+    if (ks->name) kbytes = std::max(kbytes, kernel_scratch_bytes(*ks, kRowBlock, Kmax));
   // A work item's rows, natural, for a kernel that does not read packed ones.
   const size_t ubytes = L.packed ? round_up((size_t)kRowBlock * row_bytes(fmt, Kmax), 64) : 0;
   uint8_t* scratch = scratch_for(worker, ctile + ubytes + kbytes + 64);

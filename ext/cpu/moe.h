@@ -175,6 +175,8 @@ class ExpertPool {
   // the path, else 0. Between calls.
   void set_int_min_tokens(int n);
   int int_min_tokens() const { return int_min_tokens_; }
+  // Tokens of one expert from which the integer path multiplies in AMX tiles; 0: no tiles.
+  int int_tiles_from() const { return ikernels_.tiles_from; }
   // Whether layers converted from now on store int8/int4 rows packed (kernels.h: packed_at):
   // default where the CPU has the integer path, whose 1-token kernel reads them in place.
   // Paths that want natural rows unpack a work item's rows first. Loaded layers keep the
@@ -222,11 +224,16 @@ class ExpertPool {
   std::vector<int> expert_slot_;  // scratch: active index of each expert
   std::vector<char> use_int_;     // per active expert: the integer path
   KernelSet ikernels_{};          // the integer path; name null: none
+  KernelSet ikernels8_{};         // and for packed int8 rows (AMX: 16-bit activations)
   int int_min_tokens_ = 0;
   bool pack_rows_ = false;
   // Packed rows [0, R) -> natural rows (vnni_unpack_rows where the CPU has it).
   void (*unpack_rows_)(const WeightView& w, int R, int K, uint8_t* dst) = nullptr;
-  const KernelSet& kernels_for(int a) const { return use_int_[a] ? ikernels_ : kernels_; }
+  const KernelSet& kernels_for(int a) const {
+    return !use_int_[a]                           ? kernels_
+           : L_->fmt == FMT_INT8 && L_->packed ? ikernels8_
+                                                : ikernels_;
+  }
   int64_t t_start_ns_ = 0;        // submit's start (job_ns)
   std::atomic<int> workers_done_{0};
   std::atomic<uint64_t> ph_calls_{0}, ph_tokens_{0}, ph_pairs_{0}, ph_active_{0}, ph_route_{0},

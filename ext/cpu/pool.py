@@ -201,7 +201,8 @@ class CpuExpertPool:
         """`split_nodes` > 0 (tests): pretend the allowed cpus form that many NUMA nodes.
         `int_min_tokens`: int8/int4 experts with at least this many tokens in a call multiply
         the quantized weights as integers (`int_isa`: "vnni" on AVX-512 VNNI, "amx-int8" on
-        AMX; activations quantized to int8 per 32-element block); 0: never; None: $TANDEM_CPU_INT_PATH,
+        AMX; activations quantized to int8 per 32-element block, or to 16 bits per token in the
+        AMX tiles on packed int8 rows: `int_tiles_from`); 0: never; None: $TANDEM_CPU_INT_PATH,
         else the C++ default where the CPU has the path.
         `pack_rows`: store int8/int4 rows of layers converted from now on in the order the
         integer path's 1-token kernel reads (ext/cpu/kernels.h: packed_at); None:
@@ -607,6 +608,13 @@ class CpuExpertPool:
     def int_isa(self) -> str:
         """The integer path of this pool ("vnni", "amx-int8"), or "" where the ISA has none."""
         return self._live().int_isa
+
+    @property
+    def int_tiles_from(self) -> int:
+        """Tokens of one expert from which the integer path multiplies in AMX tiles (int8
+        weights then take 16-bit activations: ext/cpu/reference.py int_path_activations); 0:
+        no tiles."""
+        return self._live().int_tiles_from
 
     @property
     def int_min_tokens(self) -> int:

@@ -6,11 +6,22 @@ compare the pool with a float32 computation on the same dequantized weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 FORMATS = ("bf16", "int8", "int4")
 QBLOCK = 32  # activation elements per scale on the integer path (ext/cpu/kernels.h: kQBlock)
+# Levels of the AMX tiles' 16-bit activations for int8 weights (ext/cpu/kernels.h: kRow16Levels).
+ROW16_LEVELS = 32639
+
+
+Quantizer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
@@ -40,19 +51,40 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> torch.Tensor:
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
 
 
-def quantize_activations(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor, block: int = QBLOCK, levels: int = 127) -> torch.Tensor:
     """Activations as the pool's integer path sees them, dequantized to float32 (same shape).
 
     Per row (last dimension, zero-padded to a whole block) and block of `block` elements:
-    scale = absmax / 127 in float32, q = round-half-even(x / scale) in [-127, 127]; an all-zero
-    block is zero. The error per element is at most scale / 2 = absmax / 254.
+    scale = absmax / levels in float32, q = round-half-even(x / scale) in [-levels, levels]; an
+    all-zero block is zero. The error per element is at most scale / 2 = absmax / (2 levels).
     """
     x = x.float()
     k = x.shape[-1]
     xb = F.pad(x, (0, (-k) % block)).reshape(*x.shape[:-1], -1, block)
-    scale = xb.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(scale > 0, torch.round(xb / scale), torch.zeros_like(xb)).clamp(-127, 127)
-    return (q * scale).reshape(*x.shape[:-1], -1)[..., :k]
+    scale = xb.abs().amax(dim=-1, keepdim=True) / float(levels)
+    q = torch.where(scale > 0, torch.round(xb / scale), torch.zeros_like(xb))
+    return (q.clamp(-levels, levels) * scale).reshape(*x.shape[:-1], -1)[..., :k]
+
+
+def quantize_activations_row16(x: torch.Tensor) -> torch.Tensor:
+    """The AMX tiles' activations for int8 weights: one scale per row, ROW16_LEVELS levels."""
+    return quantize_activations(x, block=x.shape[-1], levels=ROW16_LEVELS)
+
+
+def int_path_activations(
+    fmt: str, tiles_from: int, packed: bool = True
+) -> Callable[[int], Quantizer]:
+    """The activation quantizer of a pool's integer path for an expert of n tokens, as a function
+    of n (moe_reference's quantize_acts): per 32-element block (VNNI, and the AMX tiles on int4
+    or natural int8 rows), or per row (quantize_activations_row16) on packed int8 rows (the
+    default: the pool's pack_rows) from tiles_from tokens, the pool's int_tiles_from (0: none)."""
+
+    def pick(n: int) -> Quantizer:
+        if fmt == "int8" and packed and tiles_from and n >= tiles_from:
+            return quantize_activations_row16
+        return quantize_activations
+
+    return pick
 
 
 def moe_reference(
@@ -61,14 +93,12 @@ def moe_reference(
     w2: torch.Tensor,  # [E, H, I]
     topk_ids: torch.Tensor,  # [T, k] int; -1 skips the slot
     topk_weights: torch.Tensor,  # [T, k] float32
-    quantize_acts: bool = False,
+    quantize_acts: bool | Callable[[int], Quantizer] = False,
 ) -> torch.Tensor:
     """out[t] = sum_j weight[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert ids[t, j], fp32.
     quantize_acts: both projections' inputs go through quantize_activations first (what the
-    integer path computes, up to the order of float sums)."""
-
-    def q(t: torch.Tensor) -> torch.Tensor:
-        return quantize_activations(t) if quantize_acts else t
+    integer path computes, up to the order of float sums); or a function of an expert's token
+    count giving its quantizer (int_path_activations)."""
 
     hidden = hidden.float()
     out = torch.zeros_like(hidden)
@@ -78,6 +108,12 @@ def moe_reference(
         if e < 0:
             continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
+        if callable(quantize_acts):
+            q = quantize_acts(tok.numel())
+        elif quantize_acts:
+            q = quantize_activations
+        else:
+            q = _identity
         gu = q(hidden[tok]) @ w13[e].float().t()
         act = F.silu(gu[:, :inter]) * gu[:, inter:]
         y = q(act) @ w2[e].float().t()

@@ -4,9 +4,10 @@ random shapes (K and N not multiples of 64), 1..512 tokens and top-k 1..8; the p
 really run where it is selected and stay off where it is not.
 
 Tolerances (relative L2 error of the layer output):
-  * against moe_reference(quantize_acts=True), which quantizes both projections' inputs exactly
-    as the kernels do (ext/cpu/reference.py: quantize_activations; VNNI and the AMX tiles
-    alike): INT_EXACT_TOL = 2e-3. Only
+  * against moe_reference(quantize_acts=int_path_activations(...)), which quantizes both
+    projections' inputs exactly as the kernels do (ext/cpu/reference.py: per 32-element block on
+    VNNI and on the AMX tiles with int4 weights, per row with 16 bits on the tiles with int8
+    weights): INT_EXACT_TOL = 2e-3. Only
     the order of fp32 sums differs, and through it, rarely, an intermediate element rounds to
     the neighbouring int8 level (one step, absmax / 127 of its block); observed <= 3e-4.
   * against the fp32 reference on the same dequantized weights: INT_FP32_TOL = 3e-2. The
@@ -25,6 +26,7 @@ import torch
 
 from ext.cpu import CpuExpertPool, moe_reference, quantize, supported_isas
 from ext.cpu import pool as pool_mod
+from ext.cpu.reference import int_path_activations
 
 INT_PATHS = {"avx512": "vnni", "amx": "amx-int8"}  # kernel set -> its integer path
 INT_ISAS = [isa for isa in supported_isas() if isa in INT_PATHS]
@@ -75,6 +77,7 @@ def test_int_path_is_selected_per_isa():
                 # from 1 token per expert (measured faster on both with packed rows)
                 assert pool.int_min_tokens == 1
                 assert pool.pack_rows
+                assert pool.int_tiles_from == (8 if pool.int_isa == "amx-int8" else 0)
             else:
                 assert pool.int_min_tokens == 0
                 assert not pool.pack_rows
@@ -99,7 +102,8 @@ def test_parity_with_quantized_activation_reference(isa, fmt, group, layer_seed)
             # Every active expert took the integer path (one node here), none the float one.
             assert stats["int_experts"] == int(ids[ids >= 0].unique().numel()), stats
             assert stats["float_experts"] == 0 and stats["int_items"] > 0, stats
-            ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=True)
+            acts = int_path_activations(fmt, pool.int_tiles_from)
+            ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=acts)
             ref = moe_reference(hidden, dq13, dq2, ids, weights)
             assert torch.isfinite(out).all()
             label = f"{isa} {fmt}/{group} E={E} I={two_i // 2} H={H} T={T} k={k}"
@@ -108,8 +112,8 @@ def test_parity_with_quantized_activation_reference(isa, fmt, group, layer_seed)
 
 
 # Tokens an expert such that the AMX tiles see every shape of token block: 16 tokens, and a last
-# block of 1-4 (4 blocks of 32 side by side in a C tile where K / 32 allows), 5-8 (2) or 9-15
-# (1); 1-7 stay on VNNI.
+# block of 1-4 (int4: 4 blocks of 32 side by side in a C tile where K / 32 allows), 5-8 (2) or
+# 9-15 (1); 1-7 stay on VNNI.
 TOKEN_BLOCK_COUNTS = [1, 7, 8, 9, 12, 16, 17, 20, 22, 29, 32, 35]
 
 
@@ -133,10 +137,36 @@ def test_every_token_block_shape_matches_the_reference(isa, fmt, group, H, inter
         pool.add_layer(0, w13, w2, fmt, group)
         out = pool.forward(0, hidden, ids, weights)
         assert pool.phase_stats()["int_experts"] == E
-    ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=True)
+        acts = int_path_activations(fmt, pool.int_tiles_from)
+    ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=acts)
     for e, c in enumerate(TOKEN_BLOCK_COUNTS):  # per expert, so one bad layout cannot hide
         rows = (ids[:, 0] == e).nonzero().flatten()
         assert rel_err(out[rows], ref_q[rows]) < INT_EXACT_TOL, (isa, fmt, group, H, c)
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+def test_int8_tiles_take_16_bit_activations(isa):
+    """Where the pool has AMX tiles, an int8 expert with enough tokens for them multiplies 16-bit
+    activations (one scale per token): its error against the fp32 reference on the same
+    dequantized weights is ~100x below the 8-bit blocks' of VNNI, which experts under the
+    threshold keep."""
+    w13, w2 = random_layer(19)
+    E, _, H = w13.shape
+    dq13, dq2 = quantize(w13, "int8"), quantize(w2, "int8")
+    g = torch.Generator().manual_seed(19)
+    ids = torch.cat([torch.zeros(40, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.long)])
+    hidden, weights = torch.randn(43, H, generator=g), torch.rand(43, 1, generator=g) + 0.5
+    with CpuExpertPool(num_threads=2, isa=isa, int_min_tokens=1) as pool:
+        pool.add_layer(0, w13, w2, "int8")
+        out = pool.forward(0, hidden, ids, weights)
+        tiles_from = pool.int_tiles_from
+    ref = moe_reference(hidden, dq13, dq2, ids, weights)
+    many, few = rel_err(out[:40], ref[:40]), rel_err(out[40:], ref[40:])
+    assert 3e-3 < few < INT_FP32_TOL, few  # 3 tokens: 8-bit blocks everywhere
+    if tiles_from and tiles_from <= 40:
+        assert many < 3e-4, many
+    else:
+        assert 3e-3 < many < INT_FP32_TOL, many
 
 
 @pytest.mark.parametrize("isa", INT_ISAS)
@@ -188,7 +218,7 @@ def test_int_path_with_node_shards(isa):
         pool.add_layer(0, w13, w2, "int4", 32)
         out = pool.forward(0, hidden, ids, weights)
         assert pool.phase_stats()["int_experts"] > 0
-    ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=True)
+    ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=True)  # int4: blocks
     assert rel_err(out, ref_q) < INT_EXACT_TOL
 
 

@@ -773,7 +773,18 @@ def test_a_tokens_output_does_not_depend_on_the_other_tokens_of_the_call(pools, 
                     for t in range(T)
                 ]
             )
-            if isa == "amx":  # tiles from 4 tokens an expert, AVX-512 / VNNI below: the same
+            if isa == "amx" and fmt == "int8" and int_min:
+                # Tiles from int_tiles_from tokens an expert take 16-bit activations per token,
+                # VNNI below them 8-bit ones per 32-block: alone and batched differ by the
+                # blocks' error. With the routing kept, other tokens' values change nothing.
+                assert rel_err(batched, alone) < 3e-2
+                other = hidden.clone()
+                other[T // 2 :] = torch.randn(
+                    T - T // 2, H, generator=torch.Generator().manual_seed(7)
+                )
+                again = pool.forward(9, other, ids.clone(), weights.clone())
+                assert torch.equal(again[: T // 2], batched[: T // 2]), (isa, fmt, int_min)
+            elif isa == "amx":  # tiles from 8 tokens an expert, AVX-512 / VNNI below: the same
                 # products, summed in another order
                 err = rel_err(batched, alone)
                 assert err < 1e-5, (isa, fmt, int_min, err)

@@ -30,3 +30,4 @@ def test_errors_per_layer(tmp_path: Path) -> None:
     assert [r["layer"] for r in res["layers"]] == [0, 1]
     assert all(0 < r["block32"] < 0.1 and 0 < r["row"] < 0.5 for r in res["layers"])
     assert res["mean"]["row"] >= res["mean"]["block32"]
+    assert all(0 < r["row16"] < r["block32"] / 10 for r in res["layers"])  # the AMX int8 tiles

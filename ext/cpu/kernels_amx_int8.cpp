@@ -81,19 +81,25 @@ void prep(const float* const* x, int Kv, int K, int n, void* dst) {
   }
   std::memset(dst, 0, prep_bytes(K, n));
   const int nb = K / kQBlock;
-  for (int t = 0; t < n; ++t) {
-    const int tb = t / 16, j = t % 16, P = blocks_per_tile(std::min(16, n - tb * 16), nb);
-    const int T = 16 / P;
+  // Block-major within a token block, so each block's 4-byte stores land in one 1 KB tile (in
+  // L1) rather than all over the token block's tiles (tens of KB; token-major order spent
+  // 40% of a call of 64 tokens an expert here: BENCHMARKS, session 10).
+  for (int tb = 0; tb * 16 < n; ++tb) {
+    const int nt = std::min(16, n - tb * 16), P = blocks_per_tile(nt, nb), T = 16 / P;
     uint8_t* blk = (uint8_t*)dst + (size_t)tb * token_block_bytes(K, 1);
     float* scales = (float*)(blk + (size_t)(P == 1 ? nb : K / kKB) * kTileB);
     for (int b = 0; b < nb && b * kQBlock < Kv; ++b) {
-      alignas(16) int8_t q[kQBlock];
-      int32_t sum;
-      const int col = (b % P) * T + j;
-      if (!q8_block32(x[t] + b * kQBlock, Kv - b * kQBlock, q, &scales[(b / P) * 16 + col], &sum))
-        continue;
-      uint8_t* tile = blk + (size_t)(P == 1 ? b : b / 2) * kTileB + (b % 2) * 8 * 64 + col * 4;
-      for (int g = 0; g < kQBlock / 4; ++g) std::memcpy(tile + g * 64, q + 4 * g, 4);
+      uint8_t* tile0 = blk + (size_t)(P == 1 ? b : b / 2) * kTileB + (b % 2) * 8 * 64;
+      for (int j = 0; j < nt; ++j) {
+        alignas(16) int8_t q[kQBlock];
+        int32_t sum;
+        const int col = (b % P) * T + j;
+        if (!q8_block32(x[tb * 16 + j] + b * kQBlock, Kv - b * kQBlock, q,
+                        &scales[(b / P) * 16 + col], &sum))
+          continue;
+        uint8_t* tile = tile0 + col * 4;
+        for (int g = 0; g < kQBlock / 4; ++g) std::memcpy(tile + g * 64, q + 4 * g, 4);
+      }
     }
   }
 }
@@ -268,37 +274,54 @@ void row16_prep(const float* const* x, int Kv, int K, int n, void* dst) {
     vnni_prep(x, Kv, K, n, dst);
     return;
   }
-  std::memset(dst, 0, row16_prep_bytes(K, n));
   const __m512i lim = _mm512_set1_epi32(kRow16Levels), half = _mm512_set1_epi32(128);
-  for (int t = 0; t < n; ++t) {
-    const int j = t % 16;
-    uint8_t* blk = (uint8_t*)dst + (size_t)(t / 16) * row16_block_bytes(K);
-    __m512 amax = _mm512_setzero_ps();
-    for (int k = 0; k < Kv; k += 16)
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k)));
-    const float s = _mm512_reduce_max_ps(amax) / (float)kRow16Levels;
-    if (!(s > 0.f)) continue;  // an all-zero row: zero tiles and scale
-    ((float*)(blk + (size_t)(K / kKB) * kChunk16))[j] = s;
-    const __m512 sv = _mm512_set1_ps(s);
-    for (int k = 0; k < Kv; k += 16) {
-      const __m512 v = _mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[t] + k);
-      // Division, not a reciprocal multiply: the same rounding as the torch reference.
-      __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(v, sv));  // MXCSR default: half to even
-      q = _mm512_max_epi32(_mm512_min_epi32(q, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);
-      const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
-      alignas(16) int8_t h[16], l[16];
-      _mm_store_si128((__m128i*)h, _mm512_cvtepi32_epi8(hi));
-      _mm_store_si128((__m128i*)l, _mm512_cvtepi32_epi8(lo));
-      // Elements k .. k + 15: 4 groups of 4, runs (k % 32) / 4 .. + 3 of block (k % 512) / 32 of
-      // super-block k / 512, which has m blocks: packed word sb * 128 + run * m + block.
-      const int sb = k / kQSuper, m = packed_blocks(K, sb);
-      const int word0 = sb * (kQSuper / 4) + ((k % kQBlock) / 4) * m + (k % kQSuper) / kQBlock;
-      for (int g = 0; g < 4; ++g) {
-        const int word = word0 + g * m;
-        uint8_t* d = blk + (size_t)(word / 16) * kChunk16 + (size_t)(word % 16) * 64 + j * 4;
-        std::memcpy(d, h + 4 * g, 4);
-        std::memcpy(d + kTileB, l + 4 * g, 4);
+  const int chunks = K / kKB;
+  // Per token block: the scales, then super-block by super-block (512 elements, 8 chunks, 16
+  // KB), each token's elements of it, so the 4-byte stores stay in L1 (token-major order spent
+  // 40% of a call of 64 tokens an expert: BENCHMARKS, session 10).
+  for (int tb = 0; tb * 16 < n; ++tb) {
+    const int nt = std::min(16, n - tb * 16);
+    uint8_t* blk = (uint8_t*)dst + (size_t)tb * row16_block_bytes(K);
+    float* scales = (float*)(blk + (size_t)chunks * kChunk16);
+    for (int j = 0; j < 16; ++j) {
+      float s = 0.f;
+      if (j < nt) {
+        __m512 amax = _mm512_setzero_ps();
+        for (int k = 0; k < Kv; k += 16)
+          amax = _mm512_max_ps(
+              amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(q8_first_n(Kv - k), x[tb * 16 + j] + k)));
+        s = _mm512_reduce_max_ps(amax) / (float)kRow16Levels;
+      }
+      scales[j] = s > 0.f ? s : 0.f;  // 0: an all-zero row (or a padded token), zero tiles
+    }
+    for (int sb = 0; sb * kQSuper < K; ++sb) {
+      const int m = packed_blocks(K, sb);  // blocks of 32 in this super-block
+      uint8_t* sbase = blk + (size_t)sb * (kQSuper / kKB) * kChunk16;
+      std::memset(sbase, 0, (size_t)m * kQBlock / kKB * kChunk16);
+      for (int j = 0; j < nt; ++j) {
+        if (!(scales[j] > 0.f)) continue;
+        const __m512 sv = _mm512_set1_ps(scales[j]);
+        const float* xt = x[tb * 16 + j];
+        for (int k = sb * kQSuper; k < std::min(Kv, sb * kQSuper + m * kQBlock); k += 16) {
+          const __m512 v = _mm512_maskz_loadu_ps(q8_first_n(Kv - k), xt + k);
+          // Division, not a reciprocal multiply: the same rounding as the torch reference.
+          __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(v, sv));  // MXCSR default: half to even
+          q = _mm512_max_epi32(_mm512_min_epi32(q, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+          const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);
+          const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+          alignas(16) int8_t h[16], l[16];
+          _mm_store_si128((__m128i*)h, _mm512_cvtepi32_epi8(hi));
+          _mm_store_si128((__m128i*)l, _mm512_cvtepi32_epi8(lo));
+          // Elements k .. k + 15: 4 groups of 4, runs (k % 32) / 4 .. + 3 of block (k % 512) /
+          // 32: packed words run * m + block of the super-block (kernels.h: packed_word).
+          const int word0 = ((k % kQBlock) / 4) * m + (k % kQSuper) / kQBlock;
+          for (int g = 0; g < 4; ++g) {
+            const int word = word0 + g * m;
+            uint8_t* d = sbase + (size_t)(word / 16) * kChunk16 + (size_t)(word % 16) * 64 + j * 4;
+            std::memcpy(d, h + 4 * g, 4);
+            std::memcpy(d + kTileB, l + 4 * g, 4);
+          }
+        }
       }
     }
   }

@@ -39,7 +39,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # HF's dict, e.g. {"rope_type": "llama3", ...}
     max_position_embeddings: int = 4096
-    # Mixtral's sliding-window attention (HF: a key is seen while q_pos - k_pos < window).
+    # Sliding-window attention (HF: a key is seen while q_pos - k_pos < window), where the
+    # checkpoint puts it on any layer (Mixtral; Qwen with use_sliding_window: _sliding_window).
     # Tandem attends to the whole context, so the engine caps max_model_len at the window,
     # where both agree.
     sliding_window: int | None = None
@@ -122,11 +123,7 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
-            sliding_window=(
-                int(d["sliding_window"])
-                if arch == "MixtralForCausalLM" and d.get("sliding_window")
-                else None
-            ),
+            sliding_window=_sliding_window(arch, d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(
                 _first(d, "qkv_bias", "attention_bias", default=arch.startswith("Qwen2"))
@@ -155,6 +152,32 @@ class ModelConfig:
         if not path.exists():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
+    """The window of the checkpoint's sliding-window layers, or None where no layer has one, by
+    transformers' rules: Mixtral windows every layer when `sliding_window` is set; the Qwen
+    families only with `use_sliding_window`, then the layers `layer_types` names (when absent:
+    Qwen3-MoE every layer, Qwen2-MoE the even-indexed ones below `max_window_layers`, dense
+    Qwen2/Qwen3 those from `max_window_layers` on). Llama has none."""
+    window = d.get("sliding_window")
+    if not window or arch == "LlamaForCausalLM":
+        return None
+    if arch == "MixtralForCausalLM":
+        return int(window)
+    if not d.get("use_sliding_window", False):
+        return None
+    layers = range(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        below = d.get("max_window_layers", 28)
+        if arch == "Qwen3MoeForCausalLM":
+            types = ["sliding_attention" for _ in layers]
+        elif arch == "Qwen2MoeForCausalLM":
+            types = ["sliding_attention" if i % 2 == 0 and i < below else "full" for i in layers]
+        else:
+            types = ["sliding_attention" if i >= below else "full" for i in layers]
+    return int(window) if "sliding_attention" in types else None
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:

@@ -33,6 +33,7 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
         "sliding_window": cfg.sliding_window,
+        "use_sliding_window": cfg.sliding_window is not None,  # the Qwen families' switch
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": cfg.hidden_act,
         "attention_bias": cfg.attention_bias,

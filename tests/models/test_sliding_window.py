@@ -1,6 +1,8 @@
-"""Mixtral's `sliding_window`: attention here is never windowed, so the engine caps
-max_model_len at the window (where full attention equals HF's windowed one) instead of
-computing longer sequences differently from the checkpoint's own code."""
+"""Sliding-window attention (Mixtral's `sliding_window`, the Qwen families' `use_sliding_window`):
+attention here is never windowed, so the engine caps max_model_len at the window (where full
+attention equals HF's windowed one) instead of computing longer sequences differently from the
+checkpoint's own code. (Before, a Qwen MoE checkpoint with use_sliding_window was read as full
+attention: logits off HF's from the window on, with no warning.)"""
 
 from __future__ import annotations
 
@@ -28,6 +30,55 @@ def test_config_reads_mixtral_sliding_window() -> None:
     assert cfg.sliding_window == 8 and cfg.max_context == 8
     d["sliding_window"] = None
     assert ModelConfig.from_hf_dict(d).max_context == 64
+
+
+QWEN_TINY = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, sliding_window=8,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config_cls,extra,window",
+    [
+        (hf.Qwen3MoeConfig, dict(use_sliding_window=True), 8),  # every layer
+        (hf.Qwen3MoeConfig, dict(use_sliding_window=False), None),
+        (hf.Qwen2MoeConfig, dict(use_sliding_window=True, max_window_layers=2), 8),  # layer 0
+        (hf.Qwen2MoeConfig, dict(use_sliding_window=True, max_window_layers=0), None),
+        (hf.Qwen2Config, dict(use_sliding_window=True, max_window_layers=2), 8),  # layers 2, 3
+        (hf.Qwen2Config, dict(use_sliding_window=True, max_window_layers=4), None),
+        (hf.Qwen3Config, dict(use_sliding_window=True, max_window_layers=3), 8),
+        (hf.Qwen3Config, dict(use_sliding_window=False, max_window_layers=0), None),
+    ],
+)
+def test_config_reads_qwen_sliding_windows(config_cls, extra, window) -> None:
+    """The window counts where transformers puts it on at least one layer."""
+    d = config_cls(**QWEN_TINY, **extra).to_dict()
+    d["architectures"] = [config_cls.__name__.replace("Config", "ForCausalLM")]
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.sliding_window == window
+    assert cfg.max_context == (8 if window else 64)
+    d.pop("layer_types", None)  # older configs: the rule from use_sliding_window alone
+    assert ModelConfig.from_hf_dict(d).sliding_window == window
+
+
+def test_qwen3_moe_sliding_window_caps_the_engine(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = hf.Qwen3MoeConfig(
+        **QWEN_TINY, use_sliding_window=True, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=16,
+    )  # fmt: skip
+    hf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    ec = EngineConfig(
+        model=ModelSpec(model=str(tmp_path), device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=48),
+    )
+    llm = LLM(engine_config=ec)
+    assert llm.engine.max_model_len == 8
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError):
+        llm.generate([list(range(1, 13))], params)
 
 
 @pytest.mark.parametrize("window", [8, None])

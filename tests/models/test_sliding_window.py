@@ -23,6 +23,18 @@ TINY = dict(
 )  # fmt: skip
 
 
+def _llm_of(cfg: hf.PretrainedConfig, path: Path) -> LLM:
+    """An engine on a random checkpoint of `cfg` saved at `path`, max_model_len 48 asked."""
+    torch.manual_seed(0)
+    hf.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    ec = EngineConfig(
+        model=ModelSpec(model=str(path), device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=48),
+    )
+    return LLM(engine_config=ec)
+
+
 def test_config_reads_mixtral_sliding_window() -> None:
     d = hf.MixtralConfig(**TINY, sliding_window=8, max_position_embeddings=64).to_dict()
     d["architectures"] = ["MixtralForCausalLM"]
@@ -63,18 +75,11 @@ def test_config_reads_qwen_sliding_windows(config_cls, extra, window) -> None:
 
 
 def test_qwen3_moe_sliding_window_caps_the_engine(tmp_path: Path) -> None:
-    torch.manual_seed(0)
     cfg = hf.Qwen3MoeConfig(
         **QWEN_TINY, use_sliding_window=True, num_experts=2, num_experts_per_tok=1,
         moe_intermediate_size=16,
     )  # fmt: skip
-    hf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    ec = EngineConfig(
-        model=ModelSpec(model=str(tmp_path), device="cpu", dtype="float32"),
-        cache=CacheConfig(block_size=4, num_blocks=64),
-        scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=48),
-    )
-    llm = LLM(engine_config=ec)
+    llm = _llm_of(cfg, tmp_path)
     assert llm.engine.max_model_len == 8
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     with pytest.raises(ValueError):
@@ -83,15 +88,8 @@ def test_qwen3_moe_sliding_window_caps_the_engine(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("window", [8, None])
 def test_engine_caps_max_model_len_at_the_window(tmp_path: Path, window: int | None) -> None:
-    torch.manual_seed(0)
     cfg = hf.MixtralConfig(**TINY, sliding_window=window, max_position_embeddings=64)
-    hf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    ec = EngineConfig(
-        model=ModelSpec(model=str(tmp_path), device="cpu", dtype="float32"),
-        cache=CacheConfig(block_size=4, num_blocks=64),
-        scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=48),
-    )
-    llm = LLM(engine_config=ec)
+    llm = _llm_of(cfg, tmp_path)
     assert llm.engine.max_model_len == (8 if window else 48)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     (out,) = llm.generate([[1, 2, 3, 4]], params)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import shutil
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -77,6 +79,21 @@ sys.exit(asyncio.run(serve_until_signal(ServerConfig(port=0, shutdown_timeout=1.
 """
 
 
+@contextlib.asynccontextmanager
+async def _spawned(*argv: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`argv` as a child process (stderr piped, cwd the repository), killed on the way out if it
+    is still running."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stderr=asyncio.subprocess.PIPE, cwd=str(ROOT)
+    )
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def _listening_at(proc: asyncio.subprocess.Process) -> str:
     """The base URL the server script logs once it listens (its stderr, 30 s a line)."""
     while True:
@@ -110,14 +127,7 @@ async def _signal_mid_stream(
 
 
 async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        SERVER_SCRIPT.format(root=str(ROOT)),
-        stderr=asyncio.subprocess.PIPE,
-        cwd=str(ROOT),
-    )
-    try:
+    async with _spawned(sys.executable, "-c", SERVER_SCRIPT.format(root=str(ROOT))) as proc:
         base = await _listening_at(proc)
         async with aiohttp.ClientSession() as http:
             resp, health = await _signal_mid_stream(http, base, proc, signal.SIGTERM, 200)
@@ -127,20 +137,13 @@ async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
             rest = await resp.read()
             assert b'"finish_reason":"abort"' in rest and rest.endswith(b"data: [DONE]\n\n")
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_a_second_signal_aborts_the_drain_now() -> None:
     script = SERVER_SCRIPT.replace("shutdown_timeout=1.0", "shutdown_timeout=120.0").replace(
         "step_delay=0.01", "step_delay=0.2"
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script.format(root=str(ROOT)), stderr=asyncio.subprocess.PIPE
-    )
-    try:
+    async with _spawned(sys.executable, "-c", script.format(root=str(ROOT))) as proc:
         base = await _listening_at(proc)
         async with aiohttp.ClientSession() as http:
             # 250 tokens: ~50 s of steps, far longer than the test waits
@@ -149,10 +152,6 @@ async def test_a_second_signal_aborts_the_drain_now() -> None:
             rest = await asyncio.wait_for(resp.read(), 10)
             assert b'"finish_reason":"abort"' in rest and rest.endswith(b"data: [DONE]\n\n")
         assert await asyncio.wait_for(proc.wait(), 10) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 def _tandem_command() -> list[str]:
@@ -164,17 +163,8 @@ def _tandem_command() -> list[str]:
 
 
 async def test_tandem_serve_without_model_serves_the_default_model() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *_tandem_command(),
-        "serve",
-        "--port",
-        "0",
-        "--shutdown-timeout",
-        "2",
-        stderr=asyncio.subprocess.PIPE,
-        cwd=str(ROOT),
-    )
-    try:
+    argv = [*_tandem_command(), "serve", "--port", "0", "--shutdown-timeout", "2"]
+    async with _spawned(*argv) as proc:
         port = None
         for _ in range(200):  # log lines until the listening one (bounded)
             line = (await asyncio.wait_for(proc.stderr.readline(), 120)).decode()
@@ -206,7 +196,3 @@ async def test_tandem_serve_without_model_serves_the_default_model() -> None:
         assert 1 <= body["usage"]["completion_tokens"] <= 8
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()

@@ -1,7 +1,7 @@
 """Model hyper-parameters, read from an HF `config.json` or from GGUF metadata.
 
 `ModelConfig` is architecture-neutral: one frozen dataclass holds what every supported
-family needs (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Loaders fill it; models read it.
+family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Loaders fill it; models read it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
 )
+_DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -40,7 +42,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # HF's dict, e.g. {"rope_type": "llama3", ...}
     max_position_embeddings: int = 4096
     # Sliding-window attention (HF: a key is seen while q_pos - k_pos < window), where the
-    # checkpoint puts it on any layer (Mixtral; Qwen with use_sliding_window: _sliding_window).
+    # checkpoint puts it on any layer (Mistral, Mixtral; Qwen with use_sliding_window:
+    # _sliding_window).
     # Tandem attends to the whole context, so the engine caps max_model_len at the window,
     # where both agree.
     sliding_window: int | None = None
@@ -101,7 +104,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
-        if arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if arch in _DENSE:
             num_experts = 0
         rope_scaling = d.get("rope_scaling")
         rope_theta = d.get("rope_theta")
@@ -156,14 +159,15 @@ class ModelConfig:
 
 def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
     """The window of the checkpoint's sliding-window layers, or None where no layer has one, by
-    transformers' rules: Mixtral windows every layer when `sliding_window` is set; the Qwen
-    families only with `use_sliding_window`, then the layers `layer_types` names (when absent:
-    Qwen3-MoE every layer, Qwen2-MoE the even-indexed ones below `max_window_layers`, dense
-    Qwen2/Qwen3 those from `max_window_layers` on). Llama has none."""
+    transformers' rules: Mistral and Mixtral window every layer when `sliding_window` is set
+    (Mistral's code ignores `layer_types`); the Qwen families only with `use_sliding_window`,
+    then the layers `layer_types` names (when absent: Qwen3-MoE every layer, Qwen2-MoE the
+    even-indexed ones below `max_window_layers`, dense Qwen2/Qwen3 those from
+    `max_window_layers` on). Llama has none."""
     window = d.get("sliding_window")
     if not window or arch == "LlamaForCausalLM":
         return None
-    if arch == "MixtralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return int(window)
     if not d.get("use_sliding_window", False):
         return None
@@ -192,6 +196,7 @@ def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
 def _arch_from_model_type(model_type: str | None) -> str:
     table = {
         "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",

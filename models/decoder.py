@@ -1,6 +1,7 @@
-"""The one decoder-only transformer every supported family shares (Llama, Qwen2, Qwen3,
-Qwen3-MoE, Qwen2-MoE, Mixtral). Differences come from `ModelConfig` flags: q/k/v bias, q/k
-norm, rope scaling, tied embeddings, and `config.is_moe_layer(i)` choosing MLP or MoE per layer.
+"""The one decoder-only transformer every supported family shares (Llama, Mistral, Qwen2,
+Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Differences come from `ModelConfig` flags: q/k/v bias,
+q/k norm, rope scaling, tied embeddings, and `config.is_moe_layer(i)` choosing MLP or MoE per
+layer.
 
 The model sees one flattened batch (ARCHITECTURE.md, "The model forward contract"); it knows
 nothing about requests. Checkpoint-name mapping lives in models/weights.py.

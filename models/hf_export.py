@@ -10,6 +10,7 @@ from models.config import ModelConfig
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",

@@ -1,4 +1,5 @@
-"""Dense model families: Llama (incl. SmolLM2, Llama 3.x rope scaling), Qwen2, Qwen3.
+"""Dense model families: Llama (incl. SmolLM2, Llama 3.x rope scaling), Mistral (Llama's
+computation; its sliding window only caps the context, models/config.py), Qwen2, Qwen3.
 
 All share `DecoderForCausalLM`; their differences (q/k/v bias, q/k norm) come from ModelConfig.
 """
@@ -9,6 +10,10 @@ from models.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class MistralForCausalLM(DecoderForCausalLM):
     pass
 
 

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from models.config import UnsupportedModelError
 from models.decoder import DecoderForCausalLM
-from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 from models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

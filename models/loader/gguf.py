@@ -23,7 +23,9 @@ from models.gguf_reader import GGUFReader
 logger = logging.getLogger(__name__)
 
 _ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",  # "MixtralForCausalLM" when the file has experts
+    # "MixtralForCausalLM" when the file has experts. llama.cpp writes Mistral's files as
+    # "llama" too, with no sliding window (and runs them so): Llama's computation is theirs.
+    "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",

@@ -48,6 +48,9 @@ CASES = {
         ),
         4,
     ),
+    # Mistral: Llama's computation; head_dim set apart from hidden / heads; its default window
+    # (4096) is above every sequence here.
+    "mistral": (lambda: hf.MistralConfig(**_with(head_dim=24)), 16),
     "qwen2_linear_rope": (
         lambda: hf.Qwen2Config(
             **COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}

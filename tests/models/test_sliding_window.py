@@ -1,4 +1,5 @@
-"""Sliding-window attention (Mixtral's `sliding_window`, the Qwen families' `use_sliding_window`):
+"""Sliding-window attention (Mistral's and Mixtral's `sliding_window`, the Qwen families'
+`use_sliding_window`):
 attention here is never windowed, so the engine caps max_model_len at the window (where full
 attention equals HF's windowed one) instead of computing longer sequences differently from the
 checkpoint's own code. (Before, a Qwen MoE checkpoint with use_sliding_window was read as full
@@ -21,6 +22,7 @@ TINY = dict(
     vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
     num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1,
 )  # fmt: skip
+DENSE_TINY = {k: v for k, v in TINY.items() if "expert" not in k}  # Mistral's
 
 
 def _llm_of(cfg: hf.PretrainedConfig, path: Path) -> LLM:
@@ -39,6 +41,20 @@ def test_config_reads_mixtral_sliding_window() -> None:
     d = hf.MixtralConfig(**TINY, sliding_window=8, max_position_embeddings=64).to_dict()
     d["architectures"] = ["MixtralForCausalLM"]
     cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.sliding_window == 8 and cfg.max_context == 8
+    d["sliding_window"] = None
+    assert ModelConfig.from_hf_dict(d).max_context == 64
+
+
+@pytest.mark.parametrize("layer_types", [None, ["full_attention"]])
+def test_config_reads_mistral_sliding_window(layer_types: list[str] | None) -> None:
+    """Mistral windows every layer when `sliding_window` is set; its code ignores layer_types
+    (transformers warns that it does), so one that says "full" changes nothing."""
+    d = hf.MistralConfig(**DENSE_TINY, sliding_window=8, max_position_embeddings=64).to_dict()
+    if layer_types is not None:
+        d["layer_types"] = layer_types
+    cfg = ModelConfig.from_hf_dict(d)  # no `architectures`: read from model_type "mistral"
+    assert cfg.architecture == "MistralForCausalLM"
     assert cfg.sliding_window == 8 and cfg.max_context == 8
     d["sliding_window"] = None
     assert ModelConfig.from_hf_dict(d).max_context == 64
@@ -86,10 +102,19 @@ def test_qwen3_moe_sliding_window_caps_the_engine(tmp_path: Path) -> None:
         llm.generate([list(range(1, 13))], params)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "mistral"])
 @pytest.mark.parametrize("window", [8, None])
-def test_engine_caps_max_model_len_at_the_window(tmp_path: Path, window: int | None) -> None:
-    cfg = hf.MixtralConfig(**TINY, sliding_window=window, max_position_embeddings=64)
+def test_engine_caps_max_model_len_at_the_window(
+    tmp_path: Path, window: int | None, family: str
+) -> None:
+    if family == "mixtral":
+        cfg = hf.MixtralConfig(**TINY, sliding_window=window, max_position_embeddings=64)
+    else:
+        cfg = hf.MistralConfig(**DENSE_TINY, sliding_window=window, max_position_embeddings=64)
     llm = _llm_of(cfg, tmp_path)
+    assert llm.engine.model_config.architecture == type(cfg).__name__.replace(
+        "Config", "ForCausalLM"
+    )
     assert llm.engine.max_model_len == (8 if window else 48)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     (out,) = llm.generate([[1, 2, 3, 4]], params)

@@ -1,0 +1,47 @@
+"""models/hf_export: a `ModelConfig` written as an HF config, read by transformers' own config
+class and read back, is the same config (for every supported architecture)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import transformers as hf
+
+from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from models.hf_export import to_hf_config_dict
+
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+CASES = {
+    "llama": lambda: hf.LlamaConfig(**TINY),
+    "mistral": lambda: hf.MistralConfig(**TINY, head_dim=24, sliding_window=32),
+    "mistral_no_window": lambda: hf.MistralConfig(**TINY, sliding_window=None),
+    "qwen2": lambda: hf.Qwen2Config(**TINY),
+    "qwen3": lambda: hf.Qwen3Config(**TINY, head_dim=32),
+    "qwen3_moe": lambda: hf.Qwen3MoeConfig(**TINY, **MOE, mlp_only_layers=[0]),
+    "qwen2_moe": lambda: hf.Qwen2MoeConfig(**TINY, **MOE, shared_expert_intermediate_size=48),
+    "mixtral": lambda: hf.MixtralConfig(**TINY, num_local_experts=4, sliding_window=64),
+}
+
+
+def _fields(cfg: ModelConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d.pop("extra")
+    d.pop("torch_dtype")  # the checkpoint's, not the model's
+    return d
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_survives_hf_round_trip(name: str) -> None:
+    ours = ModelConfig.from_hf_dict(CASES[name]().to_dict())
+    back = hf.AutoConfig.for_model(**to_hf_config_dict(ours)).to_dict()
+    assert _fields(ModelConfig.from_hf_dict(back)) == _fields(ours)
+
+
+def test_every_architecture_has_a_case() -> None:
+    read = {ModelConfig.from_hf_dict(make().to_dict()).architecture for make in CASES.values()}
+    assert read == set(SUPPORTED_ARCHITECTURES)

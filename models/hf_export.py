@@ -37,7 +37,8 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "use_sliding_window": cfg.sliding_window is not None,  # the Qwen families' switch
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": cfg.hidden_act,
-        "attention_bias": cfg.attention_bias,
+        "attention_bias": cfg.attention_bias,  # Llama, Qwen3, Qwen3-MoE: q/k/v and o_proj
+        "qkv_bias": cfg.attention_bias,  # Qwen2-MoE (transformers >= 5)
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids)
         if len(cfg.eos_token_ids) > 1

@@ -80,6 +80,8 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
             t[p + f"self_attn.k_proj.{kind}"] = fused[q : q + kv]
             t[p + f"self_attn.v_proj.{kind}"] = fused[q + kv :]
         t[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
+        if attn.o_proj.bias is not None:
+            t[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
         if attn.q_norm is not None and attn.k_norm is not None:
             t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
             t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight

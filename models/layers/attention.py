@@ -1,6 +1,7 @@
-"""Self-attention layer: fused qkv projection, optional q/k bias (Qwen2) and per-head q/k
-RMSNorm (Qwen3), rotary, the attention backend, o_proj. Paging and KV storage belong to the
-backend; this layer only shapes tensors.
+"""Self-attention layer: fused qkv projection, optional q/k/v bias (Qwen2; Llama and Qwen3 with
+attention_bias) and per-head q/k RMSNorm (Qwen3), rotary, the attention backend, o_proj (with a
+bias where the checkpoint has one). Paging and KV storage belong to the backend; this layer only
+shapes tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 

@@ -269,6 +269,73 @@ def test_unexpected_tensor_and_architecture_are_named(tmp_path: Path) -> None:
         gguf_model_config(path2)
 
 
+def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order (rotate_half halves -> interleaved pairs), per head:
+    rows `[2, head_dim/2]` -> `[head_dim/2, 2]`; weights and biases alike."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# llama.cpp's names for HF's, as its converter writes them.
+_GGUF_GLOBALS = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_OF_HF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
+    """A "llama" GGUF with biases on q/k/v and o_proj (attn_output.bias): its config says so
+    and its logits equal HF's on the checkpoint it was written from."""
+    import transformers as hf
+
+    from models.loader import load_model
+    from tests.models.test_hf_parity import _save_hf_model
+
+    heads, kv_heads = 4, 2
+    hf_cfg = hf.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, attention_bias=True,
+    )  # fmt: skip
+    ref = _save_hf_model(hf_cfg, tmp_path / "hf")  # random biases
+    tensors = {}
+    for name, t in ref.state_dict().items():
+        a = t.numpy()
+        if name in _GGUF_GLOBALS:
+            tensors[_GGUF_GLOBALS[name]] = a
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        if module == "self_attn.q_proj":
+            a = _permute_qk(a, heads)
+        elif module == "self_attn.k_proj":
+            a = _permute_qk(a, kv_heads)
+        tensors[f"blk.{layer}.{_GGUF_OF_HF[module]}.{kind}"] = a
+    assert "blk.1.attn_output.bias" in tensors
+    kv = {
+        "llama.block_count": 2, "llama.embedding_length": 32, "llama.feed_forward_length": 48,
+        "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv_heads,
+        "llama.rope.freq_base": 10000.0, "llama.attention.layer_norm_rms_epsilon": 1e-6,
+        "llama.context_length": 256, "llama.vocab_size": 64,
+    }  # fmt: skip
+    path = tmp_path / "bias.gguf"
+    _write_gguf(path, "llama", kv, tensors)
+    cfg = gguf_model_config(path)
+    assert cfg.attention_bias and cfg.o_proj_bias
+    model, config = load_model(path, dtype=torch.float32, device="cpu")
+    ids = [5, 17, 3, 60, 9, 1, 33]
+    ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
 # -- loader: the real SmolLM2 file ------------------------------------------------------------
 
 

@@ -18,12 +18,15 @@ TINY = dict(
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 CASES = {
     "llama": lambda: hf.LlamaConfig(**TINY),
+    "llama_bias": lambda: hf.LlamaConfig(**TINY, attention_bias=True),
     "mistral": lambda: hf.MistralConfig(**TINY, head_dim=24, sliding_window=32),
     "mistral_no_window": lambda: hf.MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: hf.Qwen2Config(**TINY),
     "qwen3": lambda: hf.Qwen3Config(**TINY, head_dim=32),
     "qwen3_moe": lambda: hf.Qwen3MoeConfig(**TINY, **MOE, mlp_only_layers=[0]),
+    "qwen3_moe_bias": lambda: hf.Qwen3MoeConfig(**TINY, **MOE, attention_bias=True),
     "qwen2_moe": lambda: hf.Qwen2MoeConfig(**TINY, **MOE, shared_expert_intermediate_size=48),
+    "qwen2_moe_no_bias": lambda: hf.Qwen2MoeConfig(**TINY, **MOE, qkv_bias=False),
     "mixtral": lambda: hf.MixtralConfig(**TINY, num_local_experts=4, sliding_window=64),
 }
 

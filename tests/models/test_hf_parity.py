@@ -51,6 +51,13 @@ CASES = {
     # Mistral: Llama's computation; head_dim set apart from hidden / heads; its default window
     # (4096) is above every sequence here.
     "mistral": (lambda: hf.MistralConfig(**_with(head_dim=24)), 16),
+    # attention_bias: a bias on q/k/v and o_proj (Llama, Qwen3, Qwen3-MoE).
+    "llama_bias": (lambda: hf.LlamaConfig(**COMMON, attention_bias=True), 16),
+    "qwen3_bias": (lambda: hf.Qwen3Config(**_with(head_dim=32), attention_bias=True), 4),
+    "qwen3_moe_bias": (
+        lambda: hf.Qwen3MoeConfig(**COMMON, **MOE, num_experts=8, attention_bias=True),
+        16,
+    ),
     "qwen2_linear_rope": (
         lambda: hf.Qwen2Config(
             **COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
@@ -114,6 +121,10 @@ PROMPT_LENS = [5, 17, 33, 9]
 def _save_hf_model(config: hf.PretrainedConfig, path: Path) -> torch.nn.Module:
     torch.manual_seed(0)
     model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # HF starts biases at zero: random ones, so a dropped bias shows
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return model
 

@@ -61,6 +61,13 @@ void prep(const float* const* x, int Kv, int K, int n, void* dst) {
   }
 }
 
+// Chunk c (64 bytes of each row) of the 32 rows from a0 (ldw apart) to L1, one chunk ahead of
+// its tile loads, which otherwise wait on L2 or memory line by line (BENCHMARKS, session 11).
+inline void prefetch_rows_l1(const uint8_t* a0, size_t ldw, int c, int chunks) {
+  if (c >= chunks) return;
+  for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(a0 + r * ldw + (size_t)c * 64), _MM_HINT_T0);
+}
+
 void store_tile(float* tmp, float* C, int ldc, int r0, int t0, int n, const float* rowscale) {
   // tmp[m][j]: weight row r0 + m, token t0 + j.
   for (int j = 0; j < 16 && t0 + j < n; ++j) {
@@ -102,6 +109,7 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
       _tile_zero(2);
       _tile_zero(3);
       for (int c = 0; c < kcs; ++c) {
+        prefetch_rows_l1(a0, ldw, c + 1, kcs);
         _tile_loadd(4, a0 + c * 64, ldw);
         _tile_loadd(5, a1 + c * 64, ldw);
         _tile_loadd(6, x0 + (size_t)c * 1024, 64);
@@ -125,6 +133,7 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
       _tile_zero(0);
       _tile_zero(2);
       for (int c = 0; c < kcs; ++c) {
+        prefetch_rows_l1(a0, ldw, c + 1, kcs);
         _tile_loadd(4, a0 + c * 64, ldw);
         _tile_loadd(5, a1 + c * 64, ldw);
         _tile_loadd(6, x0 + (size_t)c * 1024, 64);

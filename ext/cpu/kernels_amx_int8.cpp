@@ -335,11 +335,6 @@ void row16_tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, flo
   configure_tiles();
   for (int r0 = 0; r0 < R; r0 += 32) {
     const int8_t* A = (const int8_t*)(w.data + (size_t)r0 * ldw);
-    // The next 32 rows, prefetched to L2 over the first token block's chunks. (Prefetching this
-    // r-pair's chunks to L1 a few ahead as well was no faster: BENCHMARKS, session 10.)
-    const uint8_t* pf = r0 + 32 < R ? w.data + (size_t)(r0 + 32) * ldw : nullptr;
-    const size_t pf_lines = pf ? 32 * ldw / 64 : 0;
-    const size_t pf_per_chunk = (pf_lines + chunks - 1) / chunks;
     for (int tb = 0; tb < ntb; ++tb) {
       const int nt = std::min(16, n - tb * 16);
       const uint8_t* xb = X + (size_t)tb * tbb;
@@ -348,9 +343,12 @@ void row16_tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, flo
       _tile_zero(2);
       _tile_zero(3);
       for (int c = 0; c < chunks; ++c) {
-        if (tb == 0)
-          for (size_t i = c * pf_per_chunk; i < std::min(pf_lines, (c + 1) * pf_per_chunk); ++i)
-            _mm_prefetch((const char*)(pf + (i % 32) * ldw + (i / 32) * 64), _MM_HINT_T1);
+        // The next chunk's 32 row lines to L1, so its tile loads do not each wait on L2 or memory
+        // line by line. No prefetch of the next rows to L2: the hardware streams them well, and
+        // software prefetches there cost 10-25% (tools/amx_stream_bench.cpp, BENCHMARKS session 11).
+        if (c + 1 < chunks)
+          for (int r = 0; r < 32; ++r)
+            _mm_prefetch((const char*)(A + (size_t)r * ldw + (size_t)(c + 1) * kKB), _MM_HINT_T0);
         _tile_loadd(4, A + (size_t)c * kKB, ldw);
         _tile_loadd(6, xb + (size_t)c * kChunk16, 64);
         _tile_loadd(7, xb + (size_t)c * kChunk16 + kTileB, 64);

@@ -50,9 +50,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     # Biases, where transformers' code for the family has them (_biases): on q/k/v (Qwen2,
     # Qwen2-MoE; Llama, Qwen3 and Qwen3-MoE with attention_bias), on o_proj (Llama, Qwen3 and
-    # Qwen3-MoE with attention_bias).
+    # Qwen3-MoE with attention_bias), on the dense MLP's gate/up/down (Llama with mlp_bias).
     attention_bias: bool = False
     o_proj_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     hidden_act: str = "silu"
     # Mixture of experts (num_experts == 0: dense)
@@ -110,7 +111,7 @@ class ModelConfig:
         num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
         if arch in _DENSE:
             num_experts = 0
-        qkv_bias, o_proj_bias = _biases(arch, d)
+        qkv_bias, o_proj_bias, mlp_bias = _biases(arch, d)
         rope_scaling = d.get("rope_scaling")
         rope_theta = d.get("rope_theta")
         rope_params = d.get("rope_parameters")  # transformers >= 5 moves rope settings here
@@ -135,6 +136,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             o_proj_bias=o_proj_bias,
+            mlp_bias=mlp_bias,
             qk_norm=arch.startswith("Qwen3"),
             hidden_act=d.get("hidden_act", "silu"),
             num_experts=num_experts,
@@ -188,19 +190,20 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
     return int(window) if "sliding_attention" in types else None
 
 
-def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool]:
-    """(q/k/v bias, o_proj bias) as transformers' attention of the family builds them: Qwen2
-    always q/k/v (its config has no switch); Qwen2-MoE q/k/v by `qkv_bias` (transformers >= 5;
-    earlier `attention_bias` or always), never o_proj; Llama, Qwen3 and Qwen3-MoE q/k/v and
-    o_proj by `attention_bias`; Mistral and Mixtral none, whatever the config says."""
+def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o_proj bias, dense MLP bias) as transformers' code for the family builds
+    them: Qwen2 always q/k/v (its config has no switch); Qwen2-MoE q/k/v by `qkv_bias`
+    (transformers >= 5; earlier `attention_bias` or always), never o_proj; Llama, Qwen3 and
+    Qwen3-MoE q/k/v and o_proj by `attention_bias`; Llama alone the MLP's, by `mlp_bias`;
+    Mistral and Mixtral none, whatever keys the config carries."""
     if arch == "Qwen2ForCausalLM":
-        return True, False
+        return True, False, False
     if arch == "Qwen2MoeForCausalLM":
-        return bool(_first(d, "qkv_bias", "attention_bias", default=True)), False
+        return bool(_first(d, "qkv_bias", "attention_bias", default=True)), False, False
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        bias = bool(d.get("attention_bias", False))
-        return bias, bias
-    return False, False
+        attn = bool(d.get("attention_bias", False))
+        return attn, attn, arch == "LlamaForCausalLM" and bool(d.get("mlp_bias", False))
+    return False, False, False
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:

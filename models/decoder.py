@@ -1,5 +1,5 @@
 """The one decoder-only transformer every supported family shares (Llama, Mistral, Qwen2,
-Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Differences come from `ModelConfig` flags: q/k/v bias,
+Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Differences come from `ModelConfig` flags: biases,
 q/k norm, rope scaling, tied embeddings, and `config.is_moe_layer(i)` choosing MLP or MoE per
 layer.
 
@@ -43,7 +43,9 @@ class DecoderLayer(nn.Module):
             assert expert_backend is not None
             self.mlp = SparseMoeBlock(config, layer_idx, expert_backend)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias
+            )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch

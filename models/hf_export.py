@@ -39,6 +39,7 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": cfg.hidden_act,
         "attention_bias": cfg.attention_bias,  # Llama, Qwen3, Qwen3-MoE: q/k/v and o_proj
         "qkv_bias": cfg.attention_bias,  # Qwen2-MoE (transformers >= 5)
+        "mlp_bias": cfg.mlp_bias,  # Llama
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids)
         if len(cfg.eos_token_ids) > 1

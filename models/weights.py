@@ -1,10 +1,11 @@
 """Maps HF checkpoint tensor names onto `DecoderForCausalLM`'s fused parameters.
 
-Owns the name scheme: q/k/v -> qkv_proj rows, gate/up -> gate_up_proj rows, per-expert
-tensors (`mlp.experts.{e}.gate_proj` or Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`)
-and transformers' fused 3D expert tensors (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
-`mlp.experts.down_proj` `[E, H, I]`) -> stacked w13/w2. Every expected tensor must arrive
-exactly as the checkpoint shapes it; anything else is an `UnsupportedModelError`.
+Owns the name scheme: q/k/v -> qkv_proj rows, gate/up -> gate_up_proj rows (biases alike),
+per-expert tensors (`mlp.experts.{e}.gate_proj` or Mixtral's
+`block_sparse_moe.experts.{e}.w1/w2/w3`) and transformers' fused 3D expert tensors
+(`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj` `[E, H, I]`) -> stacked
+w13/w2. Every expected tensor must arrive exactly as the checkpoint shapes it; anything else is
+an `UnsupportedModelError`.
 """
 
 from __future__ import annotations
@@ -103,9 +104,12 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
 
 def _gated_mlp_targets(t: dict[str, torch.Tensor], prefix: str, mlp: torch.nn.Module) -> None:
     inter = mlp.intermediate_size
-    t[prefix + "gate_proj.weight"] = mlp.gate_up_proj.weight[:inter]
-    t[prefix + "up_proj.weight"] = mlp.gate_up_proj.weight[inter:]
-    t[prefix + "down_proj.weight"] = mlp.down_proj.weight
+    params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
+    for kind in params:
+        fused = getattr(mlp.gate_up_proj, kind)
+        t[prefix + f"gate_proj.{kind}"] = fused[:inter]
+        t[prefix + f"up_proj.{kind}"] = fused[inter:]
+        t[prefix + f"down_proj.{kind}"] = getattr(mlp.down_proj, kind)
 
 
 def _split(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,6 +1,7 @@
 """The gated MLP of Llama/Qwen (and Qwen2-MoE's shared expert): down(silu(gate(x)) * up(x)).
 
-gate and up are fused into one `gate_up_proj` `[2 * intermediate, hidden]` (gate rows first).
+gate and up are fused into one `gate_up_proj` `[2 * intermediate, hidden]` (gate rows first),
+their biases likewise where the checkpoint has them (Llama's mlp_bias: gate, up and down).
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ def check_activation(hidden_act: str) -> None:
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str = "silu",
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         check_activation(hidden_act)
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]

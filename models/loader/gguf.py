@@ -143,6 +143,7 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in reader.tensors,
         attention_bias="blk.0.attn_q.bias" in reader.tensors,
         o_proj_bias="blk.0.attn_output.bias" in reader.tensors,
+        mlp_bias=any(name.endswith(".ffn_down.bias") for name in reader.tensors),
         qk_norm="blk.0.attn_q_norm.weight" in reader.tensors,
         num_experts=num_experts,
         num_experts_per_tok=int(key("expert_used_count", 0) or 0) if num_experts else 0,

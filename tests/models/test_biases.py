@@ -21,11 +21,12 @@ MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
 FLAGS = [
     (hf.LlamaConfig, {}),
     (hf.LlamaConfig, dict(attention_bias=True)),
-    (hf.MistralConfig, dict(attention_bias=True)),
-    (hf.Qwen2Config, dict(attention_bias=False)),
-    (hf.Qwen3Config, dict(attention_bias=True)),
+    (hf.LlamaConfig, dict(mlp_bias=True)),
+    (hf.MistralConfig, dict(attention_bias=True, mlp_bias=True)),
+    (hf.Qwen2Config, dict(attention_bias=False, mlp_bias=True)),
+    (hf.Qwen3Config, dict(attention_bias=True, mlp_bias=True)),
     (hf.Qwen3Config, {}),
-    (hf.Qwen3MoeConfig, dict(**MOE, attention_bias=True)),
+    (hf.Qwen3MoeConfig, dict(**MOE, attention_bias=True, mlp_bias=True, mlp_only_layers=[0])),
     (hf.Qwen2MoeConfig, dict(**MOE, qkv_bias=True, attention_bias=True)),
     (hf.Qwen2MoeConfig, dict(**MOE, qkv_bias=False)),
     (hf.MixtralConfig, dict(num_local_experts=2, num_experts_per_tok=1, attention_bias=True)),
@@ -40,19 +41,23 @@ def _has_bias(linear: torch.nn.Linear) -> bool:
 def test_bias_flags_follow_transformers(config_cls, flags: dict) -> None:
     hf_cfg = config_cls(**TINY, **flags)
     ours = ModelConfig.from_hf_dict(hf_cfg.to_dict())
-    attn = hf.AutoModelForCausalLM.from_config(hf_cfg).model.layers[0].self_attn
+    layer = hf.AutoModelForCausalLM.from_config(hf_cfg).model.layers[0]
+    attn = layer.self_attn
     assert ours.attention_bias is _has_bias(attn.q_proj) is _has_bias(attn.v_proj)
     assert ours.o_proj_bias is _has_bias(attn.o_proj)
+    if hasattr(layer.mlp, "gate_proj"):  # a dense MLP
+        mlp = layer.mlp
+        assert ours.mlp_bias is _has_bias(mlp.gate_proj) is _has_bias(mlp.down_proj)
 
 
 def test_dummy_weights_fill_the_biases(tmp_path) -> None:
-    d = hf.LlamaConfig(**TINY, attention_bias=True).to_dict()
+    d = hf.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True).to_dict()
     config = ModelConfig.from_hf_dict(d)
     model, _ = load_model(
         tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=config
     )
-    attn = model.layers[0].self_attn
-    for bias in (attn.qkv_proj.bias, attn.o_proj.bias):
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    for bias in (attn.qkv_proj.bias, attn.o_proj.bias, mlp.gate_up_proj.bias, mlp.down_proj.bias):
         assert bias is not None and 0.01 < float(bias.std()) < 0.03
 
 
@@ -61,13 +66,14 @@ def test_cpu_fast_linears_add_the_biases(tmp_path, paged_runner, monkeypatch) ->
     bias; its logits against the same bf16 model on torch's linears."""
     from models.layers.cpu_linear import CpuDenseLinear
 
-    _save_hf_model(hf.LlamaConfig(**TINY, attention_bias=True), tmp_path)
+    _save_hf_model(hf.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True), tmp_path)
     models = {}
     for fmt in ("0", "bf16"):
         monkeypatch.setenv("TANDEM_CPU_LINEAR", fmt)
         models[fmt], config = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
-    attn = models["bf16"].layers[0].self_attn
-    assert isinstance(attn.o_proj, CpuDenseLinear) and attn.o_proj.bias is not None
+    layer = models["bf16"].layers[0]
+    for linear in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear, CpuDenseLinear) and linear.bias is not None
     rows = {}
     for fmt, model in models.items():
         runner = paged_runner(model, config, block_size=4, dtype=torch.bfloat16)

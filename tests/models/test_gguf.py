@@ -291,8 +291,8 @@ _GGUF_OF_HF = {
 
 
 def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
-    """A "llama" GGUF with biases on q/k/v and o_proj (attn_output.bias): its config says so
-    and its logits equal HF's on the checkpoint it was written from."""
+    """A "llama" GGUF with biases on q/k/v, o_proj (attn_output.bias) and the MLP (ffn_*.bias):
+    its config says so and its logits equal HF's on the checkpoint it was written from."""
     import transformers as hf
 
     from models.loader import load_model
@@ -302,6 +302,7 @@ def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
     hf_cfg = hf.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, attention_bias=True,
+        mlp_bias=True,
     )  # fmt: skip
     ref = _save_hf_model(hf_cfg, tmp_path / "hf")  # random biases
     tensors = {}
@@ -317,7 +318,7 @@ def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
         elif module == "self_attn.k_proj":
             a = _permute_qk(a, kv_heads)
         tensors[f"blk.{layer}.{_GGUF_OF_HF[module]}.{kind}"] = a
-    assert "blk.1.attn_output.bias" in tensors
+    assert "blk.1.attn_output.bias" in tensors and "blk.1.ffn_gate.bias" in tensors
     kv = {
         "llama.block_count": 2, "llama.embedding_length": 32, "llama.feed_forward_length": 48,
         "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv_heads,
@@ -327,7 +328,7 @@ def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
     path = tmp_path / "bias.gguf"
     _write_gguf(path, "llama", kv, tensors)
     cfg = gguf_model_config(path)
-    assert cfg.attention_bias and cfg.o_proj_bias
+    assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias
     model, config = load_model(path, dtype=torch.float32, device="cpu")
     ids = [5, 17, 3, 60, 9, 1, 33]
     ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]

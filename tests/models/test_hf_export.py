@@ -18,7 +18,7 @@ TINY = dict(
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 CASES = {
     "llama": lambda: hf.LlamaConfig(**TINY),
-    "llama_bias": lambda: hf.LlamaConfig(**TINY, attention_bias=True),
+    "llama_bias": lambda: hf.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
     "mistral": lambda: hf.MistralConfig(**TINY, head_dim=24, sliding_window=32),
     "mistral_no_window": lambda: hf.MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: hf.Qwen2Config(**TINY),

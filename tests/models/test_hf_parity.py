@@ -53,6 +53,8 @@ CASES = {
     "mistral": (lambda: hf.MistralConfig(**_with(head_dim=24)), 16),
     # attention_bias: a bias on q/k/v and o_proj (Llama, Qwen3, Qwen3-MoE).
     "llama_bias": (lambda: hf.LlamaConfig(**COMMON, attention_bias=True), 16),
+    # mlp_bias: a bias on the dense MLP's gate/up/down (Llama).
+    "llama_mlp_bias": (lambda: hf.LlamaConfig(**COMMON, mlp_bias=True), 4),
     "qwen3_bias": (lambda: hf.Qwen3Config(**_with(head_dim=32), attention_bias=True), 4),
     "qwen3_moe_bias": (
         lambda: hf.Qwen3MoeConfig(**COMMON, **MOE, num_experts=8, attention_bias=True),

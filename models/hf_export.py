@@ -58,6 +58,6 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
             d["norm_topk_prob"] = cfg.norm_topk_prob
             d["decoder_sparse_step"] = cfg.decoder_sparse_step
             d["mlp_only_layers"] = list(cfg.mlp_only_layers)
-        if cfg.shared_expert_intermediate_size:
+        if cfg.architecture == "Qwen2MoeForCausalLM":  # 0 too: transformers' default is 5632
             d["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     return d

@@ -102,6 +102,26 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     return t
 
 
+def _discarded(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
+    """Canonical HF name -> shape of tensors a checkpoint may carry that contribute nothing,
+    accepted (shape-checked) and dropped: a Qwen2-MoE with shared_expert_intermediate_size 0
+    saves its shared expert as zero-size tensors, and the shared_expert_gate that scales that
+    expert's zero output."""
+    cfg = model.config
+    if cfg.architecture != "Qwen2MoeForCausalLM" or cfg.shared_expert_intermediate_size > 0:
+        return {}
+    hidden = cfg.hidden_size
+    d: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            p = f"model.layers.{i}.mlp."
+            d[p + "shared_expert.gate_proj.weight"] = (0, hidden)
+            d[p + "shared_expert.up_proj.weight"] = (0, hidden)
+            d[p + "shared_expert.down_proj.weight"] = (hidden, 0)
+            d[p + "shared_expert_gate.weight"] = (1, hidden)
+    return d
+
+
 def _gated_mlp_targets(t: dict[str, torch.Tensor], prefix: str, mlp: torch.nn.Module) -> None:
     inter = mlp.intermediate_size
     params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
@@ -133,6 +153,16 @@ def _split(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]
             yield f"{prefix}.{e}.up_proj.weight", up
 
 
+def _check_shape(
+    name: str, piece: torch.Tensor, shape: tuple[int, ...], canon: str, arch: str
+) -> None:
+    if tuple(piece.shape) != shape:
+        raise UnsupportedModelError(
+            f"tensor {name!r} has shape {tuple(piece.shape)}, {arch} expects {shape} for "
+            f"{_display(canon, arch)}"
+        )
+
+
 def load_hf_weights(
     model: DecoderForCausalLM,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -142,8 +172,10 @@ def load_hf_weights(
     must arrive (default: all of them); a tensor outside it is unexpected."""
     arch = model.config.architecture
     targets = _targets(model)
+    discarded = _discarded(model)
     if expected is not None:
         targets = {n: t for n, t in targets.items() if expected(n)}
+        discarded = {n: s for n, s in discarded.items() if expected(n)}
     filled: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
@@ -151,15 +183,14 @@ def load_hf_weights(
                 continue
             for canon, piece in _split(name, tensor):
                 dst = targets.get(canon)
+                if dst is None and canon in discarded:
+                    _check_shape(name, piece, discarded[canon], canon, arch)
+                    continue
                 if dst is None:
                     if canon == "lm_head.weight" and model.lm_head is None:
                         continue  # tied embeddings: the embedding matrix is the head
                     raise UnsupportedModelError(f"unexpected tensor {name!r} for {arch}")
-                if tuple(dst.shape) != tuple(piece.shape):
-                    raise UnsupportedModelError(
-                        f"tensor {name!r} has shape {tuple(piece.shape)}, {arch} expects "
-                        f"{tuple(dst.shape)} for {_display(canon, arch)}"
-                    )
+                _check_shape(name, piece, tuple(dst.shape), canon, arch)
                 dst.copy_(piece)
                 filled.add(canon)
     missing = [n for n in targets if n not in filled]

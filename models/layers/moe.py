@@ -1,5 +1,6 @@
 """Sparse MoE block: router -> softmax -> top-k -> (renormalize) -> expert backend, plus
-Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)).
+Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)) (none at
+shared_expert_intermediate_size 0: it would add zeros; models/weights.py drops its tensors).
 
 The block owns the routing and the stacked expert weights (w13 `[E, 2 * I, H]` gate rows then
 up rows, w2 `[E, H, I]`); the expert computation itself belongs to the `ExpertBackend`.

@@ -27,6 +27,9 @@ CASES = {
     "qwen3_moe_bias": lambda: hf.Qwen3MoeConfig(**TINY, **MOE, attention_bias=True),
     "qwen2_moe": lambda: hf.Qwen2MoeConfig(**TINY, **MOE, shared_expert_intermediate_size=48),
     "qwen2_moe_no_bias": lambda: hf.Qwen2MoeConfig(**TINY, **MOE, qkv_bias=False),
+    "qwen2_moe_no_shared": lambda: hf.Qwen2MoeConfig(
+        **TINY, **MOE, shared_expert_intermediate_size=0
+    ),
     "mixtral": lambda: hf.MixtralConfig(**TINY, num_local_experts=4, sliding_window=64),
 }
 

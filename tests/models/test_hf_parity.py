@@ -115,6 +115,13 @@ CASES = {
         ),
         16,
     ),
+    # No shared expert: HF saves it as zero-size tensors plus a shared_expert_gate.
+    "qwen2_moe_no_shared": (
+        lambda: hf.Qwen2MoeConfig(
+            **COMMON, **MOE, num_experts=8, shared_expert_intermediate_size=0
+        ),
+        4,
+    ),
     "mixtral": (lambda: hf.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2), 4),
 }
 PROMPT_LENS = [5, 17, 33, 9]

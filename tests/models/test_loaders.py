@@ -4,6 +4,7 @@ offending tensor or architecture, dummy weights, backend registries."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,33 @@ def test_wrong_shape_is_named(tmp_path: Path) -> None:
     _save(hf.LlamaConfig(**TINY), tmp_path)
     _rewrite(tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(63)}))
     with pytest.raises(UnsupportedModelError, match=r"model\.norm\.weight.*\(63,\)"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+
+
+def test_qwen2_moe_without_shared_expert(tmp_path: Path) -> None:
+    """shared_expert_intermediate_size 0: the zero-size shared-expert tensors and their gate
+    are accepted and dropped (logits: test_hf_parity), absent ones are not missed, and a
+    shared expert with rows after all is refused by name (it would not be computed)."""
+    cfg = hf.Qwen2MoeConfig(
+        **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=0,
+    )  # fmt: skip
+    _save(cfg, tmp_path)
+    shared = re.compile(r"model\.layers\.\d+\.mlp\.shared_expert")
+    assert sum(bool(shared.match(k)) for k in load_file(tmp_path / "model.safetensors")) == 8
+    model, config = load_model(tmp_path, dtype=torch.float32, device="cpu")
+    assert config.shared_expert_intermediate_size == 0
+    assert model.layers[0].mlp.shared_expert is None
+
+    def drop_shared(tensors: dict[str, torch.Tensor]) -> None:
+        for k in [k for k in tensors if shared.match(k)]:
+            del tensors[k]
+
+    _rewrite(tmp_path, drop_shared)
+    load_model(tmp_path, dtype=torch.float32, device="cpu")
+    name = "model.layers.1.mlp.shared_expert.up_proj.weight"
+    _rewrite(tmp_path, lambda t: t.update({name: torch.zeros(8, 64)}))
+    with pytest.raises(UnsupportedModelError, match=rf"{re.escape(name)}.*\(8, 64\)"):
         load_model(tmp_path, dtype=torch.float32, device="cpu")
 
 

@@ -1,7 +1,8 @@
 """Model hyper-parameters, read from an HF `config.json` or from GGUF metadata.
 
 `ModelConfig` is architecture-neutral: one frozen dataclass holds what every supported
-family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Loaders fill it; models read it.
+family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Loaders fill it;
+models read it.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     # Sliding-window attention (HF: a key is seen while q_pos - k_pos < window), where the
     # checkpoint puts it on any layer (Mistral, Mixtral; Qwen with use_sliding_window:
-    # _sliding_window).
-    # Tandem attends to the whole context, so the engine caps max_model_len at the window,
-    # where both agree.
+    # _sliding_window). Tandem attends to the whole context, so the engine caps max_model_len
+    # at the window, where both agree.
     sliding_window: int | None = None
     tie_word_embeddings: bool = False
     # Biases, where transformers' code for the family has them (_biases): on q/k/v (Qwen2,

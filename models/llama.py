@@ -1,7 +1,7 @@
 """Dense model families: Llama (incl. SmolLM2, Llama 3.x rope scaling), Mistral (Llama's
 computation; its sliding window only caps the context, models/config.py), Qwen2, Qwen3.
 
-All share `DecoderForCausalLM`; their differences (q/k/v bias, q/k norm) come from ModelConfig.
+All share `DecoderForCausalLM`; their differences (biases, q/k norm) come from ModelConfig.
 """
 
 from __future__ import annotations

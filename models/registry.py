@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from models.config import UnsupportedModelError
 from models.decoder import DecoderForCausalLM
-from models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {

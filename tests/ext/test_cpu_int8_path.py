@@ -119,7 +119,8 @@ TOKEN_BLOCK_COUNTS = [1, 7, 8, 9, 12, 16, 17, 20, 22, 29, 32, 35]
 
 @pytest.mark.parametrize("isa", INT_ISAS)
 @pytest.mark.parametrize("fmt,group", FORMATS)
-@pytest.mark.parametrize("H,inter", [(640, 96), (576, 160)])  # K / 32: 20, 3 / 18, 5
+# K / 32: 20, 3 / 18, 5 / 34, 3 (1088: 17 chunks of 64, past 16 of them).
+@pytest.mark.parametrize("H,inter", [(640, 96), (576, 160), (1088, 96)])
 def test_every_token_block_shape_matches_the_reference(isa, fmt, group, H, inter):
     """Expert e gets exactly TOKEN_BLOCK_COUNTS[e] tokens (top-1), so every tile layout the AMX
     int8 kernel picks by a token block's size runs, on K / 32 both a multiple of 4 and not; the

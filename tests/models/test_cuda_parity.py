@@ -174,14 +174,18 @@ def test_cupy_matches_hf(name: str, tmp_path: Path, paged_runner) -> None:
     assert worst < BF16_TOL, f"{name}: {worst:.3e}"
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "llama_bias", "qwen2", "qwen3", "qwen3_bias"])
 def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypatch) -> None:
     """Steps of 1-2 tokens through the skinny linears, the fused gate_up + SiLU and the fused
     qkv + rotary + KV write (qwen2: with the q/k/v bias; qwen3: q/k norms, so the fused norms +
-    rotary + KV write after the projection, at every step) against the torch backend."""
+    rotary + KV write after the projection, at every step) against the torch backend. The
+    *_bias cases (attention_bias: q/k/v and o_proj; Llama's mlp_bias too) check that every bias
+    is added: the skinny linears add theirs, the fused gate_up + SiLU and the fused q/k norms
+    step aside for the plain path."""
     import transformers as hf
 
     from models.config import ModelConfig
+    from models.layers.attention import Attention
     from models.layers.cuda_linear import (
         NormRopeAttention,
         SkinnyAttention,
@@ -189,11 +193,16 @@ def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypa
         use_cuda_skinny_linear,
     )
 
-    hf_cfg = _hf_config(name) if name != "qwen2" else hf.Qwen2Config(
+    family = name.removesuffix("_bias")
+    hf_cfg = _hf_config(family) if family != "qwen2" else hf.Qwen2Config(
         vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
     )  # fmt: skip
+    if name != family:
+        hf_cfg.attention_bias = True
+        hf_cfg.mlp_bias = family == "llama"
     config = ModelConfig.from_hf_dict(hf_cfg.to_dict())
+    assert config.o_proj_bias is (name != family)
     gen = torch.Generator().manual_seed(7)
     tokens = {
         i: torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
@@ -208,9 +217,14 @@ def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypa
     for backend in ("torch", "cupy"):
         model = build_model(config, dtype=torch.bfloat16, device="cuda", attn_backend=backend)
         init_dummy_weights(model, seed=3)
+        with torch.no_grad():  # biases at std 0.2 (dummy: 0.02), so a dropped one shows
+            for param_name, param in model.named_parameters():
+                if param_name.endswith(".bias"):
+                    param.mul_(10)
         if backend == "cupy":
             assert use_cuda_skinny_linear(model) > 0
-            attn_cls = NormRopeAttention if name == "qwen3" else SkinnyAttention
+            fused = NormRopeAttention if family == "qwen3" else SkinnyAttention
+            attn_cls = Attention if name == "qwen3_bias" else fused  # the norms' kernel: no bias
             assert type(model.layers[0].self_attn) is attn_cls
             assert isinstance(model.layers[0].mlp, SkinnyGatedMLP)
         runner = CudaPagedRunner(paged_runner, model, config, block_size=16, seed=5)

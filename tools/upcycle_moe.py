@@ -38,6 +38,12 @@ _MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.w
 def moe_config(dense: ModelConfig, num_experts: int) -> ModelConfig:
     if dense.is_moe:
         raise ValueError(f"{dense.architecture} is already a mixture of experts")
+    biases = [n for n in ("attention_bias", "o_proj_bias", "mlp_bias") if getattr(dense, n, False)]
+    if biases:  # Mixtral has none of them: they would be dropped silently
+        raise ValueError(
+            f"{dense.architecture} with {', '.join(biases)}: Mixtral has no such biases, so the "
+            "upcycled model could not compute the dense one"
+        )
     if dense.intermediate_size % num_experts:
         raise ValueError(
             f"intermediate size {dense.intermediate_size} is not divisible by {num_experts}"

@@ -110,3 +110,25 @@ def test_split_is_exact_for_one_mlp() -> None:
         )
         total += 0.25 * (torch.nn.functional.silu(x @ w1.T) * (x @ w3.T) @ w2.T)
     torch.testing.assert_close(total, dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", ["attention_bias", "o_proj_bias", "mlp_bias"])
+def test_dense_models_with_biases_are_refused(bias: str) -> None:
+    """Mixtral has no attention or MLP biases: upcycling a model with them would drop them."""
+    import dataclasses
+
+    from models.config import ModelConfig
+
+    dense = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    assert _tool().moe_config(dense, 4).num_experts == 4
+    with pytest.raises(ValueError, match=bias):
+        _tool().moe_config(dataclasses.replace(dense, **{bias: True}), 4)

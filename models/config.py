@@ -1,8 +1,8 @@
 """Model hyper-parameters, read from an HF `config.json` or from GGUF metadata.
 
 `ModelConfig` is architecture-neutral: one frozen dataclass holds what every supported
-family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Loaders fill it;
-models read it.
+family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE). Loaders
+fill it; models read it.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
+    "OlmoeForCausalLM",
 )
 _DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_OLMOE = "OlmoeForCausalLM"
 
 
 class UnsupportedModelError(ValueError):
@@ -54,7 +56,11 @@ class ModelConfig:
     attention_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    # RMSNorm on q and k: per head (Qwen3), or with qk_norm_full over the whole projected q
+    # (q_size wide) and k (kv_size wide) before the split into heads (OLMoE).
+    qk_norm: bool = False
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv after the q/k norms
     hidden_act: str = "silu"
     # Mixture of experts (num_experts == 0: dense)
     num_experts: int = 0
@@ -112,6 +118,8 @@ class ModelConfig:
         if arch in _DENSE:
             num_experts = 0
         qkv_bias, o_proj_bias, mlp_bias = _biases(arch, d)
+        sparse_step, mlp_only_layers = _moe_layers(arch, d)
+        clip_qkv = d.get("clip_qkv") if arch == _OLMOE else None
         rope_scaling = d.get("rope_scaling")
         rope_theta = d.get("rope_theta")
         rope_params = d.get("rope_parameters")  # transformers >= 5 moves rope settings here
@@ -137,7 +145,9 @@ class ModelConfig:
             attention_bias=qkv_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=mlp_bias,
-            qk_norm=arch.startswith("Qwen3"),
+            qk_norm=arch.startswith("Qwen3") or arch == _OLMOE,
+            qk_norm_full=arch == _OLMOE,
+            clip_qkv=float(clip_qkv) if clip_qkv is not None else None,
             hidden_act=d.get("hidden_act", "silu"),
             num_experts=num_experts,
             num_experts_per_tok=d.get("num_experts_per_tok", 0) if num_experts else 0,
@@ -147,9 +157,12 @@ class ModelConfig:
                 else 0
             ),
             shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0) or 0,
-            norm_topk_prob=bool(d.get("norm_topk_prob", arch != "Qwen2MoeForCausalLM")),
-            decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=tuple(d.get("mlp_only_layers", ()) or ()),
+            # transformers' defaults: off for Qwen2-MoE and OLMoE, on for Qwen3-MoE
+            norm_topk_prob=bool(
+                d.get("norm_topk_prob", arch not in ("Qwen2MoeForCausalLM", _OLMOE))
+            ),
+            decoder_sparse_step=sparse_step,
+            mlp_only_layers=mlp_only_layers,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
@@ -169,9 +182,9 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
     (Mistral's code ignores `layer_types`); the Qwen families only with `use_sliding_window`,
     then the layers `layer_types` names (when absent: Qwen3-MoE every layer, Qwen2-MoE the
     even-indexed ones below `max_window_layers`, dense Qwen2/Qwen3 those from
-    `max_window_layers` on). Llama has none."""
+    `max_window_layers` on). Llama and OLMoE have none."""
     window = d.get("sliding_window")
-    if not window or arch == "LlamaForCausalLM":
+    if not window or arch in ("LlamaForCausalLM", _OLMOE):
         return None
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return int(window)
@@ -193,17 +206,25 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
 def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o_proj bias, dense MLP bias) as transformers' code for the family builds
     them: Qwen2 always q/k/v (its config has no switch); Qwen2-MoE q/k/v by `qkv_bias`
-    (transformers >= 5; earlier `attention_bias` or always), never o_proj; Llama, Qwen3 and
-    Qwen3-MoE q/k/v and o_proj by `attention_bias`; Llama alone the MLP's, by `mlp_bias`;
-    Mistral and Mixtral none, whatever keys the config carries."""
+    (transformers >= 5; earlier `attention_bias` or always), never o_proj; Llama, Qwen3,
+    Qwen3-MoE and OLMoE q/k/v and o_proj by `attention_bias`; Llama alone the MLP's, by
+    `mlp_bias`; Mistral and Mixtral none, whatever keys the config carries."""
     if arch == "Qwen2ForCausalLM":
         return True, False, False
     if arch == "Qwen2MoeForCausalLM":
         return bool(_first(d, "qkv_bias", "attention_bias", default=True)), False, False
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", _OLMOE):
         attn = bool(d.get("attention_bias", False))
         return attn, attn, arch == "LlamaForCausalLM" and bool(d.get("mlp_bias", False))
     return False, False, False
+
+
+def _moe_layers(arch: str, d: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
+    """(decoder_sparse_step, mlp_only_layers): the Qwen MoE families read both from the config;
+    Mixtral's and OLMoE's code put experts on every layer, whatever keys the config carries."""
+    if arch in ("MixtralForCausalLM", _OLMOE):
+        return 1, ()
+    return d.get("decoder_sparse_step", 1) or 1, tuple(d.get("mlp_only_layers", ()) or ())
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
@@ -224,6 +245,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
+        "olmoe": _OLMOE,
     }
     if model_type not in table:
         raise UnsupportedModelError(f"unsupported model_type {model_type!r}")

@@ -1,7 +1,7 @@
 """The one decoder-only transformer every supported family shares (Llama, Mistral, Qwen2,
-Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral). Differences come from `ModelConfig` flags: biases,
-q/k norm, rope scaling, tied embeddings, and `config.is_moe_layer(i)` choosing MLP or MoE per
-layer.
+Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE). Differences come from `ModelConfig` flags:
+biases, q/k norm (per head or whole row), clip_qkv, rope scaling, tied embeddings, and
+`config.is_moe_layer(i)` choosing MLP or MoE per layer.
 
 The model sees one flattened batch (ARCHITECTURE.md, "The model forward contract"); it knows
 nothing about requests. Checkpoint-name mapping lives in models/weights.py.

@@ -16,6 +16,7 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
 
 
@@ -37,7 +38,7 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "use_sliding_window": cfg.sliding_window is not None,  # the Qwen families' switch
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": cfg.hidden_act,
-        "attention_bias": cfg.attention_bias,  # Llama, Qwen3, Qwen3-MoE: q/k/v and o_proj
+        "attention_bias": cfg.attention_bias,  # Llama, Qwen3(-MoE), OLMoE: q/k/v and o_proj
         "qkv_bias": cfg.attention_bias,  # Qwen2-MoE (transformers >= 5)
         "mlp_bias": cfg.mlp_bias,  # Llama
         "bos_token_id": cfg.bos_token_id,
@@ -52,6 +53,11 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         if cfg.architecture == "MixtralForCausalLM":
             d["num_local_experts"] = cfg.num_experts
             d["intermediate_size"] = cfg.moe_intermediate_size
+        elif cfg.architecture == "OlmoeForCausalLM":  # experts sized by intermediate_size
+            d["num_experts"] = cfg.num_experts
+            d["intermediate_size"] = cfg.moe_intermediate_size
+            d["norm_topk_prob"] = cfg.norm_topk_prob
+            d["clip_qkv"] = cfg.clip_qkv
         else:
             d["num_experts"] = cfg.num_experts
             d["moe_intermediate_size"] = cfg.moe_intermediate_size

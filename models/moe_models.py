@@ -1,4 +1,5 @@
-"""Mixture-of-experts families: Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral.
+"""Mixture-of-experts families: Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral, OLMoE (q/k norms
+over the whole projected q and k, optional clip_qkv, top-k weights not renormalized by default).
 
 All share `DecoderForCausalLM`; `config.is_moe_layer(i)` picks MoE or dense MLP per layer and
 the expert computation goes through the `ExpertBackend` given at construction.
@@ -18,4 +19,8 @@ class Qwen2MoeForCausalLM(DecoderForCausalLM):
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class OlmoeForCausalLM(DecoderForCausalLM):
     pass

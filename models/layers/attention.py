@@ -1,6 +1,7 @@
 """Self-attention layer: fused qkv projection, optional q/k/v bias (Qwen2; Llama and Qwen3 with
-attention_bias) and per-head q/k RMSNorm (Qwen3), rotary, the attention backend, o_proj (with a
-bias where the checkpoint has one). Paging and KV storage belong to the backend; this layer only
+attention_bias), q/k RMSNorm per head (Qwen3) or over the whole projected q and k (OLMoE), the
+optional clamp of q/k/v (OLMoE's clip_qkv), rotary, the attention backend, o_proj (with a bias
+where the checkpoint has one). Paging and KV storage belong to the backend; this layer only
 shapes tensors.
 """
 
@@ -33,8 +34,14 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # per head: [D] weights on [T, H, D]; full (OLMoE): [q_size] / [kv_size] on [T, H * D]
+        self.qk_norm_full = config.qk_norm and config.qk_norm_full
+        q_width, k_width = (
+            (self.q_size, self.kv_size) if self.qk_norm_full else (self.head_dim, self.head_dim)
+        )
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
+        self.clip_qkv = config.clip_qkv
 
     def forward(
         self,
@@ -47,11 +54,18 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_full and self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)  # over the whole [T, q_size] row, as OLMoE does
+            k = self.k_norm(k)
+        if self.clip_qkv is not None:  # after the norms, before rotary (transformers' order)
+            q = q.clamp(-self.clip_qkv, self.clip_qkv)
+            k = k.clamp(-self.clip_qkv, self.clip_qkv)
+            v = v.clamp(-self.clip_qkv, self.clip_qkv)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
+        if not self.qk_norm_full and self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)  # per head
             k = self.k_norm(k)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)

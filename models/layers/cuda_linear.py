@@ -56,8 +56,8 @@ class SkinnyGatedMLP(GatedMLP):
 
 class SkinnyAttention(Attention):
     """Attention whose decode prologue (qkv projection, rotary, KV write) is one kernel at 1-2
-    tokens; needs a backend with `attend` (attention over an already written cache) and no
-    per-head q/k norm (that needs a whole head, which no warp of the kernel holds)."""
+    tokens; needs a backend with `attend` (attention over an already written cache), no q/k
+    norm (that needs a whole head, which no warp of the kernel holds) and no clip_qkv."""
 
     max_rows: int = DEFAULT_MAX_ROWS
 
@@ -87,12 +87,20 @@ class SkinnyAttention(Attention):
 class NormRopeAttention(Attention):
     """Attention with per-head q/k norms (Qwen3) whose prologue after the qkv projection (both
     norms, rotary, KV write) is one kernel (`torch.ops.tandem.qk_norm_rope`) at any token
-    count; needs a backend with `attend` and a KV cache in the batch."""
+    count; needs a backend with `attend` and a KV cache in the batch. The kernel normalizes
+    each head alone and clamps nothing: OLMoE's norms over the whole q/k row and its clip_qkv
+    take the plain path."""
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        if batch.kv_cache is None or self.q_norm is None or self.k_norm is None:
+        if (
+            batch.kv_cache is None
+            or self.q_norm is None
+            or self.k_norm is None
+            or self.qk_norm_full
+            or self.clip_qkv is not None
+        ):
             return super().forward(x, cos, sin, batch)
         t = x.shape[0]
         q = torch.ops.tandem.qk_norm_rope(
@@ -138,10 +146,10 @@ class _SkinnyLogits:
 def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Swaps the dense projections (qkv/o/gate_up/down) and the logits of a fp16/bf16 CUDA model
     for the skinny path, gated MLPs for the fused gate_up + SiLU-mul and attention layers for the
-    fused qkv + rotary + KV write (backends with `attend`; with q/k norms: the fused norms +
-    rotary + KV write after the projection), in place; returns how
-    many linears were swapped (0 for another dtype or device). MoE expert weights are not
-    nn.Linears and stay as they are."""
+    fused qkv + rotary + KV write (backends with `attend`; with per-head q/k norms: the fused
+    norms + rotary + KV write after the projection; OLMoE's whole-row norms and clip_qkv keep
+    the plain Attention), in place; returns how many linears were swapped (0 for another dtype
+    or device). MoE expert weights are not nn.Linears and stay as they are."""
     params = list(model.parameters())
     if (
         not params
@@ -162,6 +170,7 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
         elif (
             type(module) is Attention
             and module.q_norm is None
+            and module.clip_qkv is None
             and hasattr(module.backend, "attend")
             and module.head_dim % 16 == 0
         ):
@@ -170,6 +179,8 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
         elif (
             type(module) is Attention
             and module.q_norm is not None
+            and not module.qk_norm_full
+            and module.clip_qkv is None
             and module.qkv_proj.bias is None
             and hasattr(module.backend, "attend")
             and module.head_dim in qk_norm_rope.HEAD_DIMS

@@ -30,6 +30,8 @@ FLAGS = [
     (hf.Qwen2MoeConfig, dict(**MOE, qkv_bias=True, attention_bias=True)),
     (hf.Qwen2MoeConfig, dict(**MOE, qkv_bias=False)),
     (hf.MixtralConfig, dict(num_local_experts=2, num_experts_per_tok=1, attention_bias=True)),
+    (hf.OlmoeConfig, dict(num_experts=2, num_experts_per_tok=1, attention_bias=True)),
+    (hf.OlmoeConfig, dict(num_experts=2, num_experts_per_tok=1, mlp_bias=True)),
 ]
 
 

@@ -31,6 +31,10 @@ CASES = {
         **TINY, **MOE, shared_expert_intermediate_size=0
     ),
     "mixtral": lambda: hf.MixtralConfig(**TINY, num_local_experts=4, sliding_window=64),
+    "olmoe": lambda: hf.OlmoeConfig(**TINY, num_experts=8, num_experts_per_tok=2),
+    "olmoe_clip_bias_renorm": lambda: hf.OlmoeConfig(
+        **TINY, num_experts=8, clip_qkv=2.5, attention_bias=True, norm_topk_prob=True
+    ),
 }
 
 

@@ -25,6 +25,7 @@ COMMON = dict(
     initializer_range=0.05,
 )
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+OLMOE = dict(COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=2)
 
 
 def _with(**overrides: object) -> dict:
@@ -123,6 +124,10 @@ CASES = {
         4,
     ),
     "mixtral": (lambda: hf.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2), 4),
+    # OLMoE: q/k norms over the whole projected q and k, top-k weights not renormalized, experts
+    # sized by intermediate_size; then clip_qkv (q/k/v clamped after the norms) with biases.
+    "olmoe": (lambda: hf.OlmoeConfig(**OLMOE), 4),
+    "olmoe_clip_bias": (lambda: hf.OlmoeConfig(**OLMOE, clip_qkv=0.5, attention_bias=True), 16),
 }
 PROMPT_LENS = [5, 17, 33, 9]
 
@@ -130,10 +135,12 @@ PROMPT_LENS = [5, 17, 33, 9]
 def _save_hf_model(config: hf.PretrainedConfig, path: Path) -> torch.nn.Module:
     torch.manual_seed(0)
     model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():  # HF starts biases at zero: random ones, so a dropped bias shows
-        for name, param in model.named_parameters():
+    with torch.no_grad():  # HF starts biases at zero and norms at one: random values, so a
+        for name, param in model.named_parameters():  # dropped or misplaced one shows
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
+            elif "norm." in name:
+                param.normal_(1.0, 0.2)
     model.save_pretrained(path)
     return model
 

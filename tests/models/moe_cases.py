@@ -1,6 +1,6 @@
-"""Tiny random Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints (HF configs) and the helpers that
-the cpu_pool model tests share: save one, quantize an HF reference like the pool, run a model
-through the paged runner, compare with HF, build a CPU LLM over a checkpoint.
+"""Tiny random Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE checkpoints (HF configs) and the helpers
+that the cpu_pool model tests share: save one, quantize an HF reference like the pool, run a
+model through the paged runner, compare with HF, build a CPU LLM over a checkpoint.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ CASES = {
         shared_expert_intermediate_size=48,
     ),
     "mixtral": lambda: hf.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2),
+    # whole-row q/k norms and clip_qkv in attention; experts sized by intermediate_size, top-k
+    # weights not renormalized
+    "olmoe": lambda: hf.OlmoeConfig(
+        **{**COMMON, "intermediate_size": 32},
+        num_experts=8,
+        num_experts_per_tok=2,
+        clip_qkv=1.0,
+        eos_token_id=2,
+    ),
 }
 PROMPT_LENS = [5, 17, 9]
 

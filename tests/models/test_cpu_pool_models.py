@@ -1,4 +1,5 @@
-"""Qwen3-MoE, Qwen2-MoE and Mixtral through the "cpu_pool" expert backend against HF transformers.
+"""Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE through the "cpu_pool" expert backend against HF
+transformers.
 
 What is exactly comparable: the checkpoint's expert weights are rounded to bf16 before saving,
 so the pool's bf16 conversion is lossless; for int8/int4 the HF reference gets the same
@@ -141,14 +142,16 @@ def test_placement_arithmetic() -> None:
         CpuPoolExpertBackend(fmt="fp8")
 
 
-def test_engine_greedy_equals_torch_backend(tmp_path: Path, monkeypatch) -> None:
-    """The offline API through ModelSpec(cpu_experts="all"): 6 concurrent requests (chunked
-    prefill, mixed steps), then a second round on the same pool. The expert weights are bf16
-    values and the scalar pool computes in fp32, so greedy tokens equal the torch backend's."""
+@pytest.mark.parametrize("name", ["mixtral", "olmoe"])  # every layer MoE
+def test_engine_greedy_equals_torch_backend(name: str, tmp_path: Path, monkeypatch) -> None:
+    """The offline API through ModelSpec(cpu_experts="all") (`tandem generate --cpu-experts
+    all`): 6 concurrent requests (chunked prefill, mixed steps), then a second round on the same
+    pool. The expert weights are bf16 values and the scalar pool computes in fp32, so greedy
+    tokens equal the torch backend's."""
     from runtime.sampling_params import SamplingParams
 
     monkeypatch.setenv("TANDEM_CPU_ISA", "scalar")
-    _save("mixtral", tmp_path)
+    _save(name, tmp_path)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (3, 30, 7, 19, 1, 44)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -79,8 +79,9 @@ def test_sharded_safetensors_with_index(tmp_path: Path) -> None:
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
         ),
+        hf.OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2),
     ],
-    ids=["mixtral", "qwen2_moe"],
+    ids=["mixtral", "qwen2_moe", "olmoe"],
 )
 def test_fused_3d_expert_layout_matches_per_expert(
     config: hf.PretrainedConfig, tmp_path: Path

@@ -30,6 +30,8 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    # q/k not permuted (rope in HF's halves order); attn_q_norm / attn_k_norm span the whole row
+    "olmoe": "OlmoeForCausalLM",
 }
 
 _GLOBAL_NAMES = {
@@ -127,6 +129,8 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
     )
     bos = reader.get("tokenizer.ggml.bos_token_id")
     norm_topk = key("expert_weights_norm")
+    olmoe = hf_arch == "OlmoeForCausalLM"
+    clip_qkv = key("attention.clamp_kqv") if olmoe else None
     return ModelConfig(
         architecture=hf_arch,
         vocab_size=int(key("vocab_size") or len(tokens)),
@@ -145,6 +149,8 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
         o_proj_bias="blk.0.attn_output.bias" in reader.tensors,
         mlp_bias=any(name.endswith(".ffn_down.bias") for name in reader.tensors),
         qk_norm="blk.0.attn_q_norm.weight" in reader.tensors,
+        qk_norm_full=olmoe,
+        clip_qkv=float(clip_qkv) if clip_qkv is not None else None,
         num_experts=num_experts,
         num_experts_per_tok=int(key("expert_used_count", 0) or 0) if num_experts else 0,
         moe_intermediate_size=(
@@ -155,7 +161,7 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
         shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
         norm_topk_prob=bool(norm_topk)
         if norm_topk is not None
-        else hf_arch != "Qwen2MoeForCausalLM",
+        else hf_arch not in ("Qwen2MoeForCausalLM", "OlmoeForCausalLM"),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         extra={"gguf_architecture": arch, "gguf_file_type": reader.get("general.file_type")},

@@ -337,6 +337,57 @@ def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_olmoe_matches_hf(tmp_path: Path, paged_runner) -> None:
+    """An "olmoe" GGUF as llama.cpp's converter writes it: q/k unpermuted, attn_q_norm and
+    attn_k_norm over the whole q and k rows, stacked experts, no expert_weights_norm (llama.cpp
+    does not renormalize OLMoE's top-k), plus attention.clamp_kqv for clip_qkv. Its config says
+    so and its logits equal HF's on the checkpoint it was written from."""
+    import transformers as hf
+
+    from models.loader import load_model
+    from tests.models.test_hf_parity import OLMOE, _save_hf_model
+
+    ref = _save_hf_model(hf.OlmoeConfig(**OLMOE, clip_qkv=0.5), tmp_path / "hf")
+    inter = OLMOE["intermediate_size"]
+    names = {**_GGUF_OF_HF, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate": "ffn_gate_inp"}  # fmt: skip
+    tensors = {}
+    for name, t in ref.state_dict().items():
+        a = t.numpy()
+        if name in _GGUF_GLOBALS:
+            tensors[_GGUF_GLOBALS[name]] = a
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            tensors[f"blk.{layer}.ffn_gate_exps.weight"] = np.ascontiguousarray(a[:, :inter])
+            tensors[f"blk.{layer}.ffn_up_exps.weight"] = np.ascontiguousarray(a[:, inter:])
+        elif rest == "mlp.experts.down_proj":  # [E, H, I]
+            tensors[f"blk.{layer}.ffn_down_exps.weight"] = a
+        else:
+            module, kind = rest.rsplit(".", 1)
+            tensors[f"blk.{layer}.{names[module]}.{kind}"] = a
+    assert tensors["blk.0.attn_q_norm.weight"].shape == (OLMOE["hidden_size"],)
+    kv = {
+        "olmoe.block_count": 2, "olmoe.embedding_length": 64, "olmoe.feed_forward_length": inter,
+        "olmoe.attention.head_count": 4, "olmoe.attention.head_count_kv": 2,
+        "olmoe.rope.freq_base": 10000.0, "olmoe.attention.layer_norm_rms_epsilon": 1e-5,
+        "olmoe.context_length": 256, "olmoe.vocab_size": 128, "olmoe.expert_count": 8,
+        "olmoe.expert_used_count": 2, "olmoe.attention.clamp_kqv": 0.5,
+    }  # fmt: skip
+    path = tmp_path / "olmoe.gguf"
+    _write_gguf(path, "olmoe", kv, tensors)
+    cfg = gguf_model_config(path)
+    assert cfg.architecture == "OlmoeForCausalLM" and cfg.qk_norm and cfg.qk_norm_full
+    assert cfg.clip_qkv == 0.5 and not cfg.norm_topk_prob
+    assert (cfg.num_experts, cfg.moe_intermediate_size) == (8, inter)
+    model, config = load_model(path, dtype=torch.float32, device="cpu")
+    ids = [5, 17, 3, 60, 9, 1, 33, 2, 90]
+    ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
 # -- loader: the real SmolLM2 file ------------------------------------------------------------
 
 

@@ -142,7 +142,7 @@ def test_engine_on_cuda_with_cpu_experts_decodes_in_graphs_with_and_without_over
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_experts", [0, 2])
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 @pytest.mark.parametrize("sync", ["flags", "host_func"])
 def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(
     name: str, gpu_experts: int, sync: str, tmp_path: Path

@@ -1,7 +1,7 @@
 """Full-model logits on CUDA: the cupy attention backend against the torch backend (same bf16
 weights), and against HF transformers (float32 activations on the same bf16-rounded weights),
 for ragged, chunk-prefilled, mixed prefill+decode batches over a paged KV cache with shuffled
-block ids. Llama and Qwen3 shapes (GQA 4 and 2, head_dim 128 and 64).
+block ids. Llama, Qwen3 and OLMoE shapes (GQA 4 and 2, head_dim 128 and 64).
 
 GPU tests: marked `gpu`, skipped without CUDA and CuPy. Set TANDEM_GPU_LOG=path to record the
 errors (one `family<TAB>error` line each).
@@ -48,6 +48,13 @@ def _hf_config(name: str):
         return hf.Qwen3Config(
             **common, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
             num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        )  # fmt: skip
+    if name == "olmoe":  # q/k norms over whole rows, clip_qkv, head_dim 64, GQA 2. Every expert
+        # a token (top-4 of 4): routing stays continuous, so bf16 rounding flips no expert.
+        return hf.OlmoeConfig(
+            **common, hidden_size=512, intermediate_size=256, num_hidden_layers=3,
+            num_attention_heads=8, num_key_value_heads=4, num_experts=4, num_experts_per_tok=4,
+            clip_qkv=2.0,
         )  # fmt: skip
     raise ValueError(name)
 
@@ -148,7 +155,7 @@ def test_cupy_matches_torch_backend(name: str, block_size: int, paged_runner) ->
         assert err < BF16_TOL, f"{name} seq {seq_id}: {err:.3e}"
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "olmoe"])
 def test_cupy_matches_hf(name: str, tmp_path: Path, paged_runner) -> None:
     import transformers as hf
 
@@ -174,14 +181,15 @@ def test_cupy_matches_hf(name: str, tmp_path: Path, paged_runner) -> None:
     assert worst < BF16_TOL, f"{name}: {worst:.3e}"
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_bias", "qwen2", "qwen3", "qwen3_bias"])
+@pytest.mark.parametrize("name", ["llama", "llama_bias", "qwen2", "qwen3", "qwen3_bias", "olmoe"])
 def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypatch) -> None:
     """Steps of 1-2 tokens through the skinny linears, the fused gate_up + SiLU and the fused
     qkv + rotary + KV write (qwen2: with the q/k/v bias; qwen3: q/k norms, so the fused norms +
     rotary + KV write after the projection, at every step) against the torch backend. The
     *_bias cases (attention_bias: q/k/v and o_proj; Llama's mlp_bias too) check that every bias
     is added: the skinny linears add theirs, the fused gate_up + SiLU and the fused q/k norms
-    step aside for the plain path."""
+    step aside for the plain path. OLMoE's whole-row q/k norms and clip_qkv keep the plain
+    Attention (its fused rms_norm on the q and k slices of the qkv rows)."""
     import transformers as hf
 
     from models.config import ModelConfig
@@ -224,9 +232,10 @@ def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypa
         if backend == "cupy":
             assert use_cuda_skinny_linear(model) > 0
             fused = NormRopeAttention if family == "qwen3" else SkinnyAttention
-            attn_cls = Attention if name == "qwen3_bias" else fused  # the norms' kernel: no bias
+            # the norms' kernel: no bias, per-head norms only
+            attn_cls = Attention if name in ("qwen3_bias", "olmoe") else fused
             assert type(model.layers[0].self_attn) is attn_cls
-            assert isinstance(model.layers[0].mlp, SkinnyGatedMLP)
+            assert config.is_moe or isinstance(model.layers[0].mlp, SkinnyGatedMLP)
         runner = CudaPagedRunner(paged_runner, model, config, block_size=16, seed=5)
         rows: dict[int, list[torch.Tensor]] = {0: [], 1: []}
         for work in steps:

@@ -416,11 +416,12 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
 
 
 @gpu_test
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 def test_each_moe_architecture_through_the_gpu_backend_matches_hf(arch: str, tmp_path: Path):
     """The tiny checkpoints of the cpu_pool model tests (Qwen3-MoE with a dense first layer,
-    Qwen2-MoE's gated shared expert and unnormalised top-k, Mixtral) in bf16 on CUDA through the
-    decode kernels, the routed kernels and the grouped GEMMs, against HF in float32."""
+    Qwen2-MoE's gated shared expert and unnormalised top-k, Mixtral, OLMoE's whole-row q/k
+    norms, clip_qkv and unnormalised top-k) in bf16 on CUDA through the decode kernels, the
+    routed kernels and the grouped GEMMs, against HF in float32."""
     from models.batch import KVCache
     from models.loader import load_model
     from tests.models.moe_cases import _save

@@ -282,6 +282,34 @@ _GGUF_GLOBALS = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+
+
+def _gguf_tensors(ref, layer_tensors) -> dict[str, np.ndarray]:
+    """An HF model's state dict as GGUF tensors: the globals by _GGUF_GLOBALS, and each
+    `model.layers.N.<rest>` through layer_tensors(rest, array) -> {name after blk.N.: array}."""
+    tensors = {}
+    for name, t in ref.state_dict().items():
+        a = t.numpy()
+        if name in _GGUF_GLOBALS:
+            tensors[_GGUF_GLOBALS[name]] = a
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        for suffix, arr in layer_tensors(rest, a).items():
+            tensors[f"blk.{layer}.{suffix}"] = arr
+    return tensors
+
+
+def _assert_hf_logits(path: Path, ref, ids: list[int], paged_runner) -> None:
+    """The GGUF at `path`, loaded and run on `ids`, gives the HF model's logits."""
+    from models.loader import load_model
+
+    model, config = load_model(path, dtype=torch.float32, device="cpu")
+    ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
 _GGUF_OF_HF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -295,7 +323,6 @@ def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
     its config says so and its logits equal HF's on the checkpoint it was written from."""
     import transformers as hf
 
-    from models.loader import load_model
     from tests.models.test_hf_parity import _save_hf_model
 
     heads, kv_heads = 4, 2
@@ -305,19 +332,14 @@ def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
         mlp_bias=True,
     )  # fmt: skip
     ref = _save_hf_model(hf_cfg, tmp_path / "hf")  # random biases
-    tensors = {}
-    for name, t in ref.state_dict().items():
-        a = t.numpy()
-        if name in _GGUF_GLOBALS:
-            tensors[_GGUF_GLOBALS[name]] = a
-            continue
-        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+
+    def layer_tensors(rest: str, a: np.ndarray) -> dict[str, np.ndarray]:
         module, kind = rest.rsplit(".", 1)
-        if module == "self_attn.q_proj":
-            a = _permute_qk(a, heads)
-        elif module == "self_attn.k_proj":
-            a = _permute_qk(a, kv_heads)
-        tensors[f"blk.{layer}.{_GGUF_OF_HF[module]}.{kind}"] = a
+        if module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's row order
+            a = _permute_qk(a, heads if module == "self_attn.q_proj" else kv_heads)
+        return {f"{_GGUF_OF_HF[module]}.{kind}": a}
+
+    tensors = _gguf_tensors(ref, layer_tensors)
     assert "blk.1.attn_output.bias" in tensors and "blk.1.ffn_gate.bias" in tensors
     kv = {
         "llama.block_count": 2, "llama.embedding_length": 32, "llama.feed_forward_length": 48,
@@ -329,12 +351,7 @@ def test_llama_biases_match_hf(tmp_path: Path, paged_runner) -> None:
     _write_gguf(path, "llama", kv, tensors)
     cfg = gguf_model_config(path)
     assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias
-    model, config = load_model(path, dtype=torch.float32, device="cpu")
-    ids = [5, 17, 3, 60, 9, 1, 33]
-    ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    _assert_hf_logits(path, ref, [5, 17, 3, 60, 9, 1, 33], paged_runner)
 
 
 def test_olmoe_matches_hf(tmp_path: Path, paged_runner) -> None:
@@ -344,28 +361,25 @@ def test_olmoe_matches_hf(tmp_path: Path, paged_runner) -> None:
     so and its logits equal HF's on the checkpoint it was written from."""
     import transformers as hf
 
-    from models.loader import load_model
     from tests.models.test_hf_parity import OLMOE, _save_hf_model
 
     ref = _save_hf_model(hf.OlmoeConfig(**OLMOE, clip_qkv=0.5), tmp_path / "hf")
     inter = OLMOE["intermediate_size"]
     names = {**_GGUF_OF_HF, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "mlp.gate": "ffn_gate_inp"}  # fmt: skip
-    tensors = {}
-    for name, t in ref.state_dict().items():
-        a = t.numpy()
-        if name in _GGUF_GLOBALS:
-            tensors[_GGUF_GLOBALS[name]] = a
-            continue
-        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+
+    def layer_tensors(rest: str, a: np.ndarray) -> dict[str, np.ndarray]:
         if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
-            tensors[f"blk.{layer}.ffn_gate_exps.weight"] = np.ascontiguousarray(a[:, :inter])
-            tensors[f"blk.{layer}.ffn_up_exps.weight"] = np.ascontiguousarray(a[:, inter:])
-        elif rest == "mlp.experts.down_proj":  # [E, H, I]
-            tensors[f"blk.{layer}.ffn_down_exps.weight"] = a
-        else:
-            module, kind = rest.rsplit(".", 1)
-            tensors[f"blk.{layer}.{names[module]}.{kind}"] = a
+            return {
+                "ffn_gate_exps.weight": np.ascontiguousarray(a[:, :inter]),
+                "ffn_up_exps.weight": np.ascontiguousarray(a[:, inter:]),
+            }
+        if rest == "mlp.experts.down_proj":  # [E, H, I]
+            return {"ffn_down_exps.weight": a}
+        module, kind = rest.rsplit(".", 1)
+        return {f"{names[module]}.{kind}": a}
+
+    tensors = _gguf_tensors(ref, layer_tensors)
     assert tensors["blk.0.attn_q_norm.weight"].shape == (OLMOE["hidden_size"],)
     kv = {
         "olmoe.block_count": 2, "olmoe.embedding_length": 64, "olmoe.feed_forward_length": inter,
@@ -380,12 +394,7 @@ def test_olmoe_matches_hf(tmp_path: Path, paged_runner) -> None:
     assert cfg.architecture == "OlmoeForCausalLM" and cfg.qk_norm and cfg.qk_norm_full
     assert cfg.clip_qkv == 0.5 and not cfg.norm_topk_prob
     assert (cfg.num_experts, cfg.moe_intermediate_size) == (8, inter)
-    model, config = load_model(path, dtype=torch.float32, device="cpu")
-    ids = [5, 17, 3, 60, 9, 1, 33, 2, 90]
-    ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    _assert_hf_logits(path, ref, [5, 17, 3, 60, 9, 1, 33, 2, 90], paged_runner)
 
 
 # -- loader: the real SmolLM2 file ------------------------------------------------------------

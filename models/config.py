@@ -25,6 +25,53 @@ SUPPORTED_ARCHITECTURES = (
 _DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _OLMOE = "OlmoeForCausalLM"
 
+# transformers' own defaults (its config classes') for the keys a config.json may leave out, where
+# they differ from the common ones below: a minimal config must mean what it means to transformers.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+}
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"max_position_embeddings": 131072},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128},
+    "Qwen2MoeForCausalLM": {
+        "max_position_embeddings": 32768,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+    },
+    "Qwen3MoeForCausalLM": {
+        "max_position_embeddings": 32768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+    },
+    "MixtralForCausalLM": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 131072,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    _OLMOE: {
+        "rms_norm_eps": 1e-5,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+    },
+}
+
+
+def _default(arch: str, key: str) -> Any:
+    """transformers' default for `key` in `arch`'s config (None: no default of its own)."""
+    return _FAMILY_DEFAULTS.get(arch, {}).get(key, _COMMON_DEFAULTS.get(key))
+
 
 class UnsupportedModelError(ValueError):
     """An architecture, tensor or quantization type Tandem cannot load; the message names it."""
@@ -114,9 +161,22 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
-        if arch in _DENSE:
-            num_experts = 0
+        # transformers >= 5 saves some families' num_experts as num_local_experts: either key
+        num_experts = 0
+        if arch not in _DENSE:
+            keys = ("num_local_experts", "num_experts")
+            given = [d[k] for k in keys if d.get(k) is not None]
+            num_experts = given[0] if given else _default(arch, "num_experts")
+        if arch == "MixtralForCausalLM":
+            norm_topk = True  # transformers' Mixtral always renormalizes the top-k weights
+        else:
+            norm_topk = bool(d.get("norm_topk_prob", _default(arch, "norm_topk_prob")))
+        # Qwen2-MoE and Qwen3-MoE size their experts by moe_intermediate_size, Mixtral and OLMoE
+        # by intermediate_size.
+        if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            expert_inter = d.get("moe_intermediate_size", _default(arch, "moe_intermediate_size"))
+        else:
+            expert_inter = d.get("intermediate_size", 0)
         qkv_bias, o_proj_bias, mlp_bias = _biases(arch, d)
         sparse_step, mlp_only_layers = _moe_layers(arch, d)
         clip_qkv = d.get("clip_qkv") if arch == _OLMOE else None
@@ -135,11 +195,15 @@ class ModelConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or hidden // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            head_dim=d.get("head_dim", _default(arch, "head_dim")) or hidden // heads,
+            rms_norm_eps=d.get("rms_norm_eps", _default(arch, "rms_norm_eps")),
+            rope_theta=float(
+                rope_theta if rope_theta is not None else _default(arch, "rope_theta")
+            ),
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=d.get(
+                "max_position_embeddings", _default(arch, "max_position_embeddings")
+            ),
             sliding_window=_sliding_window(arch, d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
@@ -150,17 +214,22 @@ class ModelConfig:
             clip_qkv=float(clip_qkv) if clip_qkv is not None else None,
             hidden_act=d.get("hidden_act", "silu"),
             num_experts=num_experts,
-            num_experts_per_tok=d.get("num_experts_per_tok", 0) if num_experts else 0,
-            moe_intermediate_size=(
-                d.get("moe_intermediate_size") or d.get("intermediate_size", 0)
+            num_experts_per_tok=(
+                d.get("num_experts_per_tok", _default(arch, "num_experts_per_tok")) or 0
                 if num_experts
                 else 0
             ),
-            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0) or 0,
-            # transformers' defaults: off for Qwen2-MoE and OLMoE, on for Qwen3-MoE
-            norm_topk_prob=bool(
-                d.get("norm_topk_prob", arch not in ("Qwen2MoeForCausalLM", _OLMOE))
+            moe_intermediate_size=(expert_inter or 0) if num_experts else 0,
+            shared_expert_intermediate_size=(
+                d.get(
+                    "shared_expert_intermediate_size",
+                    _default(arch, "shared_expert_intermediate_size"),
+                )
+                or 0
+                if arch == "Qwen2MoeForCausalLM"
+                else 0
             ),
+            norm_topk_prob=norm_topk,
             decoder_sparse_step=sparse_step,
             mlp_only_layers=mlp_only_layers,
             bos_token_id=d.get("bos_token_id"),

@@ -1,0 +1,69 @@
+"""models/config: a config.json that leaves keys out means what transformers' config class makes
+of it (its per-family defaults: Mixtral's rope theta and norm eps, Qwen3's head_dim of 128, the
+MoE families' expert counts and sizes, whether top-k weights are renormalized)."""
+
+from __future__ import annotations
+
+import pytest
+import transformers as hf
+
+from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+REQUIRED = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+HF_CLASSES = {
+    "LlamaForCausalLM": hf.LlamaConfig,
+    "MistralForCausalLM": hf.MistralConfig,
+    "Qwen2ForCausalLM": hf.Qwen2Config,
+    "Qwen3ForCausalLM": hf.Qwen3Config,
+    "Qwen2MoeForCausalLM": hf.Qwen2MoeConfig,
+    "Qwen3MoeForCausalLM": hf.Qwen3MoeConfig,
+    "MixtralForCausalLM": hf.MixtralConfig,
+    "OlmoeForCausalLM": hf.OlmoeConfig,
+}
+
+
+def _hf_view(arch: str, c: hf.PretrainedConfig) -> dict[str, object]:
+    """What transformers' modeling code of `arch` takes from config `c`."""
+    moe = arch in (
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+        "OlmoeForCausalLM",
+    )
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    view = {
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_parameters["rope_theta"],
+        "max_position_embeddings": c.max_position_embeddings,
+        "head_dim": head_dim,
+        "num_experts": experts if moe else 0,
+        "num_experts_per_tok": c.num_experts_per_tok if moe else 0,
+        "shared_expert_intermediate_size": getattr(c, "shared_expert_intermediate_size", 0),
+    }
+    if moe:
+        qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+        view["moe_intermediate_size"] = c.moe_intermediate_size if qwen else c.intermediate_size
+        view["norm_topk_prob"] = True if arch == "MixtralForCausalLM" else c.norm_topk_prob
+    return view
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_omitted_keys_take_transformers_defaults(arch: str) -> None:
+    assert set(HF_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+    d = {"architectures": [arch], **REQUIRED}
+    if arch in ("MixtralForCausalLM", "OlmoeForCausalLM"):
+        d["intermediate_size"] = 96  # their experts' size: no default worth testing with
+    ours = ModelConfig.from_hf_dict(d)
+    expected = _hf_view(
+        arch, HF_CLASSES[arch](**{k: v for k, v in d.items() if k != "architectures"})
+    )
+    got = {k: getattr(ours, k) for k in expected}
+    assert got == pytest.approx(expected), arch
+
+
+def test_either_spelling_of_the_expert_count() -> None:
+    """transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts."""
+    for key in ("num_experts", "num_local_experts"):
+        d = {"architectures": ["Qwen3MoeForCausalLM"], **REQUIRED, key: 6}
+        assert ModelConfig.from_hf_dict(d).num_experts == 6

@@ -1,8 +1,13 @@
-// The AMX tile configuration block (ldtilecfg's 64-byte operand), shared by the AMX units
-// (kernels_amx.cpp: bf16, kernels_amx_int8.cpp: int8). Plain data: no instruction here.
+// What the AMX units (kernels_amx.cpp: bf16, kernels_amx_int8.cpp: int8) share: the tile
+// configuration block (ldtilecfg's 64-byte operand), the one configuration both use and the L1
+// prefetch of their weight rows. Included only by those units, which build with the AMX flags.
 #pragma once
 
+#include <immintrin.h>
+
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace tandem_cpu {
 
@@ -13,5 +18,27 @@ struct alignas(64) AmxTileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+
+// All 8 tiles 16 rows x 64 bytes.
+static inline void configure_tiles() {
+  AmxTileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Chunk c (64 bytes of each row) of the 32 rows from a0 (ldw apart) to L1, one chunk ahead of
+// their tile loads, which otherwise wait on L2 or memory line by line. (Software prefetches of
+// the next rows to L2 cost 10-25% against the hardware's own streaming: tools/amx_stream_bench.cpp,
+// BENCHMARKS session 11.) Nothing past the last chunk.
+static inline void prefetch_rows_l1(const void* a0, size_t ldw, int c, int chunks) {
+  if (c >= chunks) return;
+  for (int r = 0; r < 32; ++r)
+    _mm_prefetch((const char*)a0 + r * ldw + (size_t)c * 64, _MM_HINT_T0);
+}
 
 }  // namespace tandem_cpu

@@ -15,17 +15,7 @@
 namespace tandem_cpu {
 namespace {
 
-// Tiles 0-3: C, 4-5: A (weights), 6-7: B (tokens); all 16 rows x 64 bytes.
-inline void configure_tiles() {
-  AmxTileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles 0-3: C, 4-5: A (weights), 6-7: B (tokens) (amx_tiles.h: configure_tiles).
 
 size_t prep_bytes(int K, int n) {
   if (n < kAmxMinTokens) return (size_t)K * n * 2;
@@ -62,13 +52,6 @@ void prep(const float* const* x, int Kv, int K, int n, void* dst) {
       }
     }
   }
-}
-
-// Chunk c (64 bytes of each row) of the 32 rows from a0 (ldw apart) to L1, one chunk ahead of
-// its tile loads, which otherwise wait on L2 or memory line by line (BENCHMARKS, session 11).
-inline void prefetch_rows_l1(const uint8_t* a0, size_t ldw, int c, int chunks) {
-  if (c >= chunks) return;
-  for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(a0 + r * ldw + (size_t)c * 64), _MM_HINT_T0);
 }
 
 void store_tile(float* tmp, float* C, int ldc, int r0, int t0, int n, const float* rowscale) {

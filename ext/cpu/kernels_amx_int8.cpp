@@ -35,18 +35,7 @@ int tile_min_tokens = kAmxTileMinTokens;
 
 // Every tile 16 x 64 bytes. tiles<>: 0, 1: C (16 x 16 int32); 4, 5: A (16 weight rows x 64
 // bytes); 6, 7: B (16 rows of 16 columns x 4 bytes). row16_tiles: 0-3 C, 4, 5 A, 6, 7 B. Every
-// tdpbssd sums one 64-element chunk of K.
-inline void configure_tiles() {
-  AmxTileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
+// tdpbssd sums one 64-element chunk of K (amx_tiles.h: configure_tiles).
 constexpr int kKB = 64;          // K elements per tdpbssd
 constexpr size_t kTileB = 1024;  // one B tile: 16 rows (4-element groups) x 16 columns x 4 bytes
 
@@ -343,12 +332,7 @@ void row16_tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, flo
       _tile_zero(2);
       _tile_zero(3);
       for (int c = 0; c < chunks; ++c) {
-        // The next chunk's 32 row lines to L1, so its tile loads do not each wait on L2 or memory
-        // line by line. No prefetch of the next rows to L2: the hardware streams them well, and
-        // software prefetches there cost 10-25% (tools/amx_stream_bench.cpp, BENCHMARKS session 11).
-        if (c + 1 < chunks)
-          for (int r = 0; r < 32; ++r)
-            _mm_prefetch((const char*)(A + (size_t)r * ldw + (size_t)(c + 1) * kKB), _MM_HINT_T0);
+        prefetch_rows_l1(A, ldw, c + 1, chunks);  // kKB = 64: one line a row
         _tile_loadd(4, A + (size_t)c * kKB, ldw);
         _tile_loadd(6, xb + (size_t)c * kChunk16, 64);
         _tile_loadd(7, xb + (size_t)c * kChunk16 + kTileB, 64);

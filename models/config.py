@@ -164,9 +164,8 @@ class ModelConfig:
         # transformers >= 5 saves some families' num_experts as num_local_experts: either key
         num_experts = 0
         if arch not in _DENSE:
-            keys = ("num_local_experts", "num_experts")
-            given = [d[k] for k in keys if d.get(k) is not None]
-            num_experts = given[0] if given else _default(arch, "num_experts")
+            default = _default(arch, "num_experts")
+            num_experts = _first(d, "num_local_experts", "num_experts", default=default)
         if arch == "MixtralForCausalLM":
             norm_topk = True  # transformers' Mixtral always renormalizes the top-k weights
         else:
@@ -297,8 +296,9 @@ def _moe_layers(arch: str, d: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
-    """The first of `keys` that `d` sets (not None), else `default`. transformers >= 5 spells
-    Qwen2-MoE's q/k/v bias `qkv_bias`, earlier configs `attention_bias` or nothing (bias on)."""
+    """The first of `keys` that `d` sets (not None), else `default`: for keys transformers
+    spells two ways (Qwen2-MoE's q/k/v bias `qkv_bias` from transformers 5, `attention_bias` or
+    nothing before; the expert count `num_local_experts` or `num_experts`)."""
     for k in keys:
         if d.get(k) is not None:
             return d[k]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.config import ModelConfig
+from models.config import ModelConfig, UnsupportedModelError
 from models.layers.experts import ExpertBackend
 from models.layers.mlp import GatedMLP, check_activation
 
@@ -20,6 +20,18 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: ExpertBackend) -> None:
         super().__init__()
         check_activation(config.hidden_act)
+        # Refused here, before any weight is read, rather than failing in the first forward
+        # (torch.topk past E) or computing zeros (top-0, experts of no rows).
+        if not 1 <= config.num_experts_per_tok <= config.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok must be between 1 and num_experts ({config.num_experts}), "
+                f"got {config.num_experts_per_tok}"
+            )
+        if config.moe_intermediate_size < 1:
+            raise UnsupportedModelError(
+                f"the experts' intermediate size must be positive, got "
+                f"{config.moe_intermediate_size}"
+            )
         self.layer_idx = layer_idx
         self.backend = backend
         self.num_experts = config.num_experts

@@ -126,6 +126,11 @@ class RotaryEmbedding:
         scaling: dict[str, Any] | None,
         max_positions: int | None = None,
     ) -> None:
+        if head_dim % 2:  # rotate_half pairs element i with i + head_dim / 2 (HF refuses too)
+            raise UnsupportedModelError(
+                f"rotary embeddings need an even head_dim, got {head_dim} (head_dim, else "
+                "hidden_size / num_attention_heads)"
+            )
         self.head_dim = head_dim
         inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions)
         self._inv_freq = {torch.device("cpu"): inv_freq}

@@ -3,6 +3,7 @@ offending tensor or architecture, dummy weights, backend registries."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -188,6 +189,31 @@ def _moe_config() -> ModelConfig:
         shared_expert_intermediate_size=24,
         mlp_only_layers=(1,),
     )
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok"),  # top-5 of 4 experts
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+        ({"moe_intermediate_size": 0}, "intermediate size"),
+        ({"hidden_size": 36, "head_dim": 9}, "even head_dim"),
+    ],
+)
+@pytest.mark.parametrize("experts", ["torch", "cpu_pool"])
+def test_configs_that_cannot_run_are_refused_at_build(
+    change: dict, match: str, experts: str, tmp_path: Path
+) -> None:
+    """A config no forward can compute is an UnsupportedModelError naming the key when the
+    model is built, before a weight is read. Before: top-5 of 4 and head_dim 9 loaded and failed
+    in the first forward (torch.topk, rotary's shapes), top-0 computed zeros on the torch
+    backend, and the pool refused its inputs mid-forward."""
+    cfg = dataclasses.replace(_moe_config(), **change)
+    with pytest.raises(UnsupportedModelError, match=match):
+        build_model(cfg, dtype=torch.float32, device="cpu", expert_backend=experts)
+    with pytest.raises(UnsupportedModelError, match=match):
+        load_model(tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg,
+                   expert_backend=experts)  # fmt: skip
 
 
 def test_dummy_weights_shapes_and_seed(tmp_path: Path) -> None:

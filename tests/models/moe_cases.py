@@ -48,6 +48,49 @@ CASES = {
         eos_token_id=2,
     ),
 }
+# Shapes the kernels pad (hidden and expert sizes not multiples of 32/64), expert counts at the
+# edges (1 expert; top-k = all experts) and the Qwen layer rules (sparse step, mlp-only layers),
+# tied embeddings. Every token takes every expert (or the only one), so no routing can flip
+# between the pool's bf16/int8 activations and HF's fp32.
+ODD_CASES = {
+    "qwen2_moe_odd": lambda: hf.Qwen2MoeConfig(
+        **{
+            **COMMON,
+            "hidden_size": 72,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+        },
+        decoder_sparse_step=2,  # layer 1 alone is MoE
+        num_experts=3,
+        num_experts_per_tok=3,
+        moe_intermediate_size=40,
+        shared_expert_intermediate_size=50,
+        norm_topk_prob=True,
+    ),
+    "qwen3_moe_odd": lambda: hf.Qwen3MoeConfig(
+        **{**COMMON, "hidden_size": 136},
+        head_dim=34,
+        num_experts=5,
+        num_experts_per_tok=5,
+        moe_intermediate_size=100,
+        norm_topk_prob=False,
+        mlp_only_layers=[0],
+        tie_word_embeddings=True,
+    ),
+    "mixtral_one_expert": lambda: hf.MixtralConfig(
+        **{
+            **COMMON,
+            "hidden_size": 200,
+            "intermediate_size": 40,
+            "num_attention_heads": 5,
+            "num_key_value_heads": 1,
+        },
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        tie_word_embeddings=True,
+    ),
+}
 PROMPT_LENS = [5, 17, 9]
 
 
@@ -57,7 +100,8 @@ def _expert_params(model: torch.nn.Module):
 
 def _save(name: str, path: Path) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = hf.AutoModelForCausalLM.from_config(CASES[name](), attn_implementation="eager").eval()
+    config = {**CASES, **ODD_CASES}[name]()
+    model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for _, p in _expert_params(model):
             p.copy_(p.to(torch.bfloat16).float())
@@ -65,10 +109,10 @@ def _save(name: str, path: Path) -> torch.nn.Module:
     return model
 
 
-def _quantize_reference(model: torch.nn.Module, fmt: str) -> None:
+def _quantize_reference(model: torch.nn.Module, fmt: str, group_size: int = 64) -> None:
     with torch.no_grad():
         for _, p in _expert_params(model):
-            p.copy_(quantize(p, fmt))
+            p.copy_(quantize(p, fmt, group_size))
 
 
 def _run(model, config, paged_runner) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:

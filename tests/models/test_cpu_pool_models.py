@@ -22,7 +22,15 @@ import torch
 from ext.cpu import quantize, supported_isas
 from models.layers.cpu_experts import CpuPoolExpertBackend, hybrid_moe_metrics, num_gpu_experts
 from models.loader import load_model
-from tests.models.moe_cases import CASES, _llm, _max_rel_diff, _quantize_reference, _run, _save
+from tests.models.moe_cases import (
+    CASES,
+    ODD_CASES,
+    _llm,
+    _max_rel_diff,
+    _quantize_reference,
+    _run,
+    _save,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +80,38 @@ def test_simd_pool_matches_hf_to_bf16(name: str, tmp_path: Path, paged_runner) -
     seqs, rows = _run(model, config, paged_runner)
     rel = _max_rel_diff(hf_model, seqs, rows)
     assert rel < 2e-2, f"{isa}: {rel:.3e}"
+    model.expert_backend.close()
+
+
+@pytest.mark.parametrize(
+    "isa,fmt,group", [("scalar", "int4", 32), ("scalar", "int8", 64), ("simd", "int4", 32),
+                      ("simd", "bf16", 64)],
+)  # fmt: skip
+@pytest.mark.parametrize("name", list(ODD_CASES))
+def test_odd_shapes_match_hf(
+    name: str, isa: str, fmt: str, group: int, tmp_path: Path, paged_runner
+) -> None:
+    """Hidden and expert sizes the pool pads (72, 136, 200; 40, 100), head_dim 34, one expert,
+    top-k of all experts, a sparse step, an mlp-only layer, tied embeddings: HF's logits, to
+    fp32 accuracy on the scalar ISA, to a bf16-sized tolerance on the SIMD one (int4 groups of
+    32 there: activations quantized to int8 per block)."""
+    if isa == "simd":
+        isa = supported_isas()[-1]
+        if isa == "scalar":
+            pytest.skip("this CPU has no SIMD path")  # pragma: no cover
+    hf_model = _save(name, tmp_path)
+    if fmt != "bf16":
+        _quantize_reference(hf_model, fmt, group)
+    model, config = load_model(
+        tmp_path,
+        dtype=torch.float32,
+        device="cpu",
+        expert_backend="cpu_pool",
+        expert_options={"fmt": fmt, "group_size": group, "isa": isa, "num_threads": 2},
+    )
+    seqs, rows = _run(model, config, paged_runner)
+    rel = _max_rel_diff(hf_model, seqs, rows)
+    assert rel < (1e-4 if isa == "scalar" else 2e-2), f"{isa}: {rel:.3e}"
     model.expert_backend.close()
 
 

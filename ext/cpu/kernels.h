@@ -21,7 +21,10 @@ enum Fmt : int { FMT_BF16 = 0, FMT_INT8 = 1, FMT_INT4 = 2 };
 //       so one widening load and a mask or a shift give 32 consecutive elements.
 constexpr int kKAlign = 64;
 constexpr int kRowBlock = 64;   // weight rows per work item (gate/up: 32 gate + 32 up rows)
-constexpr int kAmxMinTokens = 4;  // tokens of one expert from which the AMX bf16 path is used
+// Tokens of one expert from which the AMX bf16 path is used (below: the AVX-512 kernel; env
+// TANDEM_AMX_BF16_MIN_TOKENS overrides). 1: on the device's Xeon the tiles stream a layer's
+// weights 5-26% faster than the AVX-512 kernel at every token count from 1 (BENCHMARKS, session 12).
+constexpr int kAmxMinTokens = 1;
 // Tokens of one expert from which the AMX int8 path multiplies in tiles (below: VNNI; env
 // TANDEM_AMX_TILE_MIN_TOKENS overrides): on the device's Xeon the tiles win from 6-8 tokens an
 // expert (8 experts of the Qwen3-30B-A3B shape, top-8; BENCHMARKS, session 9), VNNI below.

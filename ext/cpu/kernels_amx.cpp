@@ -4,10 +4,12 @@
 // 32 elements per tile); the tokens are the B operand, packed once per expert and phase into
 // the VNNI pair layout [token block][k chunk][16 k pairs][16 tokens][2]. Each C tile is
 // 16 weight rows x 16 tokens. int8/int4 rows are widened to bf16 once per work item.
-// Below kAmxMinTokens tokens the AVX-512 kernel runs instead (the step is bandwidth-bound).
+// Below kAmxMinTokens tokens (kernels.h; 1 by default) the AVX-512 kernel runs instead.
 // Compiled with the AVX-512 flags plus -mamx-tile -mamx-bf16 -mamx-int8; used only after CPUID
 // reports AMX and the kernel granted XTILEDATA through arch_prctl.
 #include <immintrin.h>
+
+#include <cstdlib>
 
 #include "amx_tiles.h"
 #include "kernels.h"
@@ -17,14 +19,18 @@ namespace {
 
 // Tiles 0-3: C, 4-5: A (weights), 6-7: B (tokens) (amx_tiles.h: configure_tiles).
 
+// Tokens an expert from which the tiles run: kAmxMinTokens, or TANDEM_AMX_BF16_MIN_TOKENS (read
+// once, when the first pool picks its kernels).
+int min_tokens = kAmxMinTokens;
+
 size_t prep_bytes(int K, int n) {
-  if (n < kAmxMinTokens) return (size_t)K * n * 2;
+  if (n < min_tokens) return (size_t)K * n * 2;
   return (size_t)((n + 15) / 16) * 16 * K * 2;
 }
 
 void prep(const float* const* x, int Kv, int K, int n, void* dst) {
   uint16_t* d = (uint16_t*)dst;
-  if (n < kAmxMinTokens) {
+  if (n < min_tokens) {
     kernels_avx512().prep(x, Kv, K, n, dst);
     return;
   }
@@ -64,7 +70,7 @@ void store_tile(float* tmp, float* C, int ldc, int r0, int t0, int n, const floa
 
 void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
           uint8_t* scratch) {
-  if (n < kAmxMinTokens) {
+  if (n < min_tokens) {
     avx512_gemm(w, R, K, xp, n, C, ldc, scratch);
     return;
   }
@@ -137,6 +143,14 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
 
 }  // namespace
 
-KernelSet kernels_amx() { return {"amx", prep_bytes, prep, gemm, nullptr, avx512_silu_mul}; }
+KernelSet kernels_amx() {
+  static const int from_env = [] {
+    const char* v = std::getenv("TANDEM_AMX_BF16_MIN_TOKENS");
+    const int t = v ? std::atoi(v) : 0;
+    return t > 0 ? t : kAmxMinTokens;
+  }();
+  min_tokens = from_env;
+  return {"amx", prep_bytes, prep, gemm, nullptr, avx512_silu_mul};
+}
 
 }  // namespace tandem_cpu

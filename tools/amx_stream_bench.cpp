@@ -49,9 +49,10 @@ void configure() {
   _tile_loadconfig(&c);
 }
 
-enum Variant { READ, READ_RPAIR, RPAIR, RPAIR_NOPF, RTILE, TILEMAJOR, AHEAD, STAGE, L1A1, L1AB1, L1AB2, L1AB4, NVAR };
+enum Variant { READ, READ_RPAIR, RPAIR, RPAIR_NOPF, RTILE, TILEMAJOR, AHEAD, STAGE, L1A1, L1AB1, L1AB2, L1AB4,
+               TM_L1, L1_X, L1A2, NVAR };
 const char* kNames[NVAR] = {"read", "read_rpair", "rpair", "rpair_nopf", "rtile", "tilemajor", "ahead", "stage",
-                            "l1_a1", "l1_ab1", "l1_ab2", "l1_ab4"};
+                            "l1_a1", "l1_ab1", "l1_ab2", "l1_ab4", "tm_l1", "l1_x", "l1_a2"};
 
 int K = 2048, kRows = 64, kBlocks = 1;
 std::atomic<long> counter{0};
@@ -81,10 +82,17 @@ inline void rpair_block(const int8_t* a0, const int8_t* a1, size_t lda, const Th
     if (pf)
       for (size_t i = c * per; i < std::min(pf_lines, (c + 1) * per); ++i)
         _mm_prefetch((const char*)(pf + (i % 32) * ldp + (i / 32) * 64), _MM_HINT_T1);
-    if (seq)
+    if (seq && seq_lines == 0 && c == chunks - 1) {
+      // the next block's first chunk (32 rows of stride ldp) to L1
+      for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(seq + (size_t)r * ldp), _MM_HINT_T0);
+    } else if (seq)
       for (size_t i = c * seq_per; i < std::min(seq_lines, (c + 1) * seq_per); ++i)
         _mm_prefetch((const char*)(seq + i * 64), _MM_HINT_T1);
-    if (l1_dist && c + l1_dist < chunks) {
+    if (l1_dist && lda == 64 && c + l1_dist < chunks) {
+      // tile-major: chunk c + l1_dist is 2 KB contiguous
+      for (int l = 0; l < 32; ++l)
+        _mm_prefetch((const char*)(a0 + (size_t)(c + l1_dist) * 2048 + l * 64), _MM_HINT_T0);
+    } else if (l1_dist && c + l1_dist < chunks) {
       // chunk c + l1_dist's A rows (and B tiles) to L1
       const int cn = c + l1_dist;
       for (int r = 0; r < 16; ++r) {
@@ -173,6 +181,29 @@ void run_item(Variant v, const int8_t* item, const int8_t* next, const Thread& t
       }
       break;
     }
+    case L1A2:
+      for (int r0 = 0; r0 < kRows; r0 += 32) {
+        const int8_t* a0 = item + (size_t)r0 * K;
+        for (int tb = 0; tb < kBlocks; ++tb)
+          rpair_block(a0, a0 + (size_t)16 * K, K, th, nullptr, 0, 0, nullptr, 0, 2, false);
+      }
+      break;
+    case L1_X:
+      for (int r0 = 0; r0 < kRows; r0 += 32) {
+        const int8_t* a0 = item + (size_t)r0 * K;
+        const int8_t* nb = r0 + 32 < kRows ? a0 + (size_t)32 * K : next;
+        for (int tb = 0; tb < kBlocks; ++tb)
+          rpair_block(a0, a0 + (size_t)16 * K, K, th, nullptr, 0, K, tb == kBlocks - 1 ? nb : nullptr, 0, 1,
+                      false);
+      }
+      break;
+    case TM_L1:
+      for (int r0 = 0; r0 < kRows; r0 += 32) {
+        const int8_t* blk = item + (size_t)r0 * K;
+        for (int tb = 0; tb < kBlocks; ++tb)
+          rpair_block(blk, blk + 1024, 64, th, nullptr, 0, 0, nullptr, 0, 1, false);
+      }
+      break;
     case RTILE:
       for (int r0 = 0; r0 < kRows; r0 += 16)
         for (int tb = 0; tb < kBlocks; ++tb) rtile_block(item + (size_t)r0 * K, K, th);
@@ -269,6 +300,9 @@ int main(int argc, char** argv) {
               mb, K, kBlocks, kRows);
   for (int rep = 0; rep < 2; ++rep)
     for (int v = 0; v < NVAR; ++v) {
+      if (const char* only = std::getenv("VARIANTS"))
+        if (std::string(" ") .append(only).append(" ").find(std::string(" ") + kNames[v] + " ") == std::string::npos)
+          continue;
       int passes = 1;
       double s = run(threads, ncpu, (Variant)v, buf, items, passes);
       if (s < 0.3) {

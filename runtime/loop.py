@@ -171,6 +171,9 @@ class EngineLoop:
     async def start(self) -> None:
         if self._task is None:
             self._aloop = asyncio.get_running_loop()
+            # /metrics before the first step: the engine's own counters (the KV pool, the CPU
+            # expert pool's families), not an empty EngineStats(). No engine thread runs yet.
+            self._stats = self.engine.stats()
             done: asyncio.Future[None] = self._aloop.create_future()
             # A daemon thread, not an executor: one left waiting for work never blocks exit.
             thread = threading.Thread(

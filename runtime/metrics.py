@@ -326,6 +326,11 @@ def render_hybrid_moe(h: HybridMoeStats) -> str:
                 "Bytes copied pinned host -> GPU.",
                 h.h2d_bytes,
             ),
+            render_counter(
+                p + "moe_stream_errors_total",
+                "Stream-ordered (CUDA) pool calls that failed; their output was zeroed.",
+                h.stream_errors,
+            ),
             render_gauge(p + "moe_pool_threads", "Threads of the CPU expert pool.", h.pool_threads),
             render_counter(
                 p + "moe_pool_busy_seconds_total",

@@ -229,3 +229,24 @@ async def test_request_stream_ends_after_every_choice_finished() -> None:
         await stream.__anext__()
     stream.close()
     assert aborted == []  # nothing left to abort
+
+
+async def test_metrics_before_the_first_step_are_the_engines() -> None:
+    """A scrape before any request sees the engine's families (the CPU expert pool's), not an
+    empty EngineStats(): before, the hybrid families were missing until the first step."""
+    from models.layers.cpu_experts import HybridMoeStats
+    from runtime.types import EngineStats
+
+    class HybridFake(FakeEngine):
+        def stats(self) -> EngineStats:
+            hybrid = HybridMoeStats(pool_threads=3, routing_counts={0: [0, 0]})
+            return EngineStats(num_blocks=self.num_blocks, hybrid=hybrid)
+
+    loop = EngineLoop(HybridFake(), max_queue=4)
+    await loop.start()
+    try:
+        text = loop.render_metrics()
+        assert "tandem:moe_pool_threads 3" in text
+        assert 'tandem:moe_expert_routed_total{expert="1",layer="0"} 0' in text
+    finally:
+        await loop.stop()

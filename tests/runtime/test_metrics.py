@@ -16,6 +16,7 @@ def test_hybrid_counters_appear_only_for_a_hybrid_engine():
         pool_threads=15,
         pool_busy_seconds=3.0,
         wall_seconds=1.0,
+        stream_errors=2,
         routing_counts={0: [5, 0, 2], 1: [1, 1, 1]},
     )
     text = render_metrics(EngineStats(hybrid=h), ServingMetrics(), num_admitted=0, healthy=True)
@@ -24,6 +25,7 @@ def test_hybrid_counters_appear_only_for_a_hybrid_engine():
     assert "tandem:moe_device_to_host_bytes_total 1024" in text
     assert "tandem:moe_host_to_device_bytes_total 2048" in text
     assert "tandem:moe_pool_utilisation 0.2" in text
+    assert "tandem:moe_stream_errors_total 2" in text  # a failed CUDA-stream call is not silent
     assert 'tandem:moe_expert_routed_total{expert="0",layer="0"} 5' in text
     assert 'tandem:moe_expert_routed_total{expert="2",layer="1"} 1' in text
     # every sample line belongs to a declared metric family

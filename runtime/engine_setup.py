@@ -41,13 +41,20 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
     """The MoE placement options (cpu_experts, gpu_experts) against the model and the device,
     before any weight is read: a ValueError that names the option where one cannot apply
     (a dense model, more experts than a layer has, experts "on the GPU" without one, the
-    pool's format or threads without the pool, which they would silently not reach)."""
+    pool's format or threads without the pool, which they would silently not reach; a
+    --gpu-prefill token count without a GPU)."""
+    gpu_prefill = None  # auto; 0: off; N: steps of N+ tokens compute pool layers on the GPU
+    if spec.gpu_prefill is not None:
+        from models.layers.cpu_experts import parse_gpu_prefill
+
+        gpu_prefill = parse_gpu_prefill(spec.gpu_prefill)
     pool_options = [
         flag
         for flag, given in (
             ("--cpu-expert-format", spec.cpu_expert_format != "auto"),
             ("--cpu-threads", spec.cpu_threads is not None),
             ("--cpu-expert-group-size", spec.cpu_expert_group_size is not None),
+            ("--gpu-prefill", bool(gpu_prefill)),
         )
         if given
     ]
@@ -65,6 +72,11 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
     if spec.cpu_expert_group_size is not None and spec.cpu_expert_format != "int4":
         raise ValueError(
             "--cpu-expert-group-size applies to int4 experts: add --cpu-expert-format int4"
+        )
+    if gpu_prefill and device.type != "cuda":
+        raise ValueError(
+            f"--gpu-prefill {gpu_prefill} computes the pool's layers on the GPU, but the model "
+            f"runs on {device.type}: leave it out (or 'off') without a GPU"
         )
     if not pool_asked:
         return

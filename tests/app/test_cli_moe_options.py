@@ -1,7 +1,8 @@
 """MoE placement options that cannot apply give one clear `tandem: error:` line (exit 2),
 before any weight is read: a dense model, more experts than a layer has, experts "on the GPU"
 without one, a non-number, a CUDA device on a machine without CUDA, the pool's format or threads
-without the pool, more pool threads than cpus."""
+without the pool, more pool threads than cpus, a --gpu-prefill token count without a GPU (it
+was silently ignored)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def _error(capsys, *args: str) -> str:
         (("--cpu-experts", "5"), "on the GPU, but the model runs on cpu"),
         (("--gpu-experts", "5"), "on the GPU, but the model runs on cpu"),
         (("--cpu-experts", "all", "--cpu-expert-group-size", "32"), "applies to int4 experts"),
+        (("--cpu-experts", "all", "--gpu-prefill", "512"), "--gpu-prefill 512 computes the pool's"),
+        (("--gpu-prefill", "512"), "--gpu-prefill only apply to the CPU expert pool"),
         (
             (
                 "--cpu-experts",
@@ -88,6 +91,7 @@ def test_expert_options_on_a_dense_model_are_an_error(capsys, dense_dir: Path) -
     assert "dense" in _error(capsys, "--model", str(dense_dir), "--cpu-experts", "all")
     assert "dense" in _error(capsys, "--model", str(dense_dir), "--gpu-experts", "0")
     assert "dense" in _error(capsys, "--model", str(dense_dir), "--cpu-expert-format", "int4")
+    assert "dense" in _error(capsys, "--model", str(dense_dir), "--gpu-prefill", "512")
 
 
 @pytest.mark.parametrize(
@@ -122,6 +126,9 @@ def test_good_options_still_run(capsys, moe_dir: Path) -> None:
         assert main([*argv, *args, "hi"]) == 0
     pool = ["--cpu-experts", "all", "--cpu-expert-format", "int4", "--cpu-threads", "1"]
     assert main([*argv, "--model", str(moe_dir), "--max-tokens", "2", *pool, "hi"]) == 0
+    for gpu_prefill in ("off", "0", "auto"):  # nothing on the GPU: accepted without one
+        pool = ["--cpu-experts", "all", "--gpu-prefill", gpu_prefill]
+        assert main([*argv, "--model", str(moe_dir), "--max-tokens", "2", *pool, "hi"]) == 0
     capsys.readouterr()
 
 

@@ -677,7 +677,10 @@ class CpuPoolExpertBackend:
             source = f"file:{source_identity(src)}:{dtype}"
         else:  # GGUF experts convert from the file's own blocks, whatever the model's dtype
             source = f"file:{source_identity(src)}"
-        self._cache = ExpertCache(root, source, self.fmt, self.group_size)
+        # "auto" converts float weights to bf16: one entry for both spellings, not two copies
+        # of the same bytes (a GGUF's "auto" keeps each layer's own format, so stays "auto")
+        fmt = "bf16" if self.fmt == "auto" and self.gguf_source is None else self.fmt
+        self._cache = ExpertCache(root, source, fmt, self.group_size)
         return self._cache
 
     def _place(

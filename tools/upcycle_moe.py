@@ -44,6 +44,8 @@ def moe_config(dense: ModelConfig, num_experts: int) -> ModelConfig:
             f"{dense.architecture} with {', '.join(biases)}: Mixtral has no such biases, so the "
             "upcycled model could not compute the dense one"
         )
+    if num_experts < 1:
+        raise ValueError(f"--experts must be at least 1, got {num_experts}")
     if dense.intermediate_size % num_experts:
         raise ValueError(
             f"intermediate size {dense.intermediate_size} is not divisible by {num_experts}"
@@ -164,14 +166,27 @@ def upcycle(
     return out
 
 
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out", type=Path, help="output directory")
     p.add_argument("--model", type=Path, default=None, help="dense .gguf or HF dir (default model)")
-    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--experts", type=_positive_int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     args = p.parse_args(argv)
-    path = upcycle(args.out, args.model, args.experts, _DTYPES[args.dtype])
+    try:
+        path = upcycle(args.out, args.model, args.experts, _DTYPES[args.dtype])
+    except (ValueError, OSError) as e:  # bad --experts, a missing model, an unwritable out
+        p.exit(2, f"{p.prog}: error: {e}\n")
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

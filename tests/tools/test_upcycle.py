@@ -132,3 +132,24 @@ def test_dense_models_with_biases_are_refused(bias: str) -> None:
     assert _tool().moe_config(dense, 4).num_experts == 4
     with pytest.raises(ValueError, match=bias):
         _tool().moe_config(dataclasses.replace(dense, **{bias: True}), 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--experts", "0"], "argument --experts: expected an integer >= 1, got '0'"),
+        (["--experts", "-2"], "argument --experts: expected an integer >= 1, got '-2'"),
+        (["--model", "MISSING"], "error: no config.json in"),
+    ],
+)
+def test_bad_input_is_an_error_line_not_a_traceback(args, says: str, tmp_path: Path, capsys):
+    """--experts 0 was a ZeroDivisionError traceback, -2 a torch RuntimeError, a missing
+    --model a FileNotFoundError one; now an `error:` line and exit 2, with nothing written."""
+    args = [str(tmp_path / "missing") if a == "MISSING" else a for a in args]
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        _tool().main([str(out), *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert not out.exists()

@@ -5,6 +5,7 @@ Runs the engine to completion in the calling thread; no event loop involved.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -14,6 +15,7 @@ from runtime.sampling_params import SamplingParams, expand_n
 from runtime.types import CompletionOutput, RequestDelta, RequestOutput
 
 Messages = list[dict]
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelSpec))
 
 
 class LLM:
@@ -33,9 +35,19 @@ class LLM:
         engine_config: EngineConfig | None = None,
         **engine_kwargs,
     ) -> None:
+        """Keyword arguments that name a `ModelSpec` field (cpu_experts="all", gpu_experts,
+        cpu_threads, cpu_expert_format, cpu_expert_group_size, gpu_prefill, seed, ...) go to
+        the model spec, as the CLI's options do; the rest to `Engine`."""
+        spec_kwargs = {k: engine_kwargs.pop(k) for k in list(engine_kwargs) if k in _SPEC_FIELDS}
         if engine_config is None:
             engine_config = EngineConfig(
-                model=ModelSpec(model=model, dtype=dtype, device=device, load_format=load_format),
+                model=ModelSpec(
+                    model=model,
+                    dtype=dtype,
+                    device=device,
+                    load_format=load_format,
+                    **spec_kwargs,
+                ),
                 cache=CacheConfig(
                     block_size=block_size,
                     num_blocks=num_kv_blocks,
@@ -47,6 +59,8 @@ class LLM:
                     max_num_batched_tokens=max_num_batched_tokens,
                 ),
             )
+        elif spec_kwargs:
+            raise ValueError(f"{sorted(spec_kwargs)}: pass them in engine_config.model instead")
         self.engine = Engine(engine_config, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -6,10 +6,11 @@ else. Knows nothing about models: callers pass the source's identity and each la
 
 Layout: <root>/<model key>/layer_<i>.bin, one file per layer (CpuExpertPool.save_layer's
 format). The model key hashes the source identity (path, size and mtime of the checkpoint's
-files), the requested format and group size and LAYOUT_VERSION; each file's header carries a
-per-layer key that also covers the layer's shapes and what the caller says the converted bytes
-depend on (the source dtype; a sampled fingerprint of the weights when there is no file), so a
-loader can tell a hit from a 4 KiB header before it reads any weight (`check`).
+weight files and config.json), the requested format and group size and LAYOUT_VERSION; each
+file's header carries a per-layer key that also covers the layer's shapes and what the caller
+says the converted bytes depend on (the source dtype; a sampled fingerprint of the weights when
+there is no file), so a loader can tell a hit from a 4 KiB header before it reads any weight
+(`check`).
 """
 
 from __future__ import annotations
@@ -49,10 +50,22 @@ def default_cache_root() -> Path | None:
     return root if os.access(root, os.W_OK | os.X_OK) else None
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".index.json", ".gguf", ".bin", ".pt", ".pth")
+
+
+def _is_weights_file(name: str) -> bool:
+    return name == "config.json" or name.endswith(_WEIGHT_SUFFIXES)
+
+
 def source_identity(path: str | Path) -> str:
-    """Path, size and mtime of a checkpoint file, or of every file in a checkpoint directory."""
+    """Path, size and mtime of a checkpoint file, or of the weight files and config.json of a
+    checkpoint directory: editing its tokenizer, chat template or README converts nothing again
+    (it did, for every layer, and left the old entry on disk)."""
     path = Path(path).resolve()
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and _is_weights_file(p.name))
+    else:
+        files = [path]
     parts = [str(path)]
     for f in files:
         st = f.stat()

@@ -214,3 +214,25 @@ def test_dequantize_a_subset_of_experts(fmt: str, group: int) -> None:
     assert pool.dequantize(0, [])[0].shape == (0, 2 * INTER, H)
     with pytest.raises(ValueError):
         pool.dequantize(0, [E])
+
+
+def test_source_identity_covers_weights_and_config_only(tmp_path: Path) -> None:
+    """A checkpoint directory's identity (the expert cache's key) changes with its weight files
+    and config.json, not with its tokenizer or README: editing a chat template reconverted
+    every layer and left the old entry on disk."""
+    import os
+
+    from ext.cpu.cache import source_identity
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 64)
+    before = source_identity(tmp_path)
+    for name in ("tokenizer_config.json", "tokenizer.json", "README.md", "generation_config.json"):
+        (tmp_path / name).write_text("changed")
+    assert source_identity(tmp_path) == before
+    st = (tmp_path / "model.safetensors").stat()
+    os.utime(tmp_path / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert source_identity(tmp_path) != before
+    touched = source_identity(tmp_path)
+    (tmp_path / "config.json").write_text('{"num_experts": 8}')
+    assert source_identity(tmp_path) != touched

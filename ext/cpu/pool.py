@@ -58,12 +58,15 @@ PACK_ROWS_ENV = "TANDEM_CPU_PACK_ROWS"
 # Tokens of one expert from which AMX int8 tiles replace VNNI (ext/cpu/kernels.h:
 # kAmxTileMinTokens); read by the extension when its first pool starts, checked here.
 AMX_TILE_ENV = "TANDEM_AMX_TILE_MIN_TOKENS"
+# Tokens of one expert from which AMX bf16 tiles replace the AVX-512 kernel (kAmxMinTokens, 1).
+AMX_BF16_ENV = "TANDEM_AMX_BF16_MIN_TOKENS"
 
 
 def _check_amx_tile_env() -> None:
-    raw = os.environ.get(AMX_TILE_ENV, "").strip()
-    if raw and not (raw.isdigit() and int(raw) > 0):
-        raise ValueError(f"{AMX_TILE_ENV} must be a positive int, got {raw!r}")
+    for name in (AMX_TILE_ENV, AMX_BF16_ENV):
+        raw = os.environ.get(name, "").strip()
+        if raw and not (raw.isdigit() and int(raw) > 0):
+            raise ValueError(f"{name} must be a positive int, got {raw!r}")
 
 
 def switch_from_env(name: str) -> bool | None:

@@ -609,14 +609,15 @@ def test_isa_env_var_and_invalid_isa(monkeypatch):
         CpuExpertPool(num_threads=0)
 
 
+@pytest.mark.parametrize("name", ["TANDEM_AMX_TILE_MIN_TOKENS", "TANDEM_AMX_BF16_MIN_TOKENS"])
 @pytest.mark.parametrize("value", ["x", "0", "-3", "2.5"])
-def test_amx_tile_env_var_is_checked(monkeypatch, value):
-    """TANDEM_AMX_TILE_MIN_TOKENS is read by the extension only on AMX CPUs (where a bad value
-    would silently mean the default): every CPU refuses it by name when a pool starts."""
-    monkeypatch.setenv("TANDEM_AMX_TILE_MIN_TOKENS", value)
-    with pytest.raises(ValueError, match="TANDEM_AMX_TILE_MIN_TOKENS"):
+def test_amx_tile_env_var_is_checked(monkeypatch, name, value):
+    """The AMX thresholds are read by the extension only on AMX CPUs (where a bad value would
+    silently mean the default): every CPU refuses them by name when a pool starts."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
         CpuExpertPool(num_threads=1)
-    monkeypatch.setenv("TANDEM_AMX_TILE_MIN_TOKENS", "12")
+    monkeypatch.setenv(name, "12")
     CpuExpertPool(num_threads=1).close()
 
 

@@ -81,6 +81,12 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
     if not pool_asked:
         return
     cpus = allowed_cpu_count()
+    if spec.cpu_threads is not None and (
+        isinstance(spec.cpu_threads, bool)
+        or not isinstance(spec.cpu_threads, int)
+        or spec.cpu_threads < 1
+    ):
+        raise ValueError(f"--cpu-threads must be a positive integer, got {spec.cpu_threads!r}")
     if spec.cpu_threads is not None and spec.cpu_threads > cpus:
         raise ValueError(
             f"--cpu-threads {spec.cpu_threads} exceeds the {cpus} cpus this process may use "

@@ -181,3 +181,20 @@ def test_zero_cpu_experts_from_python_is_not_all() -> None:
     with pytest.raises(ValueError, match="8 experts a layer would stay on the GPU"):
         check_expert_options(ModelSpec(cpu_experts=0), torch.device("cpu"), cfg)
     check_expert_options(ModelSpec(cpu_experts="all"), torch.device("cpu"), cfg)
+
+
+@pytest.mark.parametrize("threads", [0, -3, 2.5, "4", True])
+def test_cpu_threads_from_python_is_checked_by_name(threads) -> None:
+    """ModelSpec(cpu_threads=...) from the Python API (the CLI's argparse checks its own) is
+    refused before any weight is read, naming the option, not the pool's num_threads."""
+    from models.config import ModelConfig
+    from runtime.config import ModelSpec
+    from runtime.engine_setup import check_expert_options
+
+    cfg = ModelConfig(**COMMON, architecture="Qwen3MoeForCausalLM", num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
+    with pytest.raises(ValueError, match="--cpu-threads must be a positive integer"):
+        check_expert_options(
+            ModelSpec(cpu_experts="all", cpu_threads=threads), torch.device("cpu"), cfg
+        )
+    check_expert_options(ModelSpec(cpu_experts="all", cpu_threads=1), torch.device("cpu"), cfg)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +30,12 @@ EXPERT_CACHE_ENV = "TANDEM_EXPERT_CACHE"  # "0" disables; a path overrides the d
 LAYOUT_VERSION = 1  # of the directory key; files of an older ext/cpu/moe.h kLayoutVersion are
 # refused by their header check and reconverted in place
 _FINGERPRINT_SAMPLES = 1 << 16  # elements sampled per tensor
+# A save's temporary files (CpuExpertPool.save_layer: ".layer_<i>.bin.<pid>.<thread>.tmp", and
+# the extension's own "<that>.tmp<pid>" inside it) older than this were left by a process that
+# died mid-save: each is as large as a layer (1.2 GB for Qwen3-30B-A3B in bf16). A live save
+# rewrites its file within seconds; the age, not the pid, decides, so a save of another host
+# sharing the directory is never taken for a dead one.
+STALE_TEMP_SECONDS = 3600
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +106,7 @@ class ExpertCache:
         self.model_key = _digest("tandem-expert-cache", LAYOUT_VERSION, source, fmt, group_size)
         self.dir = Path(root) / self.model_key[:24]
         self.hits = self.misses = self.writes = 0
+        self._swept = False
 
     def layer_path(self, layer_idx: int) -> Path:
         return self.dir / f"layer_{layer_idx}.bin"
@@ -152,10 +160,30 @@ class ExpertCache:
         self.hits += 1
         return True
 
+    def remove_stale_temps(self, max_age: float = STALE_TEMP_SECONDS) -> int:
+        """Deletes the temporary files of saves that died mid-way (older than `max_age`
+        seconds) from this model's directory; returns how many. Best effort, silent on errors."""
+        removed = 0
+        now = time.time()
+        for path in self.dir.glob(".layer_*.tmp*"):
+            try:
+                if path.is_file() and now - path.stat().st_mtime > max_age:
+                    path.unlink()
+                    removed += 1
+            except OSError:
+                continue
+        if removed:
+            logger.info("expert cache: removed %d temporary file(s) of interrupted saves", removed)
+        return removed
+
     def save(self, pool: CpuExpertPool, layer_idx: int, key: str) -> None:
-        """Best effort: a failure (disk full, permissions) is a warning, never an error."""
+        """Best effort: a failure (disk full, permissions) is a warning, never an error. The
+        first save of this cache also removes what interrupted saves left behind."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            if not self._swept:
+                self._swept = True
+                self.remove_stale_temps()
             pool.save_layer(layer_idx, self.layer_path(layer_idx), key)
             self.writes += 1
         except (OSError, RuntimeError, ValueError) as e:

@@ -5,13 +5,15 @@ every bad file (short, corrupted, stale key, wrong shape) is refused without har
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ext.cpu import CpuExpertPool, ExpertCache, default_cache_root
-from ext.cpu.cache import EXPERT_CACHE_ENV
+from ext.cpu.cache import EXPERT_CACHE_ENV, STALE_TEMP_SECONDS
 from ext.cpu.pool import check_layer_file
 
 CASES = [("bf16", 64), ("int8", 64), ("int4", 32), ("int4", 64)]
@@ -191,6 +193,32 @@ def test_cache_falls_back_with_a_warning(tmp_path: Path, caplog) -> None:
     assert not cache.check(1, key, (E, INTER, H))  # no file
     assert ExpertCache(tmp_path, "file:y", "int8", 64).dir != cache.dir
     assert ExpertCache(tmp_path, "file:x", "int4", 64).dir != cache.dir
+
+
+def test_first_save_removes_stale_temporary_files(tmp_path: Path) -> None:
+    """A process killed mid-save leaves a layer-sized temporary file (the pool's and the
+    extension's names): the next process's first save deletes those older than an hour and
+    keeps fresh ones (a save in progress, maybe of another host) and every layer file."""
+    w13, w2 = _layer()
+    cache = ExpertCache(tmp_path, "file:x", "int8", 64)
+    cache.dir.mkdir(parents=True)
+    old_names = [".layer_3.bin.4242.140.tmp", ".layer_3.bin.4242.140.tmp.tmp4242"]
+    for name in [*old_names, ".layer_5.bin.77.1.tmp", "layer_9.bin"]:
+        (cache.dir / name).write_bytes(b"x" * 100)
+    hour_ago = time.time() - 2 * STALE_TEMP_SECONDS
+    for name in [*old_names, "layer_9.bin"]:
+        os.utime(cache.dir / name, (hour_ago, hour_ago))
+    pool = CpuExpertPool(1)
+    pool.add_layer(0, w13, w2, "int8")
+    key = cache.layer_key(0, w13.shape, w2.shape, "file:torch.float32")
+    cache.save(pool, 0, key)
+    left = sorted(p.name for p in cache.dir.iterdir())
+    assert left == [".layer_5.bin.77.1.tmp", "layer_0.bin", "layer_9.bin"]
+    (cache.dir / old_names[0]).write_bytes(b"x")  # once per cache object: no sweep per layer
+    os.utime(cache.dir / old_names[0], (hour_ago, hour_ago))
+    cache.save(pool, 0, key)
+    assert (cache.dir / old_names[0]).exists()
+    assert cache.remove_stale_temps() == 1
 
 
 def test_default_root_from_environment(tmp_path: Path, monkeypatch) -> None:

@@ -59,13 +59,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-experts",
-        type=_count_arg(0),
+        type=count_arg(0),
         default=None,
         help="MoE experts per layer kept on the GPU (the most routed ones)",
     )
     parser.add_argument(
         "--cpu-threads",
-        type=_count_arg(1),
+        type=count_arg(1),
         default=None,
         help="threads of the CPU expert pool (default: cpus - 1; with the model on CUDA "
         "cpus - 2, and the server's other threads go to the cpus left)",
@@ -97,7 +97,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
-def _count_arg(least: int):  # noqa: ANN202
+def count_arg(least: int):  # noqa: ANN202
     def parse(value: str) -> int:
         try:
             n = int(value)

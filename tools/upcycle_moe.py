@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.engine_args import count_arg  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.hf_export import to_hf_config_dict  # noqa: E402
 
@@ -166,21 +167,11 @@ def upcycle(
     return out
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
-    return n
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out", type=Path, help="output directory")
     p.add_argument("--model", type=Path, default=None, help="dense .gguf or HF dir (default model)")
-    p.add_argument("--experts", type=_positive_int, default=8)
+    p.add_argument("--experts", type=count_arg(1), default=8)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     args = p.parse_args(argv)
     try:

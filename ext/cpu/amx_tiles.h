@@ -1,12 +1,14 @@
 // What the AMX units (kernels_amx.cpp: bf16, kernels_amx_int8.cpp: int8) share: the tile
-// configuration block (ldtilecfg's 64-byte operand), the one configuration both use and the L1
-// prefetch of their weight rows. Included only by those units, which build with the AMX flags.
+// configuration block (ldtilecfg's 64-byte operand), the one configuration both use, the L1
+// prefetch of their weight rows and the reading of their token thresholds from the environment.
+// Included only by those units, which build with the AMX flags.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace tandem_cpu {
@@ -39,6 +41,14 @@ static inline void prefetch_rows_l1(const void* a0, size_t ldw, int c, int chunk
   if (c >= chunks) return;
   for (int r = 0; r < 32; ++r)
     _mm_prefetch((const char*)a0 + r * ldw + (size_t)c * 64, _MM_HINT_T0);
+}
+
+// Tokens an expert from which a unit's tiles run: the positive int in env `name`, else
+// `fallback` (ext/cpu/pool.py refuses a bad value before any pool starts).
+static inline int min_tokens_from_env(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  const int t = v ? std::atoi(v) : 0;
+  return t > 0 ? t : fallback;
 }
 
 }  // namespace tandem_cpu

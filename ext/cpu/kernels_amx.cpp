@@ -9,8 +9,6 @@
 // reports AMX and the kernel granted XTILEDATA through arch_prctl.
 #include <immintrin.h>
 
-#include <cstdlib>
-
 #include "amx_tiles.h"
 #include "kernels.h"
 
@@ -144,11 +142,7 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
 }  // namespace
 
 KernelSet kernels_amx() {
-  static const int from_env = [] {
-    const char* v = std::getenv("TANDEM_AMX_BF16_MIN_TOKENS");
-    const int t = v ? std::atoi(v) : 0;
-    return t > 0 ? t : kAmxMinTokens;
-  }();
+  static const int from_env = min_tokens_from_env("TANDEM_AMX_BF16_MIN_TOKENS", kAmxMinTokens);
   min_tokens = from_env;
   return {"amx", prep_bytes, prep, gemm, nullptr, avx512_silu_mul};
 }

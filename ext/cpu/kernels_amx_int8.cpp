@@ -393,11 +393,8 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
 }  // namespace
 
 KernelSet kernels_amx_int8(int fmt) {
-  static const int min_tokens = [] {
-    const char* v = std::getenv("TANDEM_AMX_TILE_MIN_TOKENS");
-    const int t = v ? std::atoi(v) : 0;
-    return t > 0 ? t : kAmxTileMinTokens;
-  }();
+  static const int min_tokens =
+      min_tokens_from_env("TANDEM_AMX_TILE_MIN_TOKENS", kAmxTileMinTokens);
   tile_min_tokens = min_tokens;
   if (fmt == FMT_INT8)  // packed int8 rows only (ExpertPool::kernels_for)
     return {"amx-int8", row16_prep_bytes, row16_prep, row16_gemm, scratch_bytes, nullptr, true,

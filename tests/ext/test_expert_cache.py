@@ -248,8 +248,6 @@ def test_source_identity_covers_weights_and_config_only(tmp_path: Path) -> None:
     """A checkpoint directory's identity (the expert cache's key) changes with its weight files
     and config.json, not with its tokenizer or README: editing a chat template reconverted
     every layer and left the old entry on disk."""
-    import os
-
     from ext.cpu.cache import source_identity
 
     (tmp_path / "config.json").write_text("{}")

@@ -79,7 +79,7 @@ def time_call(fn, min_time: float, min_reps: int = 3) -> float:
     return statistics.median(times)
 
 
-PHASES = ("wake", "prep_x", "gate_up", "silu", "prep_act", "down", "reduce")
+PHASES = ("wake", "prep_x", "gate_up", "silu", "prep_act", "down", "reduce", "stall")
 
 
 def phase_row(stats: dict) -> dict[str, float]:

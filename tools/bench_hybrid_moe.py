@@ -397,7 +397,7 @@ def _pool(runner: Runner):
 
 def _phases_per_call(ph: dict) -> dict[str, float]:
     """The pool's phase counters as microseconds per call: route (caller), job (submit to
-    last worker done), and per phase worker 0's wall time (barrier waits included)."""
+    last worker done), and per phase worker 0's wall time (ext/cpu/moe.h: Phase)."""
     calls = max(int(ph.get("calls", 0)) or 1, 1)
     out = {"calls": calls, "route": ph["route_ns"] / calls / 1e3, "job": ph["job_ns"] / calls / 1e3}
     for name, ns in ph["wall_ns"].items():

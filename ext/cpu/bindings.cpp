@@ -164,7 +164,7 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def("phase_stats",
            [](const ExpertPool& p) {
              static const char* names[tandem_cpu::kNumPhases] = {
-                 "wake", "prep_x", "gate_up", "silu", "prep_act", "down", "reduce"};
+                 "wake", "prep_x", "gate_up", "silu", "prep_act", "down", "reduce", "stall"};
              const auto s = p.phase_stats();
              py::dict d, wall, busy;
              for (int i = 0; i < tandem_cpu::kNumPhases; ++i) {

@@ -725,7 +725,16 @@ void ExpertPool::submit(int layer_idx, const float* hidden, const void* ids, boo
   for (size_t n = 0; n < node_state_.size(); ++n) {
     NodeState& ns = *node_state_[n];
     const Shard& sh = L->shards[n];
-    ns.prep_x = ns.gate_up = ns.prep_a = ns.down = ns.barrier = 0;
+    ns.next = 0;
+    if (ns.sync_size < na) {
+      ns.sync.reset(new ExpertSync[na]);
+      ns.sync_size = na;
+    }
+    for (int a = 0; a < na; ++a) {
+      ns.sync[a].x.store(0, std::memory_order_relaxed);
+      ns.sync[a].gu.store(0, std::memory_order_relaxed);
+      ns.sync[a].a.store(0, std::memory_order_relaxed);
+    }
     ns.x_off.resize(na + 1);
     ns.a_off.resize(na + 1);
     ns.x_off[0] = ns.a_off[0] = 0;
@@ -822,68 +831,81 @@ void ExpertPool::run_step(int worker) {
   };
   thread_local std::vector<const float*> rows;
   if (Is > 0) {
-    // Phase 0: this node's copy of every active expert's tokens, in the kernel's layout.
-    for (int a; (a = ns.prep_x.fetch_add(1)) < na;) {
-      if (!scratch) continue;
+    // The node's work items, taken in this order from one counter (ns.next):
+    //   P(a): expert a's tokens in its kernel's layout (xprep);
+    //   G(a, b): gate/up rows [32 b, 32 b + 32) of expert a (32 + 32 per item), then SiLU * up;
+    //            the last of an expert's G items to finish also lays out its activations (aprep);
+    //   D(a, h): down rows [64 h, 64 h + 64) of expert a.
+    // Order: P(0..lead-1), then per expert a: P(a + lead), G(a, *); then every D. Each item
+    // waits (spins) only for its own expert's inputs, which sit earlier in the order, so the
+    // preps of later experts run while other workers stream weights, and no phase waits for
+    // the slowest worker of the one before. lead = the node's workers: one prep each at first.
+    const size_t rb13 = row_bytes(fmt, Hp), rb2 = row_bytes(fmt, Is);
+    const int spr13 = scales_per_row(fmt, Hp, L.group), spr2 = scales_per_row(fmt, Is, L.group);
+    const int nb1 = Is / 32, nb2 = Hp / kRowBlock;
+    const int lead = std::min(na, nt), mid = na - lead;  // experts whose G block carries a P
+    const int n_pg = lead + mid * (nb1 + 1) + lead * nb1, n_items = n_pg + na * nb2;
+    ExpertSync* es = ns.sync.get();
+    int64_t ns_in[kNumPhases] = {};  // this worker's busy time per phase (added once, at the end)
+    uint64_t int_items = 0, items = 0;
+    bool in_down = false;
+    auto wait_for = [&](const std::atomic<int>& flag) {
+      if (flag.load(std::memory_order_acquire)) return;
+      const int64_t t0 = mono_ns();
+      spin_until(flag, 1);
+      ns_in[PH_STALL] += mono_ns() - t0;
+    };
+    auto prep_x = [&](int a) {
+      const int64_t t0 = mono_ns();
       rows.resize(count_[a]);
       for (int p = 0; p < count_[a]; ++p) rows[p] = hidden_ + (size_t)pair_token_[first_[a] + p] * H;
       kernels_for(a).prep(rows.data(), H, Hp, count_[a], ns.xprep.data() + ns.x_off[a]);
-    }
-    busy(PH_PREP_X);
-    ns.barrier.fetch_add(1);
-    spin_until(ns.barrier, nt);
-    wall(PH_PREP_X);
-    // Phase 1: gate and up rows, 32 + 32 per item, then SiLU(gate) * up.
-    const size_t rb13 = row_bytes(fmt, Hp);
-    const int spr13 = scales_per_row(fmt, Hp, L.group), nb1 = Is / 32;
-    int64_t silu_ns = 0;
-    uint64_t int_items = 0, items = 0;
-    for (int i; (i = ns.gate_up.fetch_add(1)) < na * nb1;) {
-      if (!scratch) continue;
-      const int a = i / nb1, b = i % nb1, e = active_[a], n = count_[a];
-      const WeightView w = view_for(
-          a,
-          {fmt, sh.w13 + e * sh.w13_expert + (size_t)b * 64 * rb13, rb13,
-           sh.s13 + e * sh.s13_expert + (size_t)b * 64 * spr13, L.group, L.packed},
-          Hp);
-      kernels_for(a).gemm(w, kRowBlock, Hp, ns.xprep.data() + ns.x_off[a], n, C, kRowBlock,
-                          kscratch);
-      ++items;
-      int_items += use_int_[a];
-      const int64_t t_silu = mono_ns();
-      for (int p = 0; p < n; ++p) {
-        const float* c = C + (size_t)p * kRowBlock;
-        float* dst = ns.act.data() + (size_t)(first_[a] + p) * Is + b * 32;
-        if (kernels_.silu_mul) {
-          kernels_.silu_mul(c, c + 32, dst, 32);
-        } else {
-          for (int j = 0; j < 32; ++j) dst[j] = c[j] / (1.f + std::exp(-c[j])) * c[32 + j];
-        }
-      }
-      silu_ns += mono_ns() - t_silu;
-    }
-    ph_busy_[PH_GATE_UP].fetch_add(mono_ns() - t_mark - silu_ns, std::memory_order_relaxed);
-    ph_busy_[PH_SILU].fetch_add(silu_ns, std::memory_order_relaxed);
-    ns.barrier.fetch_add(1);
-    spin_until(ns.barrier, 2 * nt);
-    wall(PH_GATE_UP);
-    // Phase 1b: the intermediate activations in the kernel's layout.
-    for (int a; (a = ns.prep_a.fetch_add(1)) < na;) {
-      if (!scratch) continue;
+      es[a].x.store(1, std::memory_order_release);
+      ns_in[PH_PREP_X] += mono_ns() - t0;
+    };
+    auto prep_act = [&](int a) {
+      const int64_t t0 = mono_ns();
       rows.resize(count_[a]);
       for (int p = 0; p < count_[a]; ++p) rows[p] = ns.act.data() + (size_t)(first_[a] + p) * Is;
       kernels_for(a).prep(rows.data(), Is, Is, count_[a], ns.aprep.data() + ns.a_off[a]);
-    }
-    busy(PH_PREP_ACT);
-    ns.barrier.fetch_add(1);
-    spin_until(ns.barrier, 3 * nt);
-    wall(PH_PREP_ACT);
-    // Phase 2: down projection, 64 output rows per item, into per-(token, slot) rows.
-    const size_t rb2 = row_bytes(fmt, Is);
-    const int spr2 = scales_per_row(fmt, Is, L.group), nb2 = Hp / kRowBlock;
-    for (int i; (i = ns.down.fetch_add(1)) < na * nb2;) {
-      if (!scratch) continue;
-      const int a = i / nb2, hb = i % nb2, e = active_[a], n = count_[a];
+      es[a].a.store(1, std::memory_order_release);
+      ns_in[PH_PREP_ACT] += mono_ns() - t0;
+    };
+    auto gate_up = [&](int a, int b) {
+      const int e = active_[a], n = count_[a];
+      wait_for(es[a].x);
+      if (scratch) {
+        const int64_t t0 = mono_ns();
+        const WeightView w = view_for(
+            a,
+            {fmt, sh.w13 + e * sh.w13_expert + (size_t)b * 64 * rb13, rb13,
+             sh.s13 + e * sh.s13_expert + (size_t)b * 64 * spr13, L.group, L.packed},
+            Hp);
+        kernels_for(a).gemm(w, kRowBlock, Hp, ns.xprep.data() + ns.x_off[a], n, C, kRowBlock,
+                            kscratch);
+        ++items;
+        int_items += use_int_[a];
+        const int64_t t_silu = mono_ns();
+        for (int p = 0; p < n; ++p) {
+          const float* c = C + (size_t)p * kRowBlock;
+          float* dst = ns.act.data() + (size_t)(first_[a] + p) * Is + b * 32;
+          if (kernels_.silu_mul) {
+            kernels_.silu_mul(c, c + 32, dst, 32);
+          } else {
+            for (int j = 0; j < 32; ++j) dst[j] = c[j] / (1.f + std::exp(-c[j])) * c[32 + j];
+          }
+        }
+        ns_in[PH_SILU] += mono_ns() - t_silu;
+        ns_in[PH_GATE_UP] += t_silu - t0;
+      }
+      // The last of the expert's G items (acq_rel: it sees the others' act rows) preps them.
+      if (es[a].gu.fetch_add(1, std::memory_order_acq_rel) + 1 == nb1) prep_act(a);
+    };
+    auto down = [&](int a, int hb) {
+      const int e = active_[a], n = count_[a];
+      wait_for(es[a].a);
+      if (!scratch) return;
+      const int64_t t0 = mono_ns();
       const WeightView w = view_for(
           a,
           {fmt, sh.w2 + e * sh.w2_expert + (size_t)hb * kRowBlock * rb2, rb2,
@@ -896,10 +918,36 @@ void ExpertPool::run_step(int worker) {
       for (int p = 0; p < n; ++p)
         std::memcpy(ns.y.data() + (size_t)pair_slot_[first_[a] + p] * Hp + hb * kRowBlock,
                     C + (size_t)p * kRowBlock, sizeof(float) * kRowBlock);
+      ns_in[PH_DOWN] += mono_ns() - t0;
+    };
+    for (int i; (i = ns.next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      if (i < lead) {
+        prep_x(i);
+        continue;
+      }
+      if (i >= n_pg) {
+        if (!in_down) {
+          in_down = true;
+          wall(PH_GATE_UP);
+        }
+        down((i - n_pg) / nb2, (i - n_pg) % nb2);
+        continue;
+      }
+      const int j = i - lead;
+      if (j < mid * (nb1 + 1)) {
+        const int a = j / (nb1 + 1), r = j % (nb1 + 1);
+        if (r == 0) prep_x(a + lead);
+        else gate_up(a, r - 1);
+      } else {
+        const int j2 = j - mid * (nb1 + 1);
+        gate_up(mid + j2 / nb1, j2 % nb1);
+      }
     }
+    if (!in_down) wall(PH_GATE_UP);
+    for (int ph = 0; ph < kNumPhases; ++ph)
+      if (ns_in[ph]) ph_busy_[ph].fetch_add(ns_in[ph], std::memory_order_relaxed);
     ph_int_items_.fetch_add(int_items, std::memory_order_relaxed);
     ph_float_items_.fetch_add(items - int_items, std::memory_order_relaxed);
-    busy(PH_DOWN);
   }
   global_barrier_.fetch_add(1);
   spin_until(global_barrier_, workers_->size());

@@ -53,10 +53,13 @@ struct StreamStats {
 };
 
 // Where submit's time goes, summed over calls since the last reset. Always on: a few clock reads
-// per worker and phase. Phases in run order. wall: worker 0's view, from the end of the previous
-// phase (its barrier) to the end of this one, so waiting for the slowest worker counts here;
-// PH_WAKE is submit's start_job -> worker 0 running. busy: summed over workers, work only (no
-// barrier); PH_SILU is SiLU(gate) * up inside PH_GATE_UP (its wall stays 0).
+// per worker and work item. The work items of a node run as one stream (run_step): each expert's
+// token prep, gate/up, activation prep and down wait only for that expert's own inputs, so the
+// preps overlap other experts' weight reads. busy: summed over workers, work only; PH_SILU is
+// SiLU(gate) * up inside PH_GATE_UP, PH_STALL the time workers spun waiting for an expert's
+// inputs. wall: worker 0's view: PH_WAKE is submit's start_job -> worker 0 running, PH_GATE_UP
+// from then to its first down item (token preps, gate/up and activation preps), PH_DOWN from
+// there to the end of every node's down items, PH_REDUCE the weighted sum; the other walls stay 0.
 enum Phase : int {
   PH_WAKE = 0,
   PH_PREP_X,    // hidden rows -> each kernel's activation layout
@@ -65,6 +68,7 @@ enum Phase : int {
   PH_PREP_ACT,  // intermediate activations -> kernel layout
   PH_DOWN,      // down projection
   PH_REDUCE,    // weighted sum over slots (and nodes)
+  PH_STALL,     // waiting for an expert's prepared inputs
   kNumPhases
 };
 
@@ -191,8 +195,16 @@ class ExpertPool {
   std::vector<int> layer_ids() const;
 
  private:
+  // Readiness of one active expert's data on one node (its own cache line).
+  struct alignas(64) ExpertSync {
+    std::atomic<int> x{0};   // 1: its tokens are prepared (xprep)
+    std::atomic<int> gu{0};  // gate/up work items done
+    std::atomic<int> a{0};   // 1: its activations are prepared (aprep)
+  };
   struct NodeState {
-    std::atomic<int> prep_x{0}, gate_up{0}, prep_a{0}, down{0}, barrier{0};
+    std::atomic<int> next{0};  // the node's next work item (run_step: item order)
+    std::unique_ptr<ExpertSync[]> sync;
+    int sync_size = 0;
     std::vector<size_t> x_off, a_off;  // per active expert, bytes into xprep / aprep
     std::vector<uint8_t> xprep, aprep;
     std::vector<float> act;            // [routed pairs][Is] SiLU(gate) * up

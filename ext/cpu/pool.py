@@ -648,10 +648,13 @@ class CpuExpertPool:
     def phase_stats(self) -> dict[str, Any]:
         """Where the calls' time went since the last `reset_phase_stats` (ns, summed over
         calls): route_ns (submit on the caller), job_ns (submit to last worker done), wall_ns
-        per phase (worker 0's view, barriers included) and busy_ns per phase (summed over
-        workers); phases: wake, prep_x, gate_up, silu (busy only, inside gate_up), prep_act,
-        down, reduce. int_experts / float_experts and int_items / float_items count which path
-        the experts and gemm work items took."""
+        per phase (worker 0's view) and busy_ns per phase (summed over workers); phases: wake,
+        prep_x, gate_up, silu (inside gate_up), prep_act, down, reduce, stall (workers waiting
+        for an expert's prepared inputs). The preps overlap other experts' gate/up work, so
+        their walls stay 0: gate_up's wall runs from the wake to worker 0's first down item,
+        down's to the end of every down item (ext/cpu/moe.h: Phase). int_experts /
+        float_experts and int_items / float_items count which path the experts and gemm work
+        items took."""
         return dict(self._live().phase_stats())
 
     def reset_phase_stats(self) -> None:

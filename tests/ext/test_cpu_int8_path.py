@@ -236,6 +236,14 @@ def test_phase_stats_account_for_the_call():
         assert s["calls"] == 3 and s["tokens"] == 96
         assert s["pairs"] == 3 * int((ids >= 0).sum())
         assert s["job_ns"] > 0 and s["busy_ns"]["gate_up"] > 0 and s["busy_ns"]["down"] > 0
+        assert (
+            set(s["busy_ns"])
+            == set(s["wall_ns"])
+            == {"wake", "prep_x", "gate_up", "silu", "prep_act", "down", "reduce", "stall"}
+        )
+        assert s["busy_ns"]["prep_x"] > 0 and s["busy_ns"]["prep_act"] > 0
+        # the preps overlap gate/up (one stream of work items): no wall of their own
+        assert s["wall_ns"]["prep_x"] == s["wall_ns"]["prep_act"] == 0
         walls = sum(s["wall_ns"].values())
         assert 0 < walls <= s["job_ns"] * 1.05 + 1e6  # phases of worker 0 fit in the job
         pool.reset_phase_stats()

@@ -181,6 +181,35 @@ def test_routing_edge_cases(pools, isa):
     assert empty.shape == (0, H)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_output_does_not_depend_on_the_thread_count(isa, fmt):
+    # A node's workers take its work items (token preps, gate/up, activation preps, down) from
+    # one stream, each waiting only for its own expert's inputs (ext/cpu/moe.cpp: run_step).
+    # Which worker runs an item must not change a bit of the result: more workers than experts
+    # (1 token), than cores (7 on the 2-core CI machine), one worker, two pretend NUMA nodes.
+    E, inter, H = 12, 96, 192
+    w13, w2 = make_layer(E, inter, H, seed=41)
+    calls = [make_inputs(T, H, E, k, seed=T) for T, k in ((1, 2), (3, 4), (20, 6), (70, 3))]
+    skipped = make_inputs(4, H, E, 2, seed=5)
+    skipped[1].fill_(-1)  # every slot skipped: zero output
+    for split in (0, 2):
+        outs = []
+        for threads in (1, 3, 7):
+            if split and threads < split:
+                continue
+            with CpuExpertPool(num_threads=threads, isa=isa, split_nodes=split) as pool:
+                pool.add_layer(0, w13, w2, fmt, 32)
+                outs.append([pool.forward(0, *c) for c in calls])
+                assert pool.forward(0, *skipped).abs().max().item() == 0.0
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for (hidden, ids, weights), out in zip(calls, outs[0], strict=True):
+            ref = moe_reference(hidden, quantize(w13, fmt, 32), quantize(w2, fmt, 32), ids, weights)
+            assert rel_err(out, ref) < tol(isa, fmt)
+
+
 def test_submit_returns_and_sync_waits(pools):
     isa = ISAS[-1]
     pool = pools(isa)

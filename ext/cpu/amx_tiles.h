@@ -33,6 +33,22 @@ static inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// The bf16 unit's configuration for token blocks of w0 and w1 tokens (1-16): C tiles 0 and 2
+// and B tile 6 are w0 tokens wide (4 * w0 bytes a row), C tiles 1 and 3 and B tile 7 w1; the A
+// tiles 4-5 16 rows x 64 bytes. Narrow blocks let an expert with few tokens load only its own
+// tokens' columns (kernels_amx.cpp).
+static inline void configure_tiles_n(int w0, int w1) {
+  AmxTileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    const int w = t == 0 || t == 2 || t == 6 ? w0 : t == 1 || t == 3 || t == 7 ? w1 : 16;
+    cfg.colsb[t] = (uint16_t)(4 * w);
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
 // Chunk c (64 bytes of each row) of the 32 rows from a0 (ldw apart) to L1, one chunk ahead of
 // their tile loads, which otherwise wait on L2 or memory line by line. (Software prefetches of
 // the next rows to L2 cost 10-25% against the hardware's own streaming: tools/amx_stream_bench.cpp,

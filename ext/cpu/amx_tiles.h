@@ -11,6 +11,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#ifdef TANDEM_AMX_EMULATE
+#include "amx_emulate.h"  // tests on CPUs without AMX (ext/cpu/build.py)
+#endif
+
 namespace tandem_cpu {
 
 struct alignas(64) AmxTileConfig {

@@ -26,6 +26,11 @@ StreamJob* job_of(const ExpertPool& p, uintptr_t handle) {
 PYBIND11_MODULE(_tandem_cpu, m) {
   m.doc() = "Tandem CPU expert pool (C++17)";
   m.def("supported_isas", &tandem_cpu::supported_isas);
+#ifdef TANDEM_AMX_EMULATE
+  m.attr("amx_emulated") = true;  // "amx" runs tiles in software (ext/cpu/amx_emulate.h)
+#else
+  m.attr("amx_emulated") = false;
+#endif
   m.def("cuda_driver_error", &tandem_cpu::cuda_driver_error);
   m.def("cuda_memops_error", &tandem_cpu::cuda_memops_error);
   m.def("check_layer_file", &tandem_cpu::check_layer_file,

@@ -68,6 +68,7 @@ LINEAR_UNITS = {
     "TANDEM_HAVE_AVX512": ("linear_avx512.cpp", AVX512_FLAGS),
 }
 HEADERS = [
+    "amx_emulate.h",
     "amx_tiles.h",
     "kernels.h",
     "isa.h",
@@ -78,6 +79,16 @@ HEADERS = [
     "simd_avx512.h",
     "simd_q8.h",
 ]
+
+
+# TANDEM_CPU_AMX_EMULATE=1: a separate build whose "amx" ISA runs the AMX units with tiles in
+# software (amx_emulate.h) on any CPU with the AVX-512 path, so tests exercise the AMX kernels'
+# logic (tile shapes, layouts, thresholds) on machines without AMX. Slow; tests only.
+EMULATE_ENV = "TANDEM_CPU_AMX_EMULATE"
+
+
+def _emulate_flags() -> list[str]:
+    return ["-DTANDEM_AMX_EMULATE"] if os.environ.get(EMULATE_ENV) == "1" else []
 
 
 class CpuExtensionError(RuntimeError):
@@ -130,6 +141,7 @@ def _build_key(cxx: str) -> str:
         h.update((SRC_DIR / name).read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     flags = [BASE_FLAGS, AVX2_FLAGS, AVX512_FLAGS, VNNI_FLAGS, AMX_FLAGS, UNIT_NEEDS]
+    flags.append(_emulate_flags())
     for part in (
         version,
         repr(flags),
@@ -151,7 +163,7 @@ def _run(cmd: list[str]) -> None:
 
 def _build(cxx: str, target: Path) -> list[str]:
     """Compiles every unit into target; returns the ISA units left out and why."""
-    includes = [f"-I{d}" for d in _include_dirs()]
+    includes = [f"-I{d}" for d in _include_dirs()] + _emulate_flags()
     skipped: list[str] = []
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects: list[str] = []

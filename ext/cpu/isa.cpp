@@ -57,6 +57,11 @@ CpuCaps probe() {
   caps.avx512 = caps.avx2 && os_avx512 && avx512f && avx512bw && avx512vl && avx512vnni && avx512bf16;
   caps.vnni = os_avx512 && avx512f && avx512bw && avx512vl && avx512vnni;
   caps.amx = caps.avx512 && os_amx && amx_tile && amx_bf16 && amx_int8 && request_amx_permission();
+#ifdef TANDEM_AMX_EMULATE
+  // Emulated tiles (ext/cpu/amx_emulate.h; tests): the AMX units' other code is AVX-512.
+  (void)os_amx;
+  caps.amx = caps.avx512;
+#endif
 #endif
 #ifndef TANDEM_HAVE_AVX2
   caps.avx2 = false;

@@ -788,6 +788,9 @@ uint8_t* ExpertPool::scratch_for(int worker, size_t bytes) {
   return buf.data();
 }
 
+// run_step: a worker's run of consecutive items is 1/(kClaimDiv * workers) of those left.
+constexpr int kClaimDiv = 4;
+
 void ExpertPool::run_step(int worker) {
   int64_t t_mark = mono_ns();  // end of the last phase, for wall (worker 0) and busy times
   const bool timer = worker == 0;
@@ -831,20 +834,22 @@ void ExpertPool::run_step(int worker) {
   };
   thread_local std::vector<const float*> rows;
   if (Is > 0) {
-    // The node's work items, taken in this order from one counter (ns.next):
-    //   P(a): expert a's tokens in its kernel's layout (xprep);
+    // The node's work items, in this order on one counter (ns.next):
+    //   P(a): expert a's tokens in its kernel's layout (xprep), for every expert first;
     //   G(a, b): gate/up rows [32 b, 32 b + 32) of expert a (32 + 32 per item), then SiLU * up;
     //            the last of an expert's G items to finish also lays out its activations (aprep);
     //   D(a, h): down rows [64 h, 64 h + 64) of expert a.
-    // Order: P(0..lead-1), then per expert a: P(a + lead), G(a, *); then every D. Each item
-    // waits (spins) only for its own expert's inputs, which sit earlier in the order, so the
-    // preps of later experts run while other workers stream weights, and no phase waits for
-    // the slowest worker of the one before. lead = the node's workers: one prep each at first.
+    // Each item waits (spins) only for its own expert's inputs, which sit earlier in the order,
+    // so no phase waits for the slowest worker of the one before, and the preps overlap weight
+    // reads. A worker takes the P items one at a time, then runs of consecutive items, a
+    // 1/(kClaimDiv * workers) share of what is left (at least 1): early runs span several
+    // experts, whose prepared tokens then stay in the worker's own caches for all their items
+    // instead of crossing between cores item by item; the last runs are single items, so
+    // workers still finish together.
     const size_t rb13 = row_bytes(fmt, Hp), rb2 = row_bytes(fmt, Is);
     const int spr13 = scales_per_row(fmt, Hp, L.group), spr2 = scales_per_row(fmt, Is, L.group);
     const int nb1 = Is / 32, nb2 = Hp / kRowBlock;
-    const int lead = std::min(na, nt), mid = na - lead;  // experts whose G block carries a P
-    const int n_pg = lead + mid * (nb1 + 1) + lead * nb1, n_items = n_pg + na * nb2;
+    const int n_pg = na + na * nb1, n_items = n_pg + na * nb2;
     ExpertSync* es = ns.sync.get();
     int64_t ns_in[kNumPhases] = {};  // this worker's busy time per phase (added once, at the end)
     uint64_t int_items = 0, items = 0;
@@ -920,28 +925,24 @@ void ExpertPool::run_step(int worker) {
                     C + (size_t)p * kRowBlock, sizeof(float) * kRowBlock);
       ns_in[PH_DOWN] += mono_ns() - t0;
     };
-    for (int i; (i = ns.next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
-      if (i < lead) {
+    auto run_item = [&](int i) {
+      if (i < na) {
         prep_x(i);
-        continue;
-      }
-      if (i >= n_pg) {
+      } else if (i < n_pg) {
+        gate_up((i - na) / nb1, (i - na) % nb1);
+      } else {
         if (!in_down) {
           in_down = true;
           wall(PH_GATE_UP);
         }
         down((i - n_pg) / nb2, (i - n_pg) % nb2);
-        continue;
       }
-      const int j = i - lead;
-      if (j < mid * (nb1 + 1)) {
-        const int a = j / (nb1 + 1), r = j % (nb1 + 1);
-        if (r == 0) prep_x(a + lead);
-        else gate_up(a, r - 1);
-      } else {
-        const int j2 = j - mid * (nb1 + 1);
-        gate_up(mid + j2 / nb1, j2 % nb1);
-      }
+    };
+    for (int cur = ns.next.load(std::memory_order_relaxed); cur < n_items;) {
+      const int take = cur < na ? 1 : std::max(1, (n_items - cur) / (kClaimDiv * nt));
+      if (!ns.next.compare_exchange_weak(cur, cur + take, std::memory_order_relaxed)) continue;
+      for (int i = cur; i < cur + take && i < n_items; ++i) run_item(i);
+      cur = ns.next.load(std::memory_order_relaxed);
     }
     if (!in_down) wall(PH_GATE_UP);
     for (int ph = 0; ph < kNumPhases; ++ph)

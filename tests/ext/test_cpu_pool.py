@@ -210,6 +210,70 @@ def test_output_does_not_depend_on_the_thread_count(isa, fmt):
             assert rel_err(out, ref) < tol(isa, fmt)
 
 
+# Layers of the stress below: (layer, E, inter, H, fmt). inter 64 is one 64-column chunk, so
+# with two pretend nodes one node's shard is empty (Is == 0); inter <= 128 keeps the shards the
+# same for every thread count, so outputs compare bit for bit. E 40 grows the per-expert sync
+# arrays (ext/cpu/moe.h: ExpertSync) that E 6 then reuses.
+STRESS_LAYERS = ((0, 6, 64, 72, "bf16"), (1, 40, 96, 64, "int4"), (2, 16, 128, 130, "int8"))
+
+
+def _stress_calls(n: int, seed: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """n calls over STRESS_LAYERS: 1-50 tokens, top-1..8, some with most tokens on 1-2 experts
+    (long runs of one expert's items), some with a quarter or all of their slots skipped."""
+    rng = random.Random(seed)
+    calls = []
+    for i in range(n):
+        layer, E, _, H, _ = STRESS_LAYERS[rng.randrange(len(STRESS_LAYERS))]
+        T, k = rng.choice((1, 2, 5, 17, 33, 50)), rng.randint(1, min(8, E))
+        hidden, ids, weights = make_inputs(T, H, E, k, seed=seed * 1000 + i)
+        if rng.random() < 0.3:
+            ids %= rng.randint(1, 2)
+        ids[
+            torch.rand(T, k, generator=torch.Generator().manual_seed(i)) < rng.choice((0, 0.25, 1))
+        ] = -1
+        calls.append((layer, hidden, ids, weights))
+    return calls
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_back_to_back_submits_do_not_depend_on_the_thread_count(isa):
+    """Submits with no sync between them (each waits for the last, then resets the node's work
+    counter and expert flags: ext/cpu/moe.cpp), alternating layers of 6-40 experts, an empty
+    node shard, skipped and all-skipped calls; workers that sleep between jobs (spin_us 0) or
+    spin, up to 16 on the 2-core CI machine. Every output row is written (NaN before) and equal,
+    bit for bit, to the fewest-workers pool's, which matches the reference."""
+    weights = {
+        layer: make_layer(E, inter, H, seed=layer) for layer, E, inter, H, _ in STRESS_LAYERS
+    }
+    calls = _stress_calls(30 if isa == "amx" else 60, seed=3)
+
+    def run(threads: int, split: int, spin_us: int) -> list[torch.Tensor]:
+        with CpuExpertPool(num_threads=threads, isa=isa, split_nodes=split) as pool:
+            pool.spin_us = spin_us
+            for layer, _, _, _, fmt in STRESS_LAYERS:
+                pool.add_layer(layer, *weights[layer], fmt, 32)
+            outs = [torch.full_like(hidden, float("nan")) for _, hidden, _, _ in calls]
+            for (layer, hidden, ids, w), out in zip(calls, outs, strict=True):
+                pool.submit(layer, hidden, ids, w, out)
+            pool.sync()
+        return outs
+
+    for split, (first, *others) in (
+        (0, [(1, 200), (3, 0), (16, 200)]),
+        (2, [(2, 200), (5, 0), (16, 0)]),
+    ):
+        ref = run(first[0], split, first[1])
+        for (layer, hidden, ids, w), out in zip(calls, ref, strict=True):
+            fmt = STRESS_LAYERS[layer][4]
+            w13, w2 = (quantize(t, fmt, 32) for t in weights[layer])
+            assert out[(ids < 0).all(dim=1)].abs().sum().item() == 0.0
+            if (ids >= 0).any():
+                assert rel_err(out, moe_reference(hidden, w13, w2, ids, w)) < tol(isa, fmt)
+        for threads, spin_us in others:
+            for i, (a, b) in enumerate(zip(ref, run(threads, split, spin_us), strict=True)):
+                assert torch.equal(a, b), (split, threads, spin_us, i)
+
+
 def test_submit_returns_and_sync_waits(pools):
     isa = ISAS[-1]
     pool = pools(isa)

@@ -1,5 +1,5 @@
 // What the AMX units (kernels_amx.cpp: bf16, kernels_amx_int8.cpp: int8) share: the tile
-// configuration block (ldtilecfg's 64-byte operand), the one configuration both use, the L1
+// configuration block (ldtilecfg's 64-byte operand), the configurations they load, the L1
 // prefetch of their weight rows and the reading of their token thresholds from the environment.
 // Included only by those units, which build with the AMX flags.
 #pragma once
@@ -25,18 +25,6 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16];
 };
 
-// All 8 tiles 16 rows x 64 bytes.
-static inline void configure_tiles() {
-  AmxTileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 // The bf16 unit's configuration for token blocks of w0 and w1 tokens (1-16): C tiles 0 and 2
 // and B tile 6 are w0 tokens wide (4 * w0 bytes a row), C tiles 1 and 3 and B tile 7 w1; the A
 // tiles 4-5 16 rows x 64 bytes. Narrow blocks let an expert with few tokens load only its own
@@ -52,6 +40,9 @@ static inline void configure_tiles_n(int w0, int w1) {
   }
   _tile_loadconfig(&cfg);
 }
+
+// All 8 tiles 16 rows x 64 bytes (the int8 unit's one configuration).
+static inline void configure_tiles() { configure_tiles_n(16, 16); }
 
 // Chunk c (64 bytes of each row) of the 32 rows from a0 (ldw apart) to L1, one chunk ahead of
 // their tile loads, which otherwise wait on L2 or memory line by line. (Software prefetches of

@@ -941,7 +941,7 @@ void ExpertPool::run_step(int worker) {
     for (int cur = ns.next.load(std::memory_order_relaxed); cur < n_items;) {
       const int take = cur < na ? 1 : std::max(1, (n_items - cur) / (kClaimDiv * nt));
       if (!ns.next.compare_exchange_weak(cur, cur + take, std::memory_order_relaxed)) continue;
-      for (int i = cur; i < cur + take && i < n_items; ++i) run_item(i);
+      for (int i = cur; i < cur + take; ++i) run_item(i);  // take <= n_items - cur
       cur = ns.next.load(std::memory_order_relaxed);
     }
     if (!in_down) wall(PH_GATE_UP);

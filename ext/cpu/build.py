@@ -163,7 +163,8 @@ def _run(cmd: list[str]) -> None:
 
 def _build(cxx: str, target: Path) -> list[str]:
     """Compiles every unit into target; returns the ISA units left out and why."""
-    includes = [f"-I{d}" for d in _include_dirs()] + _emulate_flags()
+    # every unit: the include dirs, and the emulation define of an emulated build
+    common = [f"-I{d}" for d in _include_dirs()] + _emulate_flags()
     skipped: list[str] = []
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects: list[str] = []
@@ -182,7 +183,7 @@ def _build(cxx: str, target: Path) -> list[str]:
                             *BASE_FLAGS,
                             *flags,
                             *defines,
-                            *includes,
+                            *common,
                             "-c",
                             str(SRC_DIR / src),
                             "-o",
@@ -193,7 +194,7 @@ def _build(cxx: str, target: Path) -> list[str]:
                         lsrc, lflags = LINEAR_UNITS[define]
                         lobj = os.path.join(tmp, lsrc + ".o")
                         _run(
-                            [cxx, *BASE_FLAGS, *lflags, *includes, "-c", str(SRC_DIR / lsrc)]
+                            [cxx, *BASE_FLAGS, *lflags, *common, "-c", str(SRC_DIR / lsrc)]
                             + ["-o", lobj]
                         )
                         objects.append(lobj)
@@ -204,9 +205,7 @@ def _build(cxx: str, target: Path) -> list[str]:
                 defines.append(f"-D{define}")
         for src, flags, _ in CORE_UNITS:
             obj = os.path.join(tmp, src + ".o")
-            _run(
-                [cxx, *BASE_FLAGS, *flags, *defines, *includes, "-c", str(SRC_DIR / src), "-o", obj]
-            )
+            _run([cxx, *BASE_FLAGS, *flags, *defines, *common, "-c", str(SRC_DIR / src), "-o", obj])
             objects.append(obj)
         out = os.path.join(tmp, target.name)
         # -ldl: dlopen of libcuda at run time (ext/cpu/stream.cpp); no CUDA library is linked.

@@ -59,7 +59,6 @@ CpuCaps probe() {
   caps.amx = caps.avx512 && os_amx && amx_tile && amx_bf16 && amx_int8 && request_amx_permission();
 #ifdef TANDEM_AMX_EMULATE
   // Emulated tiles (ext/cpu/amx_emulate.h; tests): the AMX units' other code is AVX-512.
-  (void)os_amx;
   caps.amx = caps.avx512;
 #endif
 #endif

@@ -25,6 +25,18 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16];
 };
 
+// ldtilecfg of the whole 64-byte block. GCC's _tile_loadconfig declares its operand as one
+// pointer-sized object, so the compiler may treat the stores of colsb/rows as dead and drop them
+// (seen with GCC 12: an all-zero colsb, and ldtilecfg faults with #GP on real AMX); here the
+// operand is the block itself. The emulator keeps its own definition.
+static inline void load_tile_config(const AmxTileConfig& cfg) {
+#ifdef TANDEM_AMX_EMULATE
+  _tile_loadconfig(&cfg);
+#else
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+#endif
+}
+
 // The bf16 unit's configuration for token blocks of w0 and w1 tokens (1-16): C tiles 0 and 2
 // and B tile 6 are w0 tokens wide (4 * w0 bytes a row), C tiles 1 and 3 and B tile 7 w1; the A
 // tiles 4-5 16 rows x 64 bytes. Narrow blocks let an expert with few tokens load only its own
@@ -38,7 +50,7 @@ static inline void configure_tiles_n(int w0, int w1) {
     cfg.colsb[t] = (uint16_t)(4 * w);
     cfg.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // All 8 tiles 16 rows x 64 bytes (the int8 unit's one configuration).

@@ -9,7 +9,7 @@
 // Per tile of N = 32 tokens (cp.async, STAGES-deep ring in shared memory):
 //   QK: warp w owns 16 head rows (w % RW) and a slice of the L + R reduction dim (w / RW);
 //       bf16 mma.sync, partial scores summed through shared memory.
-//   softmax: warp w owns rows w, w + 8, ...; lane = token; online max/sum in the log2 domain.
+//   softmax: 256 / HM threads per row, all rows at once; online max/sum in the log2 domain.
 //   PV: warp w owns L / 8 output columns of all HM rows (fp32 accumulators in registers),
 //       P (bf16) and the tile's c rows read with ldmatrix from shared memory.
 // A token whose context fits one partition writes `out`; otherwise each partition writes its
@@ -161,15 +161,16 @@ __global__ void __launch_bounds__(MLA_THREADS, 1) mla_attention_kernel(
     if (s < ntiles) load_tile(s);
     cp_async_commit();
   }
-  if (tid < HM) {
-    sM[tid] = neg_inf();
-    sL[tid] = 0.f;
-  }
+  constexpr int TPR = MLA_THREADS / HM;  // softmax: threads per row (4, 8 or 16)
+  constexpr int TPT = N / TPR;           // softmax: tokens per thread (8, 4 or 2)
+  const int srow = tid / TPR, sq = tid % TPR;
+  float row_m = neg_inf(), row_l = 0.f;  // the row's running max (log2 domain) and sum
 
   const int g = lane >> 2, t4 = lane & 3;
   const int wr = warp % RW;       // QK: 16-row group
   const int wk = warp / RW;       // QK: slice of the reduction dim
-  const int ks0 = wk * KS / KSPLIT, ks1 = (wk + 1) * KS / KSPLIT;
+  constexpr int KPW = (KS + KSPLIT - 1) / KSPLIT;  // k-steps per slice (the last may be short)
+  const int ks0 = wk * KPW;
 
   float acc[RW][NTW][4];
 #pragma unroll
@@ -180,10 +181,12 @@ __global__ void __launch_bounds__(MLA_THREADS, 1) mla_attention_kernel(
       for (int e = 0; e < 4; ++e) acc[mi][n][e] = 0.f;
 
   for (int it = 0; it < ntiles; ++it) {
+    // Tile `it` landed and every warp left iteration it - 1: its stage, P and the partial
+    // scores may be rewritten.
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
     if (it + STAGES - 1 < ntiles) load_tile(it + STAGES - 1);
     cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
     const u16* kt = sK + (it % STAGES) * N * RS;
 
     // ---- partial scores of 16 rows x N tokens over k-steps [ks0, ks1)
@@ -195,8 +198,10 @@ __global__ void __launch_bounds__(MLA_THREADS, 1) mla_attention_kernel(
     const u32 a_base = smem_addr(sQ + (wr * 16 + (lane & 15)) * RS + (lane >> 4) * 8);
     const u32 b_base =
         smem_addr(kt + ((lane & 7) + ((lane >> 4) << 3)) * RS + ((lane >> 3) & 1) * 8);
-#pragma unroll 2
-    for (int ks = ks0; ks < ks1; ++ks) {
+#pragma unroll
+    for (int i = 0; i < KPW; ++i) {
+      const int ks = ks0 + i;
+      if (KS % KSPLIT != 0 && ks >= KS) break;
       u32 a[4];
       ldmatrix_x4(a_base + ks * 32, a[0], a[1], a[2], a[3]);
 #pragma unroll
@@ -218,27 +223,44 @@ __global__ void __launch_bounds__(MLA_THREADS, 1) mla_attention_kernel(
     }
     __syncthreads();
 
-    // ---- online softmax, one row per warp at a time, lane = token
+    // ---- online softmax: TPR threads per row, TPT consecutive tokens each, all rows at once
     {
-      const bool valid = start + it * N + lane < end;
-      for (int row = warp; row < HM; row += MLA_THREADS / 32) {
-        float x = 0.f;
+      const int tok0 = start + it * N + sq * TPT;
+      float x[TPT];
 #pragma unroll
-        for (int k = 0; k < KSPLIT; ++k) x += sS[(k * HM + row) * SS + lane];
-        x = valid ? x * scale_log2 : neg_inf();
-        const float m_old = sM[row];
-        const float m_new = fmaxf(m_old, warp_max(x));  // finite: lane 0 is always valid
-        const float corr = exp2f(m_old - m_new);
-        const float p = exp2f(x - m_new);
-        const float psum = warp_sum(p);
-        sP[row * PS + lane] = from_float<DT>(p);
-        __syncwarp();
-        if (lane == 0) {
-          sM[row] = m_new;
-          sL[row] = sL[row] * corr + psum;
-          sC[row] = corr;
-        }
+      for (int j = 0; j < TPT; ++j) x[j] = 0.f;
+#pragma unroll
+      for (int k = 0; k < KSPLIT; ++k) {
+        const float* src = sS + (k * HM + srow) * SS + sq * TPT;
+#pragma unroll
+        for (int j = 0; j < TPT; ++j) x[j] += src[j];
       }
+      float mx = neg_inf();
+#pragma unroll
+      for (int j = 0; j < TPT; ++j) {
+        x[j] = tok0 + j < end ? x[j] * scale_log2 : neg_inf();
+        mx = fmaxf(mx, x[j]);
+      }
+#pragma unroll
+      for (int o = TPR / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(row_m, mx);  // finite: a tile's first token is always valid
+      const float corr = exp2f(row_m - m_new);
+      float psum = 0.f;
+      u32 packed[TPT / 2];
+#pragma unroll
+      for (int j = 0; j < TPT; j += 2) {
+        const float p0 = exp2f(x[j] - m_new), p1 = exp2f(x[j + 1] - m_new);
+        psum += p0 + p1;
+        packed[j / 2] = pack2<DT>(p0, p1);
+      }
+#pragma unroll
+      for (int o = TPR / 2; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
+      row_m = m_new;
+      row_l = row_l * corr + psum;
+      u32* dstp = reinterpret_cast<u32*>(sP + srow * PS + sq * TPT);
+#pragma unroll
+      for (int j = 0; j < TPT / 2; ++j) dstp[j] = packed[j];
+      if (sq == 0) sC[srow] = corr;
     }
     __syncthreads();
 
@@ -274,9 +296,13 @@ __global__ void __launch_bounds__(MLA_THREADS, 1) mla_attention_kernel(
         }
       }
     }
-    __syncthreads();  // the stage, P and the scores are rewritten next iteration
   }
   cp_async_wait<0>();
+  if (sq == 0) {
+    sM[srow] = row_m;
+    sL[srow] = row_l;
+  }
+  __syncthreads();
 
   // ---- normalise and store
 #pragma unroll

@@ -20,7 +20,6 @@ LATENT_DIMS = (128, 256, 512)  # kv_lora_rank values the kernel is built for
 ROPE_DIMS = (16, 32, 64)
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _LOG2E = 1.4426950408889634
-_THREADS = 256
 _TILE = 32  # tokens per CTA iteration (MLA_N)
 _STAGES = 3
 _MIN_PART_LEN = 128  # a partition re-loads its CTA's queries: keep that under half its reads
@@ -42,10 +41,15 @@ def rows_per_cta(num_heads: int) -> int:
     raise ValueError(f"num_heads {num_heads} must be a multiple of 16")
 
 
+def warps_per_cta(latent: int, heads_per_cta: int) -> int:
+    """16 warps where the softmax and PV layouts allow (more latency hidden), else 8."""
+    return 16 if heads_per_cta >= 32 and latent >= 256 else 8
+
+
 def smem_bytes(latent: int, rope: int, heads_per_cta: int) -> int:
     """Dynamic shared memory of one CTA (mirrors MlaSmem in mla_decode.cu)."""
     rs = latent + rope + 8
-    ksplit = 8 // (heads_per_cta // 16)
+    ksplit = warps_per_cta(latent, heads_per_cta) // (heads_per_cta // 16)
     return (
         heads_per_cta * rs * 2
         + _STAGES * _TILE * rs * 2
@@ -190,14 +194,15 @@ def launch_mla_attention(
         part_out = part_lse = None
     dt = _DT[latent_cache.dtype]
     smem = smem_bytes(latent, rope, hm)
+    nw = warps_per_cta(latent, hm)
     for tq0 in range(0, num_tokens, _MAX_GRID_Y):
         rows = min(_MAX_GRID_Y, num_tokens - tq0)
         launch(
             "mla_decode.cu",
-            f"mla_attention_kernel<{dt},{latent},{rope},{hm // 16}>",
+            f"mla_attention_kernel<{dt},{latent},{rope},{hm // 16},{nw}>",
             device,
             (head_tiles, rows, num_parts),
-            (_THREADS, 1, 1),
+            (nw * 32, 1, 1),
             (
                 ptr(out),
                 ptr(part_out),

@@ -2,15 +2,15 @@
 //
 // Every query token attends with all its heads to its causal prefix of one shared latent
 // "head": a cache row is [c (L) | k_pe (R)]; scores = q_latent . c + q_rope . k_pe, values = c.
-// Grid (H / HM, tokens from tq0, num_parts), 256 threads, one CTA per SM (dynamic shared memory).
+// Grid (H / HM, tokens from tq0, num_parts), NW warps, one CTA per SM (dynamic shared memory).
 // A CTA takes HM heads of one token and one split-KV partition of its context; decode and
 // extend rows are the same work (an extend token's context ends at its own position).
 //
 // Per tile of N = 32 tokens (cp.async, STAGES-deep ring in shared memory):
 //   QK: warp w owns 16 head rows (w % RW) and a slice of the L + R reduction dim (w / RW);
 //       bf16 mma.sync, partial scores summed through shared memory.
-//   softmax: 256 / HM threads per row, all rows at once; online max/sum in the log2 domain.
-//   PV: warp w owns L / 8 output columns of all HM rows (fp32 accumulators in registers),
+//   softmax: 32 NW / HM threads per row, all rows at once; online max/sum in the log2 domain.
+//   PV: warp w owns L / NW output columns of all HM rows (fp32 accumulators in registers),
 //       P (bf16) and the tile's c rows read with ldmatrix from shared memory.
 // A token whose context fits one partition writes `out`; otherwise each partition writes its
 // normalised partial output and log2-sum-exp, merged by mla_combine_kernel.
@@ -48,15 +48,14 @@ __device__ __forceinline__ int token_context(const int* __restrict__ qsl,
   return seq_lens[lo] - (qsl[lo + 1] - 1 - tq);
 }
 
-constexpr int MLA_THREADS = 256;
 constexpr int MLA_N = 32;  // tokens per tile (= one lane per token in the softmax)
 constexpr int MLA_STAGES = 3;
 
-template <int L, int R, int RW>
+template <int L, int R, int RW, int NW>
 struct MlaSmem {
   static constexpr int D = L + R;
   static constexpr int HM = 16 * RW;
-  static constexpr int KSPLIT = 8 / RW;
+  static constexpr int KSPLIT = NW / RW;
   static constexpr int RS = D + 8;       // row stride (halves): odd 16-byte units, no conflicts
   static constexpr int PS = MLA_N + 8;   // P row stride (halves)
   static constexpr int SS = MLA_N + 4;   // partial-score row stride (floats)
@@ -68,8 +67,8 @@ struct MlaSmem {
   static constexpr int BYTES = M_OFF + 3 * HM * 4;
 };
 
-template <int DT, int L, int R, int RW>
-__global__ void __launch_bounds__(MLA_THREADS, 1) mla_attention_kernel(
+template <int DT, int L, int R, int RW, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) mla_attention_kernel(
     u16* __restrict__ out,              // [T, H, L] contiguous
     float* __restrict__ part_out,       // [T, H, NP, L] (only when num_parts > 1)
     float* __restrict__ part_lse,       // [T, H, NP]
@@ -81,15 +80,16 @@ __global__ void __launch_bounds__(MLA_THREADS, 1) mla_attention_kernel(
     const int* __restrict__ block_tables,  // [S, bt_stride]
     int tq0, int num_seqs, int num_heads, i64 ql_t, i64 ql_h, i64 qr_t, i64 qr_h,
     int bt_stride, int bs_shift, int part_len, int num_parts, float scale_log2) {
-  using SM = MlaSmem<L, R, RW>;
+  using SM = MlaSmem<L, R, RW, NW>;
+  constexpr int MLA_THREADS = NW * 32;
   constexpr int D = SM::D, HM = SM::HM, KSPLIT = SM::KSPLIT;
   constexpr int RS = SM::RS, PS = SM::PS, SS = SM::SS;
   constexpr int N = MLA_N, STAGES = MLA_STAGES;
   constexpr int C8 = D / 8;      // 16-byte chunks per row
   constexpr int KS = D / 16;     // k-steps of the score product
-  constexpr int CW = L / 8;      // output columns per warp
+  constexpr int CW = L / NW;     // output columns per warp
   constexpr int NTW = CW / 8;    // n8 tiles per warp
-  static_assert(L % 128 == 0 && R % 16 == 0, "L must be a multiple of 128, R of 16");
+  static_assert(L % (16 * NW) == 0 && R % 16 == 0, "L must be a multiple of 16 NW, R of 16");
 
   extern __shared__ __align__(16) unsigned char smem[];
   u16* sQ = reinterpret_cast<u16*>(smem + SM::Q_OFF);
@@ -161,8 +161,9 @@ __global__ void __launch_bounds__(MLA_THREADS, 1) mla_attention_kernel(
     if (s < ntiles) load_tile(s);
     cp_async_commit();
   }
-  constexpr int TPR = MLA_THREADS / HM;  // softmax: threads per row (4, 8 or 16)
-  constexpr int TPT = N / TPR;           // softmax: tokens per thread (8, 4 or 2)
+  constexpr int TPR = MLA_THREADS / HM;  // softmax: threads per row (4 to 16)
+  constexpr int TPT = N / TPR;           // softmax: tokens per thread (8 to 2)
+  static_assert(TPR <= 16 && TPT % 2 == 0, "softmax layout");
   const int srow = tid / TPR, sq = tid % TPR;
   float row_m = neg_inf(), row_l = 0.f;  // the row's running max (log2 domain) and sum
 

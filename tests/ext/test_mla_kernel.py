@@ -239,6 +239,14 @@ def test_decode_random_batches(H, batch):
 
 
 @gpu_test
+@pytest.mark.parametrize("H", [32, 48, 64])
+def test_decode_other_head_counts(H):
+    """16 warps over 32 or 64 heads a CTA; 48 heads: three CTAs of 16."""
+    rng = random.Random(H)
+    assert run_kernel([(rng.randint(0, 5000), 1) for _ in range(9)], H, seed=H) < TOL
+
+
+@gpu_test
 @pytest.mark.parametrize(
     "lens,H", [([32768, 1, 17001, 4097], 128), ([32767, 5], 16), ([8191] * 16, 128)]
 )

@@ -19,6 +19,9 @@
 struct alignas(8) F2 {
   float x, y;
 };
+struct alignas(16) F4 {
+  float x, y, z, w;
+};
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -163,7 +166,7 @@ __global__ void __launch_bounds__(NW * 32, 1) mla_attention_kernel(
   }
   constexpr int TPR = MLA_THREADS / HM;  // softmax: threads per row (4 to 16)
   constexpr int TPT = N / TPR;           // softmax: tokens per thread (8 to 2)
-  static_assert(TPR <= 16 && TPT % 2 == 0, "softmax layout");
+  static_assert(TPR <= 16 && (TPT == 2 || TPT == 4 || TPT == 8), "softmax layout");
   const int srow = tid / TPR, sq = tid % TPR;
   float row_m = neg_inf(), row_l = 0.f;  // the row's running max (log2 domain) and sum
 
@@ -214,12 +217,14 @@ __global__ void __launch_bounds__(NW * 32, 1) mla_attention_kernel(
       }
     }
     {
+      // Row r's columns are rotated by 4 (r % 8): the 4 rows of a half warp's stores start
+      // 8 banks apart (no conflicts); 4-float groups stay contiguous for the vector loads.
       float* ss = sS + (wk * HM + wr * 16) * SS;
 #pragma unroll
       for (int n = 0; n < N / 8; ++n) {
-        *reinterpret_cast<F2*>(ss + g * SS + n * 8 + 2 * t4) = F2{s[n][0], s[n][1]};
-        *reinterpret_cast<F2*>(ss + (g + 8) * SS + n * 8 + 2 * t4) =
-            F2{s[n][2], s[n][3]};
+        const int c = (n * 8 + 2 * t4 + 4 * g) & (N - 1);
+        *reinterpret_cast<F2*>(ss + g * SS + c) = F2{s[n][0], s[n][1]};
+        *reinterpret_cast<F2*>(ss + (g + 8) * SS + c) = F2{s[n][2], s[n][3]};
       }
     }
     __syncthreads();
@@ -231,10 +236,26 @@ __global__ void __launch_bounds__(NW * 32, 1) mla_attention_kernel(
 #pragma unroll
       for (int j = 0; j < TPT; ++j) x[j] = 0.f;
 #pragma unroll
-      for (int k = 0; k < KSPLIT; ++k) {
-        const float* src = sS + (k * HM + srow) * SS + sq * TPT;
+      for (int k = 0; k < KSPLIT; ++k) {  // vector loads: a quarter warp reads 128 B in a row
+        const float* src = sS + (k * HM + srow) * SS;
+        const int rot = 4 * (srow & 7);
+        if constexpr (TPT % 4 == 0) {
 #pragma unroll
-        for (int j = 0; j < TPT; ++j) x[j] += src[j];
+          for (int j = 0; j < TPT; j += 4) {
+            const F4 v = *reinterpret_cast<const F4*>(src + ((sq * TPT + j + rot) & (N - 1)));
+            x[j] += v.x;
+            x[j + 1] += v.y;
+            x[j + 2] += v.z;
+            x[j + 3] += v.w;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < TPT; j += 2) {
+            const F2 v = *reinterpret_cast<const F2*>(src + ((sq * TPT + j + rot) & (N - 1)));
+            x[j] += v.x;
+            x[j + 1] += v.y;
+          }
+        }
       }
       float mx = neg_inf();
 #pragma unroll
@@ -258,9 +279,15 @@ __global__ void __launch_bounds__(NW * 32, 1) mla_attention_kernel(
       for (int o = TPR / 2; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
       row_m = m_new;
       row_l = row_l * corr + psum;
-      u32* dstp = reinterpret_cast<u32*>(sP + srow * PS + sq * TPT);
-#pragma unroll
-      for (int j = 0; j < TPT / 2; ++j) dstp[j] = packed[j];
+      u16* dstp = sP + srow * PS + sq * TPT;
+      if constexpr (TPT == 8) {
+        *reinterpret_cast<V16*>(dstp) = V16{packed[0], packed[1], packed[2], packed[3]};
+      } else if constexpr (TPT == 4) {
+        *reinterpret_cast<F2*>(dstp) =
+            F2{__uint_as_float(packed[0]), __uint_as_float(packed[1])};
+      } else {
+        *reinterpret_cast<u32*>(dstp) = packed[0];
+      }
       if (sq == 0) sC[srow] = corr;
     }
     __syncthreads();

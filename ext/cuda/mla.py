@@ -42,8 +42,9 @@ def rows_per_cta(num_heads: int) -> int:
 
 
 def warps_per_cta(latent: int, heads_per_cta: int) -> int:
-    """16 warps where the softmax and PV layouts allow (more latency hidden), else 8."""
-    return 16 if heads_per_cta >= 32 and latent >= 256 else 8
+    """8 warps keep their Q fragments in registers (64 heads: the DeepSeek-V3 case); 32 heads
+    a CTA take 16 warps, which hide more latency; 16 heads need 8 (the softmax layout)."""
+    return 16 if heads_per_cta == 32 and latent >= 256 else 8
 
 
 def smem_bytes(latent: int, rope: int, heads_per_cta: int) -> int:

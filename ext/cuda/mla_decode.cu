@@ -176,6 +176,22 @@ __global__ void __launch_bounds__(NW * 32, 1) mla_attention_kernel(
   constexpr int KPW = (KS + KSPLIT - 1) / KSPLIT;  // k-steps per slice (the last may be short)
   const int ks0 = wk * KPW;
 
+  // With 8 warps (255 registers) each warp keeps its Q fragments (16 rows x its k-slice) in
+  // registers for the whole context: the score product then reads only K from shared memory.
+  constexpr int QR = NW == 8 ? (KPW < 10 ? KPW : 10) : 0;  // k-steps held (register budget)
+  constexpr bool QREG = QR > 0;
+  u32 qf[QREG ? QR : 1][4];
+  if constexpr (QREG) {
+    cp_async_wait<STAGES - 1>();  // the Q group, committed first, has landed
+    __syncthreads();
+    const u32 q_base = smem_addr(sQ + (wr * 16 + (lane & 15)) * RS + (lane >> 4) * 8);
+#pragma unroll
+    for (int i = 0; i < QR; ++i) {
+      const int ks = min(ks0 + i, KS - 1);
+      ldmatrix_x4(q_base + ks * 32, qf[i][0], qf[i][1], qf[i][2], qf[i][3]);
+    }
+  }
+
   float acc[RW][NTW][4];
 #pragma unroll
   for (int mi = 0; mi < RW; ++mi)
@@ -207,7 +223,14 @@ __global__ void __launch_bounds__(NW * 32, 1) mla_attention_kernel(
       const int ks = ks0 + i;
       if (KS % KSPLIT != 0 && ks >= KS) break;
       u32 a[4];
-      ldmatrix_x4(a_base + ks * 32, a[0], a[1], a[2], a[3]);
+      if (i < QR) {
+        a[0] = qf[QREG ? i : 0][0];
+        a[1] = qf[QREG ? i : 0][1];
+        a[2] = qf[QREG ? i : 0][2];
+        a[3] = qf[QREG ? i : 0][3];
+      } else {
+        ldmatrix_x4(a_base + ks * 32, a[0], a[1], a[2], a[3]);
+      }
 #pragma unroll
       for (int np = 0; np < N / 16; ++np) {
         u32 b0, b1, b2, b3;

@@ -8,12 +8,14 @@
 //
 // Per tile of N = 32 tokens (cp.async, STAGES-deep ring in shared memory):
 //   QK: warp w owns 16 head rows (w % RW) and a slice of the L + R reduction dim (w / RW);
-//       bf16 mma.sync, partial scores summed through shared memory.
+//       bf16 mma.sync (8 warps keep most Q fragments in registers), partial scores summed
+//       through shared memory.
 //   softmax: 32 NW / HM threads per row, all rows at once; online max/sum in the log2 domain.
 //   PV: warp w owns L / NW output columns of all HM rows (fp32 accumulators in registers),
 //       P (bf16) and the tile's c rows read with ldmatrix from shared memory.
 // A token whose context fits one partition writes `out`; otherwise each partition writes its
 // normalised partial output and log2-sum-exp, merged by mla_combine_kernel.
+// Throughput limit (docs/mla.md): shared-memory operand traffic of mma.sync, with 64 heads.
 #include "common.cuh"
 
 struct alignas(8) F2 {

@@ -209,6 +209,27 @@ def test_op_registered_and_launch_refuses_cpu():
         )  # fmt: skip
 
 
+def test_fake_impl_launches_nothing():
+    """Under fake tensors (torch.compile tracing) the op runs its fake, not the launcher, which
+    would refuse these CPU tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = _args()
+        torch.ops.tandem.mla_attention(*a.values(), 0.1, 16)
+
+
+def test_backend_support_check():
+    from models.cupy_backend import cupy_backend_supports_mla
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not cupy_backend_supports_mla(512, 64, 128, torch.bfloat16, cpu)
+    assert not cupy_backend_supports_mla(384, 64, 128, torch.bfloat16, cuda)
+    assert not cupy_backend_supports_mla(512, 64, 20, torch.bfloat16, cuda)
+    assert not cupy_backend_supports_mla(512, 64, 128, torch.float32, cuda)
+    assert cupy_backend_supports_mla(512, 64, 128, torch.bfloat16, cuda) == cuda_ext.is_available()
+
+
 # ---------------------------------------------------------------- GPU: kernel vs reference
 
 

@@ -294,6 +294,16 @@ def test_extend_mixed_batch(H):
 
 
 @gpu_test
+@pytest.mark.parametrize("max_grid_y", [5, 64])
+def test_launch_split_over_grid_y(monkeypatch, max_grid_y):
+    """More query rows than one launch's grid.y takes (65535 in production): the launcher
+    issues several launches with a row offset; split-KV partials included (batch 1-2 rows)."""
+    monkeypatch.setattr(mla_cuda, "_MAX_GRID_Y", max_grid_y)
+    assert run_kernel(MIXED, 16, seed=3) < TOL
+    assert run_kernel([(9000, 1), (300, 1), (5, 1)] * 4, 128, seed=4) < TOL
+
+
+@gpu_test
 def test_extend_long_prefix():
     assert run_kernel([(20000, 33), (0, 300)], 128, block_size=64, seed=8) < TOL
 

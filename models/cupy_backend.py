@@ -13,6 +13,7 @@ import torch
 
 from ext.cuda import is_available, paged_attention_cuda, write_kv
 from ext.cuda.kernels import HEAD_DIMS
+from ext.cuda.mla import LATENT_DIMS, ROPE_DIMS, mla_attention_cuda
 from models.batch import ForwardBatch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -23,6 +24,20 @@ def cupy_backend_supports(head_dim: int, dtype: torch.dtype, device: torch.devic
     return (
         device.type == "cuda"
         and head_dim in HEAD_DIMS
+        and dtype in SUPPORTED_DTYPES
+        and is_available()
+    )
+
+
+def cupy_backend_supports_mla(
+    kv_lora_rank: int, rope_dim: int, num_heads: int, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether the MLA kernel can serve a DeepSeek-family model of these dims on this device."""
+    return (
+        device.type == "cuda"
+        and kv_lora_rank in LATENT_DIMS
+        and rope_dim in ROPE_DIMS
+        and num_heads % 16 == 0
         and dtype in SUPPORTED_DTYPES
         and is_available()
     )
@@ -68,4 +83,31 @@ class CupyAttentionBackend:
             batch.max_query_len,
             scale,
             max_seq_len=batch.max_seq_len or None,
+        )
+
+    def mla(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """Multi-head latent attention (see `AttentionBackend.mla`): q_latent `[T, H, L]`,
+        q_rope `[T, H, R]` over latent_cache `[num_blocks, block_size, L + R]` that already
+        holds this step's rows. One kernel (ext/cuda/mla.py) for every batch: a decode-only
+        batch is one CTA row per sequence, split over the context; an extend row attends to
+        its prefix up to its own position. Plans from `batch.max_seq_len` (an upper bound in
+        a CUDA graph), never from device values."""
+        # [T, H, L] and [T, H, R] in the cache dtype, cuda
+        max_seq_len = batch.max_seq_len or batch.block_tables.shape[1] * latent_cache.shape[1]
+        return mla_attention_cuda(
+            q_latent,
+            q_rope,
+            latent_cache,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+            scale,
+            max_seq_len=max_seq_len,
         )

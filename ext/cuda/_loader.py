@@ -23,6 +23,7 @@ _lock = threading.Lock()
 _kernels: dict[tuple[str, str, int], Any] = {}
 _streams: dict[tuple[int, int], Any] = {}
 _sources: dict[str, str] = {}
+_smem_limits: dict[tuple[str, str, int], int] = {}
 
 
 def cupy_module() -> Any:
@@ -95,18 +96,23 @@ def launch(
     grid: tuple[int, int, int],
     block: tuple[int, int, int],
     args: tuple,
+    shared_mem: int = 0,
 ) -> None:
     """Launch kernel `name` of `filename` on torch's current stream of `device`.
 
     `args` are numpy scalars (np.uint64 for pointers, np.int32, np.int64, np.float32) in the
-    kernel's parameter order.
+    kernel's parameter order; `shared_mem` is the dynamic shared memory in bytes (above 48 KiB
+    the kernel's limit is raised once).
     """
     cp = cupy_module()
     index = device.index if device.index is not None else torch.cuda.current_device()
     device = torch.device("cuda", index)
     fn = get_kernel(filename, name, index)
     with cp.cuda.Device(index), _stream(device):
-        fn(grid, block, args)
+        if shared_mem > _smem_limits.get((filename, name, index), 48 * 1024):
+            fn.max_dynamic_shared_size_bytes = shared_mem
+            _smem_limits[(filename, name, index)] = shared_mem
+        fn(grid, block, args, shared_mem=shared_mem)
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:

@@ -11,8 +11,12 @@ Successive calls cycle through --routings different random routings, so the expe
 reads are mostly not in the last-level cache (a fixed routing would time the L3, not DRAM).
 
     python tools/bench_cpu_moe.py [--tokens 1 8 64 256] [--formats bf16 int8 int4]
-        [--threads N] [--isa amx] [--floor-gbps 68] [--experts 128] [--json out.json]
-        [--int-path auto|off|N] [--phases]
+        [--threads N] [--isa amx] [--floor-gbps GBPS] [--experts 128] [--json out.json]
+        [--int-path auto|off|N] [--phases] [--peer-kt DIR]
+
+--peer-kt DIR: also time KTransformers' own CPU MoE kernels (kt-kernel, fetched into DIR by
+tools/peers/fetch_kt_kernel.sh; needs CUDA) on the same layer copies and routings: BF16 /
+AMXINT8 / AMXINT4 against the pool's bf16 / int8 / int4, with "vs kt" = kt ms / pool ms.
 
 --int-path: int8/int4 experts with >= N tokens multiply the quantized weights as integers
 (VNNI / AMX int8; "auto": the pool's default, "off": never). --phases: per measurement, where
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ext.cpu import CpuExpertPool  # noqa: E402
+from tools.peers.cpu_bandwidth import read_bandwidth_gbps  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,13 +54,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="pool threads (default: cpus - 1)")
     p.add_argument("--isa", default=None, help="force scalar|avx2|avx512|amx")
-    p.add_argument("--floor-gbps", type=float, default=68.0, help="CPU read bandwidth, GB/s")
+    p.add_argument(
+        "--floor-gbps",
+        type=float,
+        default=None,
+        help="CPU read bandwidth, GB/s (default: measured now by tools/peers/cpu_bandwidth.c "
+        "at the pool's thread count)",
+    )
     p.add_argument("--routings", type=int, default=16, help="routings cycled per token count")
     p.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--int-path", default="auto", help="auto | off | min tokens per expert")
     p.add_argument("--phases", action="store_true", help="print the per-phase breakdown")
+    p.add_argument("--peer-kt", default=None, help="kt-kernel's files (fetch_kt_kernel.sh)")
     p.add_argument(
         "--layers",
         type=int,
@@ -118,9 +131,39 @@ def torch_moe(hidden, w13, w2, ids, weights) -> torch.Tensor:
     return out
 
 
+def time_kt_peer(args, fmt: str, w13, w2, cases, rows: list[dict]) -> None:
+    """kt-kernel on the same layer copies and routings; adds kt_ms / vs_kt to the pool's rows."""
+    from tools.peers.kt_moe import KtMoeLayers
+
+    threads = rows[0]["threads"] if rows else (args.threads or max(1, (os.cpu_count() or 2) - 1))
+    kt = KtMoeLayers(
+        args.peer_kt, fmt, w13, w2, args.topk, args.layers, threads, max(T for T, _, _ in cases)
+    )
+    print(f"{'kt':>5} {kt.method} ({kt.variant} build, {threads} threads) converted in "
+          f"{kt.convert_s:.2f} s a layer")  # fmt: skip
+    for (T, hidden, routings), row in zip(cases, rows, strict=True):
+        for i, r in enumerate(routings):  # warm every routing, as for the pool
+            kt.forward(i % args.layers, hidden, *r)
+        times, start = [], time.perf_counter()
+        while len(times) < 3 or time.perf_counter() - start < args.min_time:
+            i = len(times)
+            layer, r = (i // len(routings)) % args.layers, routings[i % len(routings)]
+            times.append(kt.forward(layer, hidden, *r))
+        row["kt_method"], row["kt_ms"] = kt.method, 1e3 * statistics.median(times)
+        row["vs_kt"] = row["kt_ms"] / row["pool_ms"]
+        print(f"{'kt':>5} {T:>6} {'':>7} {row['kt_ms']:>9.3f}   pool {row['pool_ms']:.3f} ms: "
+              f"{row['vs_kt']:.2f}x kt-kernel's speed")  # fmt: skip
+    kt.close()
+
+
 def main() -> None:
     args = parse_args()
     E, H, inter, k = args.experts, args.hidden, args.inter, args.topk
+    if args.floor_gbps is None:  # the floor at the rate the pool's threads can read right now
+        threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+        args.floor_gbps = read_bandwidth_gbps(threads)
+        print(f"# CPU read bandwidth now: {args.floor_gbps:.1f} GB/s with {threads} threads "
+              "(tools/peers/cpu_bandwidth.c)", flush=True)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     # [E, 2I, H] gate rows then up rows, [E, H, I]; bf16 as checkpoints ship them.
     w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(torch.bfloat16)
@@ -232,6 +275,8 @@ def main() -> None:
                 )
                 if args.phases:
                     print_phases(phases, info["num_threads"])
+        if args.peer_kt:
+            time_kt_peer(args, fmt, w13, w2, cases, [r for r in results if r["format"] == fmt])
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,9 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.batch import ForwardBatch, KVCache  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
+from models.layers.cpu_experts import default_cuda_pool_threads  # noqa: E402
 from models.loader import apply_fast_linears, build_model  # noqa: E402
 from models.loader.dummy import init_dummy_weights  # noqa: E402
-from tools.bench_offline import read_bandwidth_gbps  # noqa: E402
+from tools.peers.cpu_bandwidth import read_bandwidth_gbps  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,7 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["default", "grouped_mm"],
         help="HF experts implementations to measure (default: what HF picks)",
     )
-    p.add_argument("--floor-gbps", type=float, default=68.0)
+    p.add_argument(
+        "--floor-gbps",
+        type=float,
+        default=None,
+        help="CPU read bandwidth of the floors, GB/s (default: measured now by "
+        "tools/peers/cpu_bandwidth.c at the pool's thread count)",
+    )
     p.add_argument(
         "--pcie-gbps",
         type=float,
@@ -824,10 +832,14 @@ def main(argv: list[str] | None = None) -> int:
           + (f" ({torch.cuda.get_device_name()})" if a.device == "cuda" else ""), flush=True)  # fmt: skip
     # Machine instances of one kind differ (BENCHMARKS: the pool's job took 294 us a layer on
     # one, 416-482 on another), so floors are also given at the rate read now, past the L3.
-    gbps, threads = read_bandwidth_gbps(2 << 30), torch.get_num_threads()
-    print(f"# CPU read bandwidth now: {gbps:.1f} GB/s ({threads} threads, torch sum); floors "
-          f"below use --floor-gbps {a.floor_gbps:g} (measured-rate floors in the JSON: "
-          "*_floor_measured_tok_s)", flush=True)  # fmt: skip
+    on_cuda = torch.device(a.device).type == "cuda"
+    threads = a.threads or (default_cuda_pool_threads() if on_cuda else max(1, (os.cpu_count() or 2) - 1))
+    gbps = read_bandwidth_gbps(threads)
+    if a.floor_gbps is None:
+        a.floor_gbps = gbps
+    print(f"# CPU read bandwidth now: {gbps:.1f} GB/s ({threads} threads, "
+          f"tools/peers/cpu_bandwidth.c); floors below use {a.floor_gbps:g} GB/s "
+          "(measured-rate floors in the JSON: *_floor_measured_tok_s)", flush=True)  # fmt: skip
     a.measured_gbps = gbps
     t0 = time.perf_counter()
     shared = shared_layer(cfg)

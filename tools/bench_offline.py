@@ -29,20 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.hf_export import to_hf_config_dict  # noqa: E402
 from models.hub import resolve_model  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
+from tools.peers import cpu_bandwidth  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def read_bandwidth_gbps(num_bytes: int = 1 << 30) -> float:
-    """Memory read bandwidth with torch's threads: the rate decode streams weights at best."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
-    src.sum()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t)
-    return num_bytes / best / 1e9
+def read_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
+    """Memory read bandwidth with torch's thread count: the rate decode streams weights at best
+    (tools/peers/cpu_bandwidth.c: vector loads, first-touched by the readers)."""
+    return cpu_bandwidth.read_bandwidth_gbps(torch.get_num_threads(), gigabytes=num_bytes / 1e9)
 
 
 def timed(fn) -> float:

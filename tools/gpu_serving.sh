@@ -9,7 +9,8 @@
 # SHAPE=30B-A3B (or tiny-moe) serves a Qwen3-30B-A3B-shaped mixture of experts in hybrid mode: attention
 # on the GPU, every routed expert on the CPU pool in EXPERT_FORMAT [int4] (random experts are
 # made one layer at a time as the pool converts them); its floor is the active expert bytes per
-# token over CPU_GBPS [68], the CPU read bandwidth, and at concurrency c the experts c tokens
+# token over CPU_GBPS [measured after the run by tools/peers/cpu_bandwidth.py at the pool's
+# thread count], the CPU read bandwidth, and at concurrency c the experts c tokens
 # touch under uniform routing. MOE_EXPERTS=gpu [cpu] keeps every expert on the GPU instead (bf16, the
 # "gpu" expert backend); the floor is then the bytes a step reads from GPU memory.
 # Env (defaults in brackets; --smoke changes them): SHAPE [1B] (1B | 8B | tiny | 30B-A3B | tiny-moe),
@@ -172,11 +173,16 @@ trap - EXIT
 say "server stopped, rc=$SERVER_RC"
 tail -n 2 "$OUT/server.log"
 
+if [ -z "${CPU_GBPS:-}" ]; then
+  CPU_GBPS=$("$PY" tools/peers/cpu_bandwidth.py --threads "$(( $(nproc) > 2 ? $(nproc) - 2 : 1 ))" \
+    | awk '/^threads/ {print $3; exit}')
+  say "CPU read bandwidth now: ${CPU_GBPS:-?} GB/s (tools/peers/cpu_bandwidth.py)"
+fi
 # Summary: one row per level, next to the decode floor: dense, the weight bytes read per step
 # over the device's copy bandwidth; hybrid MoE, the expert bytes a step at that concurrency
 # touches over the CPU read bandwidth.
 "$PY" - "$OUT/serving.json" "$MODEL_DIR/config.json" "${HBM_GBPS:-}" "${EXPERT_FORMAT:-}" \
-  "${CPU_GBPS:-68}" <<'EOF' | tee "$OUT/summary.txt"
+  "${CPU_GBPS:-0}" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys
 res_path, cfg_path, hbm, expert_fmt, cpu_gbps = sys.argv[1:6]
 try:
@@ -212,7 +218,9 @@ print(f"== summary: {res['model']}, {res['input_len']} in / {res['output_len']} 
       f"token-id prompts, ignore_eos, greedy ==")
 floor_ms = None
 step_floor_ms = lambda conc: floor_ms  # dense: every weight read once a step
-if expert_fmt:  # hybrid: the routed experts' bytes on the CPU dominate a decode step
+if expert_fmt and not float(cpu_gbps or 0):
+    print("(no CPU read bandwidth measured: no hybrid floor)")
+elif expert_fmt:  # hybrid: the routed experts' bytes on the CPU dominate a decode step
     expert_ms = expert_bytes(h, inter, expert_fmt) * L / (float(cpu_gbps) * 1e9) * 1e3  # all layers
     floor_ms = k * expert_ms
     step_floor_ms = lambda conc: touched_experts(E, k, conc) * expert_ms

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Random-weight GGUF files of real shapes, for llama.cpp and Tandem on the same bytes (no
+checkpoint can travel to the GPU machine); tools/peers/llama_cpp.sh writes them there.
+
+    python3 tools/peers/gen_gguf.py moe  OUT.gguf [--layers 48] [--experts-type q4_0|q8_0|bf16]
+    python3 tools/peers/gen_gguf.py dense OUT.gguf [--layers 32] [--scale N]
+
+moe:   Qwen3-30B-A3B shape (arch qwen3moe): 48 layers, hidden 2048, 32 q / 4 kv heads of dim
+       128, q/k norm, 128 experts top-8, expert intermediate 768, vocab 151936; experts in
+       Q4_0 (random fp16 scale of small magnitude + random nibbles, written as bytes), the rest
+       BF16 (norms F32).
+dense: Llama-3-8B shape (arch llama): 32 layers, hidden 4096, 32/8 heads, intermediate 14336,
+       vocab 128256, BF16 (norms F32).
+Tokenizer: gpt2-style BPE with a synthetic vocab: the 256 byte-level symbols first (so any text
+tokenizes, one token per byte), then generated strings, one merge, control tokens at the real
+models' special ids. Random values come from a pool that tensors view at random offsets (fast:
+the file is written at disk speed; the contents repeat, which does not change the speed of the
+arithmetic).
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+try:  # the gguf package (PyPI; Tandem's dev extra), else the llama.cpp tree's own copy
+    import gguf
+except ImportError:
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parents[2] / ".peers" / "llama.cpp" / "gguf-py")
+    )
+    import gguf
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def bytes_to_unicode() -> list[str]:
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+
+
+class Pools:
+    def __init__(self, bf16_elems: int, q_blocks: int, std: float = 0.02) -> None:
+        t = time.time()
+        x = RNG.standard_normal(bf16_elems, dtype=np.float32) * std
+        self.bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)
+        del x
+        self.q4 = np.empty((q_blocks, 18), np.uint8)
+        # Q4_0 value = d * (q - 8), q uniform in 0..15: std ~ 4.6 d; d ~ U(0.003, 0.006)
+        d = RNG.uniform(0.003, 0.006, q_blocks).astype(np.float16)
+        self.q4[:, :2] = d.view(np.uint8).reshape(q_blocks, 2)
+        self.q4[:, 2:] = RNG.integers(0, 256, (q_blocks, 16), dtype=np.uint8)
+        self.q8 = np.empty((q_blocks, 34), np.uint8)
+        d8 = RNG.uniform(0.0002, 0.0004, q_blocks).astype(np.float16)
+        self.q8[:, :2] = d8.view(np.uint8).reshape(q_blocks, 2)
+        self.q8[:, 2:] = RNG.integers(0, 256, (q_blocks, 32), dtype=np.uint8)
+        print(f"pools ready in {time.time() - t:.1f}s", flush=True)
+
+    def bf16_tensor(self, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape))
+        if n <= len(self.bf16) // 2:
+            off = int(RNG.integers(0, len(self.bf16) - n))
+            return self.bf16[off : off + n].reshape(shape)
+        return np.resize(self.bf16, n).reshape(shape)  # a copy, repeating the pool
+
+    def q_tensor(self, shape: tuple[int, ...], kind: str) -> np.ndarray:
+        pool, bs = (self.q4, 18) if kind == "q4_0" else (self.q8, 34)
+        nblk = int(np.prod(shape)) // 32
+        if nblk <= len(pool) // 2:
+            off = int(RNG.integers(0, len(pool) - nblk))
+            flat = pool[off : off + nblk]
+        else:
+            flat = np.resize(pool, (nblk, bs))
+        return flat.reshape(*shape[:-1], shape[-1] // 32 * bs)
+
+
+def add_vocab(w: gguf.GGUFWriter, n: int, specials: dict[int, str]) -> None:
+    # the one merge's result is a token too, as a BPE tokenizer (Tandem's) requires
+    toks = [*bytes_to_unicode(), "Ġt", *(f"tok{i}" for i in range(257, n))]
+    types = [1] * n
+    for i, s in specials.items():
+        toks[i] = s
+        types[i] = 3
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_types(types)
+    w.add_token_merges(["Ġ t"])
+
+
+def f32_ones(n: int) -> np.ndarray:
+    return np.ones(n, np.float32)
+
+
+def write_moe(path: str, layers: int, experts_type: str, scale: int) -> None:
+    H, E, K, I = 2048 // scale, 128 // scale, 8, 768 // scale  # noqa: E741
+    NH, NKV, HD, V = 32 // scale, 4, 128, 151936 // scale
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_name(f"qwen3moe-30B-A3B-shape-random-{experts_type}")
+    w.add_context_length(40960)
+    w.add_embedding_length(H)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(6144 // scale)
+    w.add_expert_feed_forward_length(I)
+    w.add_head_count(NH)
+    w.add_head_count_kv(NKV)
+    w.add_key_length(HD)
+    w.add_value_length(HD)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    w.add_file_type(
+        gguf.LlamaFileType.MOSTLY_Q4_0
+        if experts_type == "q4_0"
+        else gguf.LlamaFileType.MOSTLY_Q8_0
+        if experts_type == "q8_0"
+        else gguf.LlamaFileType.MOSTLY_BF16
+    )
+    add_vocab(
+        w,
+        V,
+        {V - 293: "<|endoftext|>", V - 292: "<|im_start|>", V - 291: "<|im_end|>"}
+        if scale == 1
+        else {V - 3: "<|endoftext|>", V - 2: "<|im_start|>", V - 1: "<|im_end|>"},
+    )
+    bos = V - 293 if scale == 1 else V - 3
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(bos + 2)
+    w.add_add_bos_token(False)
+    P = Pools(
+        (512 << 20 if experts_type == "bf16" else 64 << 20) // scale,
+        16 << 20 if scale == 1 else 1 << 20,
+    )
+    BF = Q.BF16
+    w.add_tensor("token_embd.weight", P.bf16_tensor((V, H)), raw_dtype=BF)
+    for i in range(layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", f32_ones(H))
+        w.add_tensor(b + "attn_q.weight", P.bf16_tensor((NH * HD, H)), raw_dtype=BF)
+        w.add_tensor(b + "attn_k.weight", P.bf16_tensor((NKV * HD, H)), raw_dtype=BF)
+        w.add_tensor(b + "attn_v.weight", P.bf16_tensor((NKV * HD, H)), raw_dtype=BF)
+        w.add_tensor(b + "attn_output.weight", P.bf16_tensor((H, NH * HD)), raw_dtype=BF)
+        w.add_tensor(b + "attn_q_norm.weight", f32_ones(HD))
+        w.add_tensor(b + "attn_k_norm.weight", f32_ones(HD))
+        w.add_tensor(b + "ffn_norm.weight", f32_ones(H))
+        w.add_tensor(b + "ffn_gate_inp.weight", P.bf16_tensor((E, H)).view(np.uint16), raw_dtype=BF)
+        for name, shape in (
+            ("ffn_gate_exps", (E, I, H)),
+            ("ffn_up_exps", (E, I, H)),
+            ("ffn_down_exps", (E, H, I)),
+        ):
+            if experts_type == "bf16":
+                w.add_tensor(b + name + ".weight", P.bf16_tensor(shape), raw_dtype=BF)
+            else:
+                w.add_tensor(
+                    b + name + ".weight",
+                    P.q_tensor(shape, experts_type),
+                    raw_dtype=Q.Q4_0 if experts_type == "q4_0" else Q.Q8_0,
+                )
+    w.add_tensor("output_norm.weight", f32_ones(H))
+    w.add_tensor("output.weight", P.bf16_tensor((V, H)), raw_dtype=BF)
+    finish(w, path)
+
+
+def write_dense(path: str, layers: int, scale: int) -> None:
+    H, FF, NH, NKV, HD, V = (
+        4096 // scale,
+        14336 // scale,
+        32 // scale,
+        8 // scale,
+        128,
+        128256 // scale,
+    )
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("llama-3-8B-shape-random-bf16")
+    w.add_context_length(8192)
+    w.add_embedding_length(H)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(NH)
+    w.add_head_count_kv(NKV)
+    w.add_key_length(HD)
+    w.add_value_length(HD)
+    w.add_rope_dimension_count(HD)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    sp = {V - 256: "<|begin_of_text|>", V - 255: "<|end_of_text|>", V - 247: "<|eot_id|>"}
+    add_vocab(w, V, sp)
+    w.add_bos_token_id(V - 256)
+    w.add_eos_token_id(V - 255)
+    w.add_add_bos_token(False)
+    P = Pools(128 << 20, 1 << 10)
+    BF = Q.BF16
+    w.add_tensor("token_embd.weight", P.bf16_tensor((V, H)), raw_dtype=BF)
+    for i in range(layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", f32_ones(H))
+        w.add_tensor(b + "attn_q.weight", P.bf16_tensor((NH * HD, H)), raw_dtype=BF)
+        w.add_tensor(b + "attn_k.weight", P.bf16_tensor((NKV * HD, H)), raw_dtype=BF)
+        w.add_tensor(b + "attn_v.weight", P.bf16_tensor((NKV * HD, H)), raw_dtype=BF)
+        w.add_tensor(b + "attn_output.weight", P.bf16_tensor((H, NH * HD)), raw_dtype=BF)
+        w.add_tensor(b + "ffn_norm.weight", f32_ones(H))
+        w.add_tensor(b + "ffn_gate.weight", P.bf16_tensor((FF, H)), raw_dtype=BF)
+        w.add_tensor(b + "ffn_up.weight", P.bf16_tensor((FF, H)), raw_dtype=BF)
+        w.add_tensor(b + "ffn_down.weight", P.bf16_tensor((H, FF)), raw_dtype=BF)
+    w.add_tensor("output_norm.weight", f32_ones(H))
+    w.add_tensor("output.weight", P.bf16_tensor((V, H)), raw_dtype=BF)
+    finish(w, path)
+
+
+def finish(w: gguf.GGUFWriter, path: str) -> None:
+    t = time.time()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    size = Path(path).stat().st_size
+    print(f"{path}: {size / 1e9:.2f} GB written in {time.time() - t:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kind", choices=["moe", "dense"])
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--experts-type", default="q4_0", choices=["q4_0", "q8_0", "bf16"])
+    ap.add_argument("--scale", type=int, default=1, help="divide dims by this (local tests)")
+    a = ap.parse_args()
+    if a.kind == "moe":
+        write_moe(a.out, a.layers or 48, a.experts_type, a.scale)
+    else:
+        write_dense(a.out, a.layers or 32, a.scale)

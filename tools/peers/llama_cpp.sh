@@ -33,8 +33,9 @@ fetch() {
   rm -rf "$tmp"
   # what neither build nor llama-bench/llama-server needs: models, docs, examples, tests, the
   # web UI's sources and the GPU backends other than CUDA
-  (cd "$TREE" && rm -rf models docs examples tests media tools/server/webui .github \
-    ggml/src/ggml-{vulkan,sycl,metal,opencl,musa,cann,kompute,hip,webgpu,zdnn,rpc})
+  (cd "$TREE" && rm -rf models docs examples tests media benches conversion .github .devops \
+    tools/ui/src tools/ui/tests tools/ui/package-lock.json tools/server/webui \
+    ggml/src/ggml-{vulkan,sycl,metal,opencl,musa,cann,kompute,hip,webgpu,zdnn,rpc,hexagon,et,openvino,virtgpu})
   du -sh "$TREE"
 }
 

@@ -283,7 +283,11 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
 
 
 def _chat_output(
-    tokenizer: Any, tools: ToolRequest | None, prompt_text: str, kwargs: dict[str, Any]
+    tokenizer: Any,
+    tools: ToolRequest | None,
+    prompt_text: str,
+    kwargs: dict[str, Any],
+    constrained: bool,
 ) -> ChatOutputOptions:
     template = getattr(tokenizer, "chat_template", None)
     parser = None
@@ -295,7 +299,7 @@ def _chat_output(
     if kwargs.get("skip_special_tokens") is False:
         eos = getattr(tokenizer, "eos_token_ids", ())
         end_texts = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in eos)
-    reasons = template_reasons(template)
+    reasons = template_reasons(template) and not constrained  # a grammar leaves no room to think
     return ChatOutputOptions(
         reasoning=reasons,
         starts_in_reasoning=reasons and prompt_text.rstrip().endswith(THINK_OPEN),
@@ -387,7 +391,7 @@ def parse_generation(
             body.get("messages"), tokenizer, tools, _template_kwargs(body)
         )
         prompts = [ids]
-        chat_output = _chat_output(tokenizer, tools, prompt_text, kwargs)
+        chat_output = _chat_output(tokenizer, tools, prompt_text, kwargs, grammar is not None)
         # both are checked; the newer name wins when both are set (a null one counts as unset)
         newer = _opt(body, "max_completion_tokens", (int,), "an integer")
         older = _opt(body, "max_tokens", (int,), "an integer")

@@ -200,7 +200,7 @@ class CudaSampler(Sampler):
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # the host builds the masks now, while the forward runs on the device
-            grammar_mask = self._masks.stage(constrained, [rows[i].grammar for i in constrained])
+            grammar_mask = self._masks.stage(constrained, [rows[i].grammar for i in constrained], n)
         plain = not pen and not bans and not biased and not constrained
         if all(greedy) and plain:  # the plain greedy step: nothing to stage
             ids = logits.argmax(dim=-1)
@@ -314,9 +314,10 @@ class _MaskStaging:
         self._event = torch.cuda.Event() if self._cuda else None
 
     def stage(
-        self, rows: list[int], matchers: list[GrammarMatcher]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (row indices `[k]` int64, bitmask `[k, words]` int32), both on the device."""
+        self, rows: list[int], matchers: list[GrammarMatcher], num_rows: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """-> (row indices `[k]` int64, None when all `num_rows` rows are constrained; bitmask
+        `[k, words]` int32), both on the device."""
         from runtime.grammar import fill_bitmask
 
         k, words = len(rows), matchers[0].mask_words
@@ -326,8 +327,10 @@ class _MaskStaging:
             self._event.synchronize()  # the last copy out of these buffers has run
         host = self._host[:k]
         fill_bitmask(matchers, host)
-        self._rows_host[:k] = torch.tensor(rows, dtype=torch.int64)
-        rows_d = self._rows_host[:k].to(self.device, non_blocking=self._cuda)
+        rows_d = None
+        if rows != list(range(num_rows)):
+            self._rows_host[:k] = torch.tensor(rows, dtype=torch.int64)
+            rows_d = self._rows_host[:k].to(self.device, non_blocking=self._cuda)
         mask_d = host.to(self.device, non_blocking=self._cuda)
         if self._event is not None:
             self._event.record()

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 
 from runtime.sampling_params import GrammarSpec
@@ -27,9 +28,12 @@ class GrammarError(ValueError):
 class GrammarMatcher:
     """One request's position in its grammar. `accept` advances it by a sampled token."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, mask_words: int, banned: int | None = None
+    ) -> None:
         self._m = matcher
         self.mask_words = mask_words  # int32 words in its bitmask row
+        self.banned = banned  # a token cleared from every mask (a stand-in EOS)
 
     def accept(self, token_id: int) -> None:
         self._m.consume_token(token_id)
@@ -51,12 +55,13 @@ class GrammarMatcher:
 class CompiledGrammar:
     """A checked grammar; each request gets a copy of its template matcher."""
 
-    def __init__(self, template: llguidance.LLMatcher, mask_words: int) -> None:
+    def __init__(self, template: llguidance.LLMatcher, mask_words: int, banned: int | None) -> None:
         self._template = template
         self._mask_words = mask_words
+        self._banned = banned
 
     def new_matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy(), self._mask_words)
+        return GrammarMatcher(self._template.deep_copy(), self._mask_words, self._banned)
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
@@ -81,13 +86,14 @@ class GrammarCompiler:
     thread (llguidance drops the GIL while it builds), then `cached` is a dict lookup."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        # Without an EOS a virtual one past the logits keeps llguidance from choosing a real
-        # token as the end; logits never reach it, so the grammar ends by completion only.
+        # llguidance needs an EOS. Without one, token 0 stands in and is cleared from every
+        # mask, so a grammar ends by completion only (a byte tokenizer's 0 is NUL, which JSON
+        # strings cannot hold anyway).
         self.vocab_size = vocab_size
-        n_vocab = vocab_size if eos_token_ids else vocab_size + 1
-        eos: Any = list(eos_token_ids) if eos_token_ids else vocab_size
+        eos: Any = list(eos_token_ids) if eos_token_ids else 0
+        self.banned = None if eos_token_ids else 0
         self._tokenizer_json = tokenizer_json
-        self._n_vocab, self._eos = n_vocab, eos
+        self._n_vocab, self._eos = vocab_size, eos
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
@@ -125,7 +131,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tok, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(_clean(matcher.get_error()))
-        compiled = CompiledGrammar(matcher, self.mask_words)
+        compiled = CompiledGrammar(matcher, self.mask_words, self.banned)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > _CACHE_SIZE:
@@ -149,10 +155,7 @@ def grammar_compiler_for(tokenizer: Any, vocab_size: int, eos: tuple[int, ...]) 
 # -- masks ------------------------------------------------------------------------------------
 
 _EXECUTOR: llguidance.LLExecutor | None = None
-_BYTE_BITS_CPU = torch.tensor(
-    [[(b >> i) & 1 for i in range(8)] for b in range(256)], dtype=torch.bool
-)
-_byte_bits: dict[torch.device, torch.Tensor] = {}  # [256, 8] bool per device: bits of a byte
+_shifts: dict[torch.device, torch.Tensor] = {}  # [32] int32 per device: 0..31
 
 
 def fill_bitmask(matchers: list[GrammarMatcher], out: torch.Tensor) -> None:
@@ -163,21 +166,36 @@ def fill_bitmask(matchers: list[GrammarMatcher], out: torch.Tensor) -> None:
     n, words = len(matchers), out.shape[1]
     if n == 1:
         matchers[0].llg.unsafe_compute_mask_ptr(out.data_ptr(), words * 4)
+    else:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        pairs = [(m.llg, i) for i, m in enumerate(matchers)]
+        _EXECUTOR.unsafe_compute_mask_ptr(pairs, out.data_ptr(), words * 4, out.shape[0])
+    banned = matchers[0].banned
+    if banned is not None:
+        word, bit = divmod(banned, 32)
+        keep = ~(1 << bit) & 0xFFFFFFFF
+        out[:n, word] &= keep - (1 << 32) if keep >= 1 << 31 else keep
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> None:
+    """In place: logits `[N, V]` float32; rows `[k]` int64 on the logits' device, or None for
+    all N rows; bitmask `[k, words]` int32 on the logits' device. Tokens whose bit is clear in
+    their row's mask become -inf; other rows are not touched."""
+    vocab = logits.shape[1]
+    k = bitmask.shape[0]
+    if bitmask.device.type == "cpu":  # numpy's unpackbits is a tight C loop
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        banned = torch.from_numpy(bits).view(torch.bool)[:, :vocab].logical_not()
+    else:
+        shifts = _shifts.get(bitmask.device)
+        if shifts is None:
+            shifts = _shifts[bitmask.device] = torch.arange(
+                32, dtype=torch.int32, device=bitmask.device
+            )
+        banned = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(k, -1)[:, :vocab] == 0
+    if rows is None:
+        logits.masked_fill_(banned, float("-inf"))
         return
-    if _EXECUTOR is None:
-        _EXECUTOR = llguidance.LLExecutor()
-    pairs = [(m.llg, i) for i, m in enumerate(matchers)]
-    _EXECUTOR.unsafe_compute_mask_ptr(pairs, out.data_ptr(), words * 4, out.shape[0])
-
-
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: logits `[N, V]` float32, rows `[k]` int64, bitmask `[k, words]` int32, all on
-    the logits' device. Tokens whose bit is clear in their row's mask become -inf."""
-    table = _byte_bits.get(logits.device)
-    if table is None:
-        table = _byte_bits[logits.device] = _BYTE_BITS_CPU.to(logits.device)
-    k, vocab = rows.shape[0], logits.shape[1]
-    as_bytes = bitmask.contiguous().view(torch.uint8).long()  # little-endian: bit t in byte t//8
-    allowed = table[as_bytes].view(k, -1)[:, :vocab]  # [k, V] bool
-    sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    sub = logits.index_select(0, rows).masked_fill_(banned, float("-inf"))
     logits.index_copy_(0, rows, sub)

@@ -120,7 +120,9 @@ class Sampler:
         matchers = [rows[i].grammar for i in idx]
         bitmask = torch.empty(len(idx), matchers[0].mask_words, dtype=torch.int32)
         fill_bitmask(matchers, bitmask)  # type: ignore[arg-type]
-        rows_t = torch.tensor(idx, dtype=torch.int64, device=self.device)
+        rows_t = None
+        if len(idx) != len(rows):
+            rows_t = torch.tensor(idx, dtype=torch.int64, device=self.device)
         apply_bitmask(logits, rows_t, bitmask.to(self.device))
 
     def _apply_top_k_top_p_min_p(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:

@@ -285,3 +285,19 @@ def test_logit_bias_is_validated(llm) -> None:
         SamplingParams(logit_bias={i: 1.0 for i in range(301)})
     with pytest.raises(SamplingParamsError, match="vocabulary"):
         llm.engine.add_request("lb", [1, 2], SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_a_tokenizer_without_eos_ends_grammars_by_completion_only() -> None:
+    tok = Tokenizer.synthetic(300)
+    c = GrammarCompiler(tok.backend.to_str(), 300, ())
+    m = c.compile(GrammarSpec("regex", "a+")).new_matcher()
+    m.accept(ord("a"))  # complete, yet it may go on: only "a" may follow, never the stand-in EOS
+    bm = torch.zeros(1, m.mask_words, dtype=torch.int32)
+    fill_bitmask([m], bm)
+    logits = torch.zeros(1, 300)
+    apply_bitmask(logits, None, bm)
+    assert [t for t in range(300) if logits[0, t] == 0] == [ord("a")]
+    m2 = c.compile(GrammarSpec("regex", "ab")).new_matcher()
+    m2.accept(ord("a"))
+    m2.accept(ord("b"))
+    assert m2.is_done

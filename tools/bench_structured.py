@@ -6,7 +6,7 @@
 A random-weight Llama (hidden 256, 4 layers; the vocabulary of the tokenizer: SmolLM2's 49152
 when given its tokenizer.json, else a synthetic one) decodes B sequences for a fixed number
 of steps in three mixes: all free (the peer), one constrained row plus B-1 free, all rows
-constrained (a JSON schema of arrays of objects that a random model never completes). Prints
+constrained (JSON objects of a schema one after another, EOS banned: never complete). Prints
 the mean engine step time of each and, separately, the host mask build (llguidance) and the
 masking on the device for k rows. On CUDA the engine runs its overlap scheduler and decode
 graphs; a step with a constrained row waits for the previous one (see docs).
@@ -33,15 +33,16 @@ from runtime.engine import Engine  # noqa: E402
 from runtime.grammar import apply_bitmask, fill_bitmask  # noqa: E402
 from runtime.sampling_params import GrammarSpec, SamplingParams  # noqa: E402
 
-SCHEMA = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
-                       "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}}},
-        "required": ["name", "n", "tags"],
-    },
+# JSON objects of this schema, one after another without end: EOS is banned by logit_bias,
+# so a constrained row decodes for the whole measurement.
+ITEM = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}}},
+    "required": ["name", "n", "tags"],
+    "additionalProperties": False,
 }  # fmt: skip
+GRAMMAR = "start: item+\nitem: %json " + json.dumps(ITEM)
 
 
 def load_tokenizer(path: str | None, vocab: int) -> Tokenizer:
@@ -73,12 +74,14 @@ def make_engine(tok: Tokenizer, device: str, max_seqs: int) -> Engine:
 
 
 def step_ms(engine: Engine, batch: int, constrained: int, steps: int, warmup: int) -> float:
-    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    spec = GrammarSpec("grammar", GRAMMAR)
     engine.grammar_compiler.compile(spec)
     total = warmup + steps + 4
+    no_eos = tuple((t, -100.0) for t in engine.eos_token_ids)
     for i in range(batch):
-        g = spec if i < constrained else None
-        p = SamplingParams(max_tokens=total, temperature=1.0, seed=i, ignore_eos=True, grammar=g)
+        g, bias = (spec, no_eos) if i < constrained else (None, ())
+        p = SamplingParams(max_tokens=total, temperature=1.0, seed=i, ignore_eos=True,
+                           grammar=g, logit_bias=bias)  # fmt: skip
         engine.add_request(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8], p)
     for _ in range(warmup):
         engine.step()
@@ -89,6 +92,8 @@ def step_ms(engine: Engine, batch: int, constrained: int, steps: int, warmup: in
         engine.step()
     sync()
     ms = (time.perf_counter() - t) / steps * 1e3
+    running = engine.scheduler.num_running
+    assert running == batch, f"{batch - running} rows ended early: the figure would be wrong"
     for i in range(batch):
         engine.abort_request(f"r{i}")
     while engine.has_unfinished_requests():
@@ -98,10 +103,9 @@ def step_ms(engine: Engine, batch: int, constrained: int, steps: int, warmup: in
 
 def mask_ms(engine: Engine, k: int, reps: int = 20) -> tuple[float, float]:
     """-> (host mask build for k rows, masking k rows of [64, V] logits), ms each."""
-    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
-    compiled = engine.grammar_compiler.compile(spec)
+    compiled = engine.grammar_compiler.compile(GrammarSpec("grammar", GRAMMAR))
     matchers = [compiled.new_matcher() for _ in range(k)]
-    prefix = engine.tokenizer.encode('[{"name":"ab')
+    prefix = engine.tokenizer.encode('{"name":"ab')
     for m in matchers:
         for t in prefix:
             m.accept(t)

@@ -264,3 +264,38 @@ async def test_reasoning_content_is_separate(family: str) -> None:
             assert err.value.body["param"] == "chat_template_kwargs.messages"
     finally:
         await running.shutdown(timeout=5)
+
+
+async def test_vllm_extras_on_chat_and_completions(client: openai.AsyncOpenAI) -> None:
+    import re
+
+    model = (await client.models.list()).data[0].id
+    cases = [
+        ({"guided_choice": ["sunny", "rainy day"]}, r"(sunny|rainy day)"),
+        ({"structured_outputs": {"regex": r"[0-9]{3}-[a-c]{2}"}}, r"[0-9]{3}-[a-c]{2}"),
+        ({"guided_grammar": 'root ::= "(" [xy]+ ")"'}, r"\([xy]+\)"),
+        ({"guided_json": PERSON}, None),
+    ]
+    for extra, pattern in cases:
+        chat = await client.chat.completions.create(
+            model=model, messages=ASK, max_tokens=60, temperature=1.0, seed=2, extra_body=extra
+        )
+        comp = await client.completions.create(
+            model=model, prompt="The weather:", max_tokens=60, temperature=1.0, seed=2,
+            extra_body=extra,
+        )  # fmt: skip
+        for text, finish in (
+            (chat.choices[0].message.content, chat.choices[0].finish_reason),
+            (comp.choices[0].text, comp.choices[0].finish_reason),
+        ):
+            assert finish == "stop", (extra, text)
+            if pattern is None:
+                jsonschema.validate(json.loads(text), PERSON)
+            else:
+                assert re.fullmatch(pattern, text), (extra, text)
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model=model, messages=ASK, response_format={"type": "json_object"},
+            extra_body={"guided_regex": "a+"},
+        )  # fmt: skip
+    assert err.value.body["param"] == "guided_regex"

@@ -125,10 +125,7 @@ class GrammarCompiler:
             return hit
         tok = self._llg_tokenizer()
         text = _grammar_text(spec)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tok)
-        if is_error:
-            raise GrammarError(_clean(messages[0] if messages else "invalid grammar"))
-        matcher = llguidance.LLMatcher(tok, text, log_level=0)
+        matcher = llguidance.LLMatcher(tok, text, log_level=0)  # an invalid one is in error
         if matcher.is_error():
             raise GrammarError(_clean(matcher.get_error()))
         compiled = CompiledGrammar(matcher, self.mask_words, self.banned)

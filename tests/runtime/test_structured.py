@@ -301,3 +301,31 @@ def test_a_tokenizer_without_eos_ends_grammars_by_completion_only() -> None:
     m2.accept(ord("a"))
     m2.accept(ord("b"))
     assert m2.is_done
+
+
+def test_the_loop_compiles_off_the_event_loop(llm) -> None:
+    import asyncio
+    import threading
+
+    from runtime.loop import EngineLoop
+
+    seen: list[threading.Thread] = []
+    compiler = llm.engine.grammar_compiler
+    real = compiler.compile
+
+    class Spy:
+        def compile(self, spec):  # noqa: ANN001, ANN202
+            seen.append(threading.current_thread())
+            return real(spec)
+
+    class EngineStub:
+        grammar_compiler = Spy()
+
+    async def main() -> None:
+        loop = EngineLoop(EngineStub())  # type: ignore[arg-type]
+        await loop.compile_grammar(GrammarSpec("regex", "[a-z]{3}"))
+        with pytest.raises(GrammarError):
+            await loop.compile_grammar(GrammarSpec("regex", "("))
+
+    asyncio.run(main())
+    assert seen and all(t is not threading.main_thread() for t in seen)

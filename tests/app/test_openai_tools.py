@@ -18,6 +18,8 @@ import pytest
 
 from app.config import ServerConfig
 from app.serve import RunningServer, start_server
+from tests.app import fake_engine
+from tests.app.fake_engine import FakeEngine, FakeTokenizer
 from tests.app.family_models import FAMILIES, family_engine
 
 WEATHER = {
@@ -299,3 +301,72 @@ async def test_vllm_extras_on_chat_and_completions(client: openai.AsyncOpenAI) -
             extra_body={"guided_regex": "a+"},
         )  # fmt: skip
     assert err.value.body["param"] == "guided_regex"
+
+
+# -- tool_choice "auto": a scripted reply (the fake engine) through the family's parser --------
+
+SCRIPT = (
+    "<think>The user wants weather.</think>\n\nChecking.<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+)
+
+
+class HermesFakeTokenizer(FakeTokenizer):
+    chat_template = "{{ '<tool_call>' }} ... </think>"  # picks the Hermes parser and <think>
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):  # noqa: ANN001, ANN201
+        tools = kwargs.get("tools") or []
+        head = "".join(f"<tool>{t['function']['name']}\n" for t in tools)
+        return head + super().apply_chat_template(messages, add_generation_prompt)
+
+
+@pytest.fixture
+async def scripted(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[openai.AsyncOpenAI]:
+    monkeypatch.setattr(fake_engine, "REPLY", SCRIPT)
+    engine = FakeEngine(max_model_len=4096, eos_after=len(SCRIPT))
+    engine.tokenizer = HermesFakeTokenizer()
+    running = await start_server(ServerConfig(port=0), engine)
+    yield openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{running.port}/v1", api_key="x", max_retries=0
+    )
+    await running.shutdown(timeout=5)
+
+
+async def test_auto_tool_call_parsed_whole_and_streamed(scripted: openai.AsyncOpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model="fake-model", messages=ASK, tools=TOOLS, max_tokens=400)
+    r = await scripted.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    assert choice.message.model_dump()["reasoning_content"] == "The user wants weather."
+    check_calls(choice.message.tool_calls, {"get_weather"})
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {
+        "city": "Paris", "unit": "c"
+    }  # fmt: skip
+    async with scripted.chat.completions.stream(**kwargs) as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_completion()
+    msg = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Checking."
+    assert [c.function.arguments for c in msg.tool_calls] == [
+        c.function.arguments for c in choice.message.tool_calls
+    ]
+    # tool_choice none: the same text is plain content (the thought still split off)
+    none = await scripted.chat.completions.create(**kwargs, tool_choice="none")
+    assert none.choices[0].finish_reason == "stop"
+    assert none.choices[0].message.content.startswith("Checking.<tool_call>")
+    assert not none.choices[0].message.tool_calls
+
+
+async def test_auto_with_a_malformed_call_falls_back_to_content(
+    scripted: openai.AsyncOpenAI,
+) -> None:
+    r = await scripted.chat.completions.create(
+        model="fake-model", messages=ASK, tools=TOOLS, max_tokens=60
+    )  # cut inside the call's JSON by max_tokens
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content.startswith("Checking.<tool_call>")
+    assert not choice.message.tool_calls

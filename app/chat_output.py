@@ -5,7 +5,7 @@ and as the final message. Never raises on model output: what does not parse is c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.reasoning import ReasoningStream
@@ -20,6 +20,7 @@ class ChatOutputOptions:
     tools: ToolRequest | None = None
     parser: ToolParser | None = None  # for tool_choice "auto"
     end_texts: tuple[str, ...] = ()  # EOS texts to cut where special tokens are kept
+    call_id_style: str = "openai"  # "mistral": the 9-character ids its templates check
 
     @property
     def active(self) -> bool:
@@ -45,7 +46,7 @@ class ChatOutput:
         self.content = ""
         self.calls: list[ToolCall] = []
         self._raw = ""  # required/named: the forced JSON
-        self._named_id = new_call_id()
+        self._named_id = new_call_id(options.call_id_style)
 
     # -- streaming ------------------------------------------------------------------------
 
@@ -116,6 +117,7 @@ class ChatOutput:
     def _new_calls(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[dict[str, Any]]:
         out = []
         for call in calls:
+            call = replace(call, id=new_call_id(self.o.call_id_style))
             index = len(self.calls)
             self.calls.append(call)
             out.append(

@@ -148,6 +148,21 @@ def _opt(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) ->
     return value
 
 
+class JsonArguments(dict):
+    """Tool-call arguments for a chat template: a mapping (`| tojson`, `is mapping`, as
+    transformers' templates expect) that also reads as its JSON text where a template
+    concatenates it as a string (DeepSeek-V3's `'```json\n' + arguments`)."""
+
+    def __str__(self) -> str:
+        return orjson.dumps(self).decode()
+
+    def __add__(self, other: Any) -> str:
+        return str(self) + other
+
+    def __radd__(self, other: Any) -> str:
+        return other + str(self)
+
+
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls`, with arguments as objects (templates expect them)."""
     if not isinstance(calls, list):
@@ -169,7 +184,10 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             {
                 "id": call.get("id"),
                 "type": "function",
-                "function": {"name": fn["name"], "arguments": args},
+                "function": {
+                    "name": fn["name"],
+                    "arguments": JsonArguments(args) if isinstance(args, dict) else args,
+                },
             }
         )
     return out
@@ -290,9 +308,10 @@ def _chat_output(
     constrained: bool,
 ) -> ChatOutputOptions:
     template = getattr(tokenizer, "chat_template", None)
+    family = parser_for_template(template) if tools is not None else None
     parser = None
     if tools is not None and tools.choice == "auto":
-        parser = parser_for_template(template)
+        parser = family
         if parser is not None and parser.needs_special_tokens:
             kwargs["skip_special_tokens"] = False
     end_texts: tuple[str, ...] = ()
@@ -306,6 +325,7 @@ def _chat_output(
         tools=tools,
         parser=parser,
         end_texts=end_texts,
+        call_id_style="mistral" if family is not None and family.name == "mistral" else "openai",
     )
 
 

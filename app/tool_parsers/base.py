@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
-def new_call_id() -> str:
+def new_call_id(style: str = "openai") -> str:
+    """OpenAI's `call_` + 24 characters; Mistral's templates insist on 9 alphanumerics."""
+    if style == "mistral":
+        return uuid.uuid4().hex[:9]
     return f"call_{uuid.uuid4().hex[:24]}"
 
 

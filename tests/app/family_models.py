@@ -77,7 +77,7 @@ _MISTRAL = """<s>{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_
 {%- for m in messages %}
 {%- if m.role == "assistant" and m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | map(attribute="function") | list | tojson }}</s>
 {%- elif m.role == "assistant" %}{{ m.content }}</s>
-{%- elif m.role == "tool" %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
+{%- elif m.role == "tool" %}{% if m.tool_call_id | length != 9 %}{{ raise_exception("tool call ids are 9 characters") }}{% endif %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
 {%- else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"""
 
 _DEEPSEEK = """<｜begin▁of▁sentence｜>{% if tools %}You may call: {{ tools | tojson }}{% endif %}
@@ -85,10 +85,7 @@ _DEEPSEEK = """<｜begin▁of▁sentence｜>{% if tools %}You may call: {{ tools
 {%- if m.role == "system" %}{{ m.content }}
 {%- elif m.role == "user" %}<｜User｜>{{ m.content }}
 {%- elif m.role == "assistant" and m.tool_calls %}<｜Assistant｜><｜tool▁calls▁begin｜>
-{%- for c in m.tool_calls %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c.function.name }}
-```json
-{{ c.function.arguments | tojson }}
-```<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>
+{%- for c in m.tool_calls %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c.function.name + '\n```json\n' + c.function.arguments + '\n```' }}<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>
 {%- elif m.role == "tool" %}<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>
 {%- else %}<｜Assistant｜>{{ m.content.split('</think>')[-1] }}<｜end▁of▁sentence｜>{% endif %}
 {%- endfor %}

@@ -76,10 +76,14 @@ async def client(engine: Any) -> AsyncIterator[openai.AsyncOpenAI]:
     assert not engine.has_unfinished_requests()
 
 
-def check_calls(calls: Any, allowed: set[str]) -> None:
+def check_calls(calls: Any, allowed: set[str], mistral: bool = False) -> None:
     assert calls
     for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function"
+        if mistral:  # its templates refuse other ids in the follow-up turn
+            assert len(call.id) == 9 and call.id.isalnum(), call.id
+        else:
+            assert call.id.startswith("call_") and len(call.id) == 29, call.id
         assert call.function.name in allowed
         jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
@@ -119,7 +123,7 @@ async def test_strict_json_schema(client: openai.AsyncOpenAI) -> None:
         jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
-async def test_tool_choice_required(client: openai.AsyncOpenAI) -> None:
+async def test_tool_choice_required(client: openai.AsyncOpenAI, engine: Any) -> None:
     r = await client.chat.completions.create(
         model=(await client.models.list()).data[0].id,
         messages=ASK,
@@ -133,10 +137,10 @@ async def test_tool_choice_required(client: openai.AsyncOpenAI) -> None:
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert len(choice.message.tool_calls) == 1
-    check_calls(choice.message.tool_calls, set(PARAMS))
+    check_calls(choice.message.tool_calls, set(PARAMS), engine.model_name == "tiny-mistral")
 
 
-async def test_named_function(client: openai.AsyncOpenAI) -> None:
+async def test_named_function(client: openai.AsyncOpenAI, engine: Any) -> None:
     r = await client.chat.completions.create(
         model=(await client.models.list()).data[0].id,
         messages=ASK,
@@ -148,10 +152,12 @@ async def test_named_function(client: openai.AsyncOpenAI) -> None:
     )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
-    check_calls(choice.message.tool_calls, {"get_time"})
+    check_calls(choice.message.tool_calls, {"get_time"}, engine.model_name == "tiny-mistral")
 
 
-async def test_streamed_tool_call_reassembled_by_the_client(client: openai.AsyncOpenAI) -> None:
+async def test_streamed_tool_call_reassembled_by_the_client(
+    client: openai.AsyncOpenAI, engine: Any
+) -> None:
     model = (await client.models.list()).data[0].id
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         async with client.chat.completions.stream(
@@ -164,19 +170,23 @@ async def test_streamed_tool_call_reassembled_by_the_client(client: openai.Async
             final = await stream.get_final_completion()
         msg = final.choices[0].message
         assert final.choices[0].finish_reason == "tool_calls"
-        check_calls(msg.tool_calls, set(PARAMS) if choice == "required" else {"get_weather"})
+        check_calls(
+            msg.tool_calls,
+            set(PARAMS) if choice == "required" else {"get_weather"},
+            engine.model_name == "tiny-mistral",
+        )
         if choice != "required":  # the named call's arguments stream as they are generated
             assert fragments > 1
 
 
-async def test_follow_up_turn_with_the_tool_result(client: openai.AsyncOpenAI) -> None:
+async def test_follow_up_turn_with_the_tool_result(client: openai.AsyncOpenAI, engine: Any) -> None:
     model = (await client.models.list()).data[0].id
     first = await client.chat.completions.create(
         model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=300,
         temperature=0.7, seed=6,
     )  # fmt: skip
     msg = first.choices[0].message
-    check_calls(msg.tool_calls, set(PARAMS))
+    check_calls(msg.tool_calls, set(PARAMS), engine.model_name == "tiny-mistral")
     history = [
         *ASK,
         msg.model_dump(exclude_none=True),

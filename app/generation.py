@@ -51,9 +51,8 @@ async def start_generation(state: ServerState, kind: Kind, body: dict[str, Any])
         try:
             await loop.compile_grammar(req.params.grammar)
         except GrammarError as exc:
-            param = "tools" if req.chat_output.tools is not None else "response_format"
             raise APIError(
-                400, f"unsupported or invalid output constraint: {exc}", param=param,
+                400, f"unsupported or invalid output constraint: {exc}", param=req.grammar_param,
                 code="invalid_value",
             ) from None  # fmt: skip
     try:

@@ -116,6 +116,7 @@ _GUIDED: dict[str, Any] = {
         "maxProperties": 1,
         "properties": {
             "json": {"type": "object"},
+            "json_object": {"type": "boolean"},
             "regex": {"type": "string", "minLength": 1},
             "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
             "grammar": {"type": "string", "minLength": 1},

@@ -102,6 +102,7 @@ class GenerationRequest:
     include_usage: bool
     priority: int = 0
     chat_output: ChatOutputOptions = ChatOutputOptions()
+    grammar_param: str | None = None  # the field that set params.grammar
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -399,14 +400,16 @@ def parse_generation(
     if body.get("n") is not None:
         kwargs["n"] = body["n"]
     kwargs["logit_bias"] = _logit_bias(body.get("logit_bias")) or ()
-    grammar = output_grammar(body)
+    found = output_grammar(body)
+    grammar_param, grammar = found if found is not None else (None, None)
     chat_output = ChatOutputOptions()
     if kind == "chat":
         tools = parse_tools(body)
         forced = tool_grammar(tools) if tools is not None else None
         if forced is not None and grammar is not None:
             raise _bad("response_format", "tool_choice required or named sets the output format")
-        grammar = grammar or forced
+        if forced is not None:
+            grammar_param, grammar = "tool_choice", forced
         ids, prompt_text = _messages_to_prompt(
             body.get("messages"), tokenizer, tools, _template_kwargs(body)
         )
@@ -460,5 +463,5 @@ def parse_generation(
             code="context_length_exceeded",
         )
     return GenerationRequest(
-        kind, model, prompts, params, stream, include_usage, priority, chat_output
+        kind, model, prompts, params, stream, include_usage, priority, chat_output, grammar_param
     )

@@ -75,8 +75,9 @@ def _guided(kind: str, value: Any, param: str) -> GrammarSpec:
     raise _bad(param, f"unknown structured output kind {kind!r}")
 
 
-def output_grammar(body: dict[str, Any]) -> GrammarSpec | None:
-    """The one constraint the body asks for (None: free text); two at once is a 400."""
+def output_grammar(body: dict[str, Any]) -> tuple[str, GrammarSpec] | None:
+    """The one constraint the body asks for, with the field that set it (None: free text);
+    two at once is a 400."""
     found: list[tuple[str, GrammarSpec]] = []
     if body.get("response_format") is not None:
         spec = _response_format(body["response_format"])
@@ -90,10 +91,17 @@ def output_grammar(body: dict[str, Any]) -> GrammarSpec | None:
         if not isinstance(so, dict):
             raise _bad("structured_outputs", "'structured_outputs' must be an object")
         for kind, value in so.items():
+            if kind == "json_object":
+                if value not in (None, False, True):
+                    raise _bad("structured_outputs.json_object", "'json_object' is a boolean")
+                if value:
+                    found.append(("structured_outputs.json_object", GrammarSpec("json_object")))
+                continue
             if kind not in ("json", "regex", "choice", "grammar"):
                 raise APIError(
                     400,
-                    f"structured_outputs.{kind} is not supported (json, regex, choice, grammar)",
+                    f"structured_outputs.{kind} is not supported "
+                    "(json, json_object, regex, choice, grammar)",
                     param=f"structured_outputs.{kind}",
                     code="unsupported_parameter",
                 )
@@ -101,7 +109,7 @@ def output_grammar(body: dict[str, Any]) -> GrammarSpec | None:
                 found.append((f"structured_outputs.{kind}", _guided(kind, value, kind)))
     if len(found) > 1:
         raise _bad(found[1][0], f"only one output constraint per request; also got {found[0][0]}")
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 # -- tools ----------------------------------------------------------------------------------

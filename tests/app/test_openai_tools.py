@@ -287,6 +287,7 @@ async def test_vllm_extras_on_chat_and_completions(client: openai.AsyncOpenAI) -
         ({"structured_outputs": {"regex": r"[0-9]{3}-[a-c]{2}"}}, r"[0-9]{3}-[a-c]{2}"),
         ({"guided_grammar": 'root ::= "(" [xy]+ ")"'}, r"\([xy]+\)"),
         ({"guided_json": PERSON}, None),
+        ({"structured_outputs": {"json": PERSON}}, None),
     ]
     for extra, pattern in cases:
         chat = await client.chat.completions.create(
@@ -311,6 +312,11 @@ async def test_vllm_extras_on_chat_and_completions(client: openai.AsyncOpenAI) -
             extra_body={"guided_regex": "a+"},
         )  # fmt: skip
     assert err.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model=model, messages=ASK, extra_body={"structured_outputs": {"structural_tag": "x"}}
+        )
+    assert err.value.body["param"] == "structured_outputs.structural_tag"
 
 
 # -- tool_choice "auto": a scripted reply (the fake engine) through the family's parser --------

@@ -56,7 +56,6 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     grammar: GrammarMatcher | None = None  # advanced by every token appended
 
-
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from app.chat_output import ChatOutput
 from app.errors import APIError
 from app.protocol import GenerationRequest, Kind, parse_generation
 from app.responses import (
@@ -26,6 +27,7 @@ from app.responses import (
     usage_dict,
 )
 from app.state import ServerState
+from runtime.grammar import GrammarError
 from runtime.loop import EngineDeadError, LoopClosedError, QueueFullError
 from runtime.sampling_params import SamplingParamsError
 from runtime.stream import RequestStream
@@ -45,6 +47,14 @@ async def start_generation(state: ServerState, kind: Kind, body: dict[str, Any])
     loop = state.engine_loop
     req = parse_generation(kind, body, loop.tokenizer, loop.max_model_len, state.model_names)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    if req.params.grammar is not None:
+        try:
+            await loop.compile_grammar(req.params.grammar)
+        except GrammarError as exc:
+            raise APIError(
+                400, f"unsupported or invalid output constraint: {exc}", param=req.grammar_param,
+                code="invalid_value",
+            ) from None  # fmt: skip
     try:
         stream = await loop.submit(request_id, req.prompts, req.params, req.priority)
     except QueueFullError as exc:
@@ -75,6 +85,12 @@ class Generation:
         self.meta = meta
         self._token_text = state.token_text
         self.choices = [ChoiceState(i) for i in range(stream.num_choices)]
+        opts = request.chat_output
+        self.shapers = (
+            [ChatOutput(opts) for _ in self.choices]
+            if request.kind == "chat" and opts.active
+            else None
+        )
 
     @property
     def id(self) -> str:
@@ -99,7 +115,14 @@ class Generation:
     async def collect(self) -> dict[str, Any]:
         async for batch in self.stream:
             for cd in batch:
-                self._absorb(self.choices[cd.index], cd.delta)
+                c = self.choices[cd.index]
+                self._absorb(c, cd.delta)
+                if self.shapers is not None:
+                    shaper = self.shapers[cd.index]
+                    shaper.feed(cd.delta.new_text, last=cd.delta.finished)
+                    if cd.delta.finished:
+                        _, c.finish_reason = shaper.finish(c.finish_reason)
+                        c.message = shaper.message()
         return full_response(
             self.meta, self.choices, self.usage(), self._token_text, self.request.params.logprobs
         )
@@ -125,6 +148,33 @@ class Generation:
                             },
                             usage,
                         )
+                    if self.shapers is not None:
+                        shaper = self.shapers[c.index]
+                        deltas = shaper.feed(d.new_text, last=d.finished)
+                        finish = d.finish_reason
+                        if d.finished:
+                            more, finish = shaper.finish(d.finish_reason)
+                            deltas += more
+                            c.finish_reason = finish
+                        lp = chat_logprobs(d.logprobs, self._token_text) if want_lp else None
+                        if lp is not None and not deltas:
+                            deltas = [{"content": ""}]
+                        for delta in deltas:
+                            yield chunk(
+                                self.meta,
+                                {"index": c.index, "delta": delta, "logprobs": lp,
+                                 "finish_reason": None},
+                                usage,
+                            )  # fmt: skip
+                            lp = None
+                        if d.finished:
+                            yield chunk(
+                                self.meta,
+                                {"index": c.index, "delta": {}, "logprobs": None,
+                                 "finish_reason": finish},
+                                usage,
+                            )  # fmt: skip
+                        continue
                     if d.new_text or (want_lp and d.logprobs):
                         lp = chat_logprobs(d.logprobs, self._token_text) if want_lp else None
                         yield chunk(

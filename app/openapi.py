@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from runtime.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 
 def _num(lo: float, hi: float, **extra: Any) -> dict[str, Any]:
@@ -66,11 +66,110 @@ _COMMON: dict[str, Any] = {
     "user": {"type": "string", "nullable": True},
 }
 
+_LOGIT_BIAS = {
+    "type": "object",
+    "nullable": True,
+    "maxProperties": MAX_LOGIT_BIAS,
+    "propertyNames": {"pattern": "^[0-9]{1,6}$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+}
+_RESPONSE_FORMAT = {
+    "nullable": True,
+    "oneOf": [
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}},
+        },
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"type": "string", "enum": ["json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": {"type": "boolean", "nullable": True},
+                    },
+                },
+            },
+        },
+    ],
+}
+_GUIDED: dict[str, Any] = {
+    "guided_json": {"type": "object", "nullable": True},
+    "guided_regex": {"type": "string", "minLength": 1, "nullable": True},
+    "guided_choice": {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "string"},
+        "nullable": True,
+    },
+    "guided_grammar": {"type": "string", "minLength": 1, "nullable": True},
+    "structured_outputs": {
+        "type": "object",
+        "nullable": True,
+        "additionalProperties": False,
+        "maxProperties": 1,
+        "properties": {
+            "json": {"type": "object"},
+            "json_object": {"type": "boolean"},
+            "regex": {"type": "string", "minLength": 1},
+            "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            "grammar": {"type": "string", "minLength": 1},
+        },
+    },
+}
+_TOOLS = {
+    "type": "array",
+    "nullable": True,
+    "items": {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "description": {"type": "string"},
+                    "parameters": {"type": "object"},
+                },
+            },
+        },
+    },
+}
+_TOOL_CHOICE = {
+    "nullable": True,
+    "oneOf": [
+        {"type": "string", "enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+    ],
+}
+
 _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
     "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+        "role": {
+            "type": "string",
+            "enum": ["system", "developer", "user", "assistant", "tool"],
+        },
         "content": {
             "oneOf": [
                 {"type": "string"},
@@ -88,6 +187,7 @@ _MESSAGE = {
             ]
         },
         "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
     },
 }
 
@@ -101,6 +201,18 @@ CHAT_REQUEST = {
         "max_completion_tokens": _int(1),
         "logprobs": {"type": "boolean", "nullable": True},
         "top_logprobs": _int(0, MAX_TOP_LOGPROBS),
+        "logit_bias": _LOGIT_BIAS,
+        "response_format": _RESPONSE_FORMAT,
+        **_GUIDED,
+        "tools": _TOOLS,
+        "tool_choice": _TOOL_CHOICE,
+        "parallel_tool_calls": {"type": "boolean", "nullable": True},
+        "chat_template_kwargs": {
+            "type": "object",
+            "nullable": True,
+            "additionalProperties": False,
+            "properties": {"enable_thinking": {"type": "boolean"}, "thinking": {"type": "boolean"}},
+        },
     },
 }
 
@@ -127,6 +239,9 @@ COMPLETION_REQUEST = {
             ]
         },
         "logprobs": _int(0, MAX_TOP_LOGPROBS),
+        "logit_bias": _LOGIT_BIAS,
+        "response_format": _RESPONSE_FORMAT,
+        **_GUIDED,
     },
 }
 

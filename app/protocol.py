@@ -1,8 +1,8 @@
 """OpenAI request bodies → `GenerationRequest` (token ids + `SamplingParams`), or a 400.
 
 Validation names the offending field in `param`. Fields the server does not implement
-(tools, logit_bias, non-text response_format …) are refused, not silently ignored; fields
-that change nothing here (user, metadata …) are accepted.
+(legacy functions, audio …) are refused, not silently ignored; fields that change nothing
+here (user, metadata …) are accepted.
 """
 
 from __future__ import annotations
@@ -12,7 +12,19 @@ from typing import Any, Literal
 
 import orjson
 
+from app.chat_output import ChatOutputOptions
 from app.errors import APIError
+from app.reasoning import OPEN as THINK_OPEN
+from app.reasoning import template_reasons
+from app.structured import (
+    STRUCTURED_FIELDS,
+    TOOL_FIELDS,
+    ToolRequest,
+    output_grammar,
+    parse_tools,
+    tool_grammar,
+)
+from app.tool_parsers import parser_for_template
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 
 Kind = Literal["chat", "completion"]
@@ -49,21 +61,25 @@ _IGNORED: dict[str, tuple[tuple[type, ...], str]] = {
     "store": ((bool,), "a boolean"),
     "metadata": ((dict,), "an object"),
     "service_tier": ((str,), "a string"),
-    "parallel_tool_calls": ((bool,), "a boolean"),
 }
 _CHAT_FIELDS = (
-    _COMMON | set(_IGNORED) | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+    _COMMON
+    | set(_IGNORED)
+    | STRUCTURED_FIELDS
+    | TOOL_FIELDS
+    | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias"}
+    | {"chat_template_kwargs"}
 )
-_COMPLETION_FIELDS = _COMMON | set(_IGNORED) | {"prompt", "logprobs"}
+_COMPLETION_FIELDS = (
+    _COMMON | set(_IGNORED) | STRUCTURED_FIELDS | {"prompt", "logprobs", "logit_bias"}
+)
+# chat_template_kwargs a client may set (never arbitrary template variables)
+CHAT_TEMPLATE_KWARGS = {"enable_thinking": bool, "thinking": bool}
 
 # field -> predicate saying the value is harmless (a default) and may be accepted
 _UNSUPPORTED: dict[str, Any] = {
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
-    "logit_bias": lambda v: not v,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "audio": lambda v: v is None,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": lambda v: v is None,
@@ -73,7 +89,7 @@ _UNSUPPORTED: dict[str, Any] = {
     "suffix": lambda v: v is None,
     "best_of": lambda v: v in (None, 1),
 }
-_CHAT_ROLES = {"system", "developer", "user", "assistant"}
+_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     priority: int = 0
+    chat_output: ChatOutputOptions = ChatOutputOptions()
+    grammar_param: str | None = None  # the field that set params.grammar
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -131,10 +149,78 @@ def _opt(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) ->
     return value
 
 
-def _messages_to_prompt(messages: Any, tokenizer: Any) -> list[int]:
+class JsonArguments(dict):
+    """Tool-call arguments for a chat template: a mapping (`| tojson`, `is mapping`, as
+    transformers' templates expect) that also reads as its JSON text where a template
+    concatenates it as a string (DeepSeek-V3's `'```json\n' + arguments`)."""
+
+    def __str__(self) -> str:
+        return orjson.dumps(self).decode()
+
+    def __add__(self, other: Any) -> str:
+        return str(self) + other
+
+    def __radd__(self, other: Any) -> str:
+        return other + str(self)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, with arguments as objects (templates expect them)."""
+    if not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls", f"'{where}.tool_calls' must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{where}.tool_calls[{j}]", "a tool call needs function.name")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = orjson.loads(args or "{}")
+            except orjson.JSONDecodeError:
+                raise _bad(
+                    f"{where}.tool_calls[{j}].function.arguments", "arguments must be JSON"
+                ) from None
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {
+                    "name": fn["name"],
+                    "arguments": JsonArguments(args) if isinstance(args, dict) else args,
+                },
+            }
+        )
+    return out
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = _opt(body, "chat_template_kwargs", (dict,), "an object") or {}
+    for name, value in kwargs.items():
+        kind = CHAT_TEMPLATE_KWARGS.get(name)
+        if kind is None:
+            raise APIError(
+                400,
+                f"chat_template_kwargs.{name} is not allowed "
+                f"(allowed: {', '.join(sorted(CHAT_TEMPLATE_KWARGS))})",
+                param=f"chat_template_kwargs.{name}",
+                code="unsupported_parameter",
+            )
+        if not isinstance(value, kind):
+            raise _bad(f"chat_template_kwargs.{name}", f"'{name}' must be a {kind.__name__}")
+    return kwargs
+
+
+def _messages_to_prompt(
+    messages: Any,
+    tokenizer: Any,
+    tools: ToolRequest | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], str]:
+    """-> the prompt's token ids and its text."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list")
-    norm: list[dict[str, str]] = []
+    norm: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -145,13 +231,18 @@ def _messages_to_prompt(messages: Any, tokenizer: Any) -> list[int]:
                 f"{where}.role",
                 f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
             )
-        if m.get("tool_calls") or m.get("function_call"):
+        if m.get("function_call"):
             raise APIError(
                 400,
-                "tool calls are not supported",
-                param=f"{where}.tool_calls",
+                "legacy function_call messages are not supported; use tool_calls",
+                param=f"{where}.function_call",
                 code="unsupported_parameter",
             )
+        calls = None
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise _bad(f"{where}.tool_calls", "only assistant messages carry tool_calls")
+            calls = _tool_calls(m["tool_calls"], where)
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -173,12 +264,70 @@ def _messages_to_prompt(messages: Any, tokenizer: Any) -> list[int]:
             raise _bad(
                 f"{where}.content", f"'{where}.content' must be a string or a list of text parts"
             )
-        norm.append({"role": "system" if role == "developer" else role, "content": content})
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        entry["content"] = content
+        if calls is not None:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"{where}.tool_call_id", "a tool message needs 'tool_call_id'")
+            entry["tool_call_id"] = call_id
+            if isinstance(m.get("name"), str):
+                entry["name"] = m["name"]
+        norm.append(entry)
+    extra: dict[str, Any] = dict(template_kwargs or {})
+    if tools is not None and tools.choice != "none":
+        extra["tools"] = [dict(t) for t in tools.tools]
     try:
-        text = tokenizer.apply_chat_template(norm, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(norm, add_generation_prompt=True, **extra)
     except Exception as exc:  # a template may reject a role order it does not support
         raise _bad("messages", f"the chat template rejected the messages: {exc}") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=False)), text
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", "'logit_bias' must be an object of token id -> bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise _bad("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+        out[tid] = bias
+    return out
+
+
+def _chat_output(
+    tokenizer: Any,
+    tools: ToolRequest | None,
+    prompt_text: str,
+    kwargs: dict[str, Any],
+    constrained: bool,
+) -> ChatOutputOptions:
+    template = getattr(tokenizer, "chat_template", None)
+    family = parser_for_template(template) if tools is not None else None
+    parser = None
+    if tools is not None and tools.choice == "auto":
+        parser = family
+        if parser is not None and parser.needs_special_tokens:
+            kwargs["skip_special_tokens"] = False
+    end_texts: tuple[str, ...] = ()
+    if kwargs.get("skip_special_tokens") is False:
+        eos = getattr(tokenizer, "eos_token_ids", ())
+        end_texts = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in eos)
+    reasons = template_reasons(template) and not constrained  # a grammar leaves no room to think
+    return ChatOutputOptions(
+        reasoning=reasons,
+        starts_in_reasoning=reasons and prompt_text.rstrip().endswith(THINK_OPEN),
+        tools=tools,
+        parser=parser,
+        end_texts=end_texts,
+        call_id_style="mistral" if family is not None and family.name == "mistral" else "openai",
+    )
 
 
 def _prompt_to_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
@@ -250,8 +399,22 @@ def parse_generation(
     kwargs["stop"] = stop
     if body.get("n") is not None:
         kwargs["n"] = body["n"]
+    kwargs["logit_bias"] = _logit_bias(body.get("logit_bias")) or ()
+    found = output_grammar(body)
+    grammar_param, grammar = found if found is not None else (None, None)
+    chat_output = ChatOutputOptions()
     if kind == "chat":
-        prompts = [_messages_to_prompt(body.get("messages"), tokenizer)]
+        tools = parse_tools(body)
+        forced = tool_grammar(tools) if tools is not None else None
+        if forced is not None and grammar is not None:
+            raise _bad("response_format", "tool_choice required or named sets the output format")
+        if forced is not None:
+            grammar_param, grammar = "tool_choice", forced
+        ids, prompt_text = _messages_to_prompt(
+            body.get("messages"), tokenizer, tools, _template_kwargs(body)
+        )
+        prompts = [ids]
+        chat_output = _chat_output(tokenizer, tools, prompt_text, kwargs, grammar is not None)
         # both are checked; the newer name wins when both are set (a null one counts as unset)
         newer = _opt(body, "max_completion_tokens", (int,), "an integer")
         older = _opt(body, "max_tokens", (int,), "an integer")
@@ -275,6 +438,7 @@ def parse_generation(
     if max_tokens is None:
         max_tokens = max(1, max_model_len - longest)
     kwargs["max_tokens"] = max_tokens
+    kwargs["grammar"] = grammar
     try:
         params = SamplingParams(**kwargs)
     except SamplingParamsError as exc:
@@ -298,4 +462,6 @@ def parse_generation(
             param="messages" if kind == "chat" else "prompt",
             code="context_length_exceeded",
         )
-    return GenerationRequest(kind, model, prompts, params, stream, include_usage, priority)
+    return GenerationRequest(
+        kind, model, prompts, params, stream, include_usage, priority, chat_output, grammar_param
+    )

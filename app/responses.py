@@ -24,6 +24,7 @@ class ChoiceState:
     finish_reason: str | None = None
     role_sent: bool = False
     text_offset: int = 0  # completions logprobs: chars of token text emitted so far
+    message: dict[str, Any] | None = None  # chat: shaped message (tool calls, reasoning)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def full_response(
             out_choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": c.message or {"role": "assistant", "content": c.text},
                     "logprobs": chat_logprobs(c.logprobs, token_text) if want_logprobs else None,
                     "finish_reason": c.finish_reason,
                 }

@@ -314,9 +314,10 @@ class CudaModelRunner(ModelRunner):
         return self.model.compute_logits(hidden)
 
     def needs_sync(self, sched: SchedulerOutput) -> bool:
-        """Never: penalties, min_tokens and logprobs are sampled on the device, which also
-        holds the token in flight, so no step waits for the previous one to be applied."""
-        return False
+        """Only for a grammar: its mask is built on the host from a matcher that must have
+        taken the previous token. Penalties, min_tokens and logprobs are sampled on the
+        device, which also holds the token in flight, so they never wait."""
+        return any(s.sample and s.request.grammar is not None for s in sched.seqs)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> StepHandle:
@@ -408,6 +409,7 @@ class CudaModelRunner(ModelRunner):
                     generator=self.generator_for(req.request_id, req.params.seed),
                     eos_token_ids=req.eos_token_ids,
                     request_id=req.request_id,
+                    grammar=req.grammar,
                 )
             )
         return rows

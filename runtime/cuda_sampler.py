@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from runtime.sampler import Sampler, SampleRow
 from runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from runtime.token_counts import TokenCounts
 from runtime.types import SamplerOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from runtime.grammar import GrammarMatcher
 
 # rows of the float32 parameter block staged each call
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _GREEDY, _REP, _PRES, _FREQ = range(8)
@@ -44,6 +48,7 @@ class GpuRow:
     generator: torch.Generator | None = None
     eos_token_ids: tuple[int, ...] = ()
     request_id: str | None = None  # keys the device token counts; None: built for this call
+    grammar: GrammarMatcher | None = None  # has taken every token before the one sampled now
 
     @classmethod
     def from_sample_row(cls, row: SampleRow, request_id: str | None = None) -> GpuRow:
@@ -55,6 +60,7 @@ class GpuRow:
             generator=row.generator,
             eos_token_ids=row.eos_token_ids,
             request_id=request_id,
+            grammar=row.grammar,
         )
 
 
@@ -161,6 +167,7 @@ class CudaSampler(Sampler):
         self.max_num_seqs = max_num_seqs
         self._staging = _Staging(self.device, max_num_seqs)
         self.counts = TokenCounts(self.device, max_num_seqs)
+        self._masks = _MaskStaging(self.device, max_num_seqs)
 
     def release(self, request_id: str) -> None:
         """Forget a request's device token counts (it finished or was aborted)."""
@@ -190,7 +197,12 @@ class CudaSampler(Sampler):
         bans = _min_tokens_bans(rows, vocab)  # flat indices row * vocab + token
         num_top = tuple(p.num_logprobs for p in params)
         want_logprobs = any(p.logprobs for p in params)
-        if all(greedy) and not pen and not bans:  # the plain greedy step: nothing to stage
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # the host builds the masks now, while the forward runs on the device
+            grammar_mask = self._masks.stage(constrained, [rows[i].grammar for i in constrained], n)
+        plain = not pen and not bans and not biased and not constrained
+        if all(greedy) and plain:  # the plain greedy step: nothing to stage
             ids = logits.argmax(dim=-1)
             packed = _pack_logprobs(logits, ids, max(num_top)) if want_logprobs else None
             return DeviceSample(ids, packed, num_top if want_logprobs else ())
@@ -230,6 +242,12 @@ class CudaSampler(Sampler):
                 )
             ]
         h_ban = st.add(bans) if bans else None
+        h_bias = None
+        if biased:
+            flat = [i * vocab + t for i in biased for t, _ in params[i].logit_bias]
+            # float32 bias bits ride in the int64 arena (no second staging buffer)
+            bits = np.array([b for i in biased for _, b in params[i].logit_bias], np.float32)
+            h_bias = (st.add(flat), st.add(bits.view(np.int32).astype(np.int64).tolist()))
         dev = st.commit(n)
         dp = st.params[:, :n]  # [8, n] float32, device
 
@@ -248,6 +266,13 @@ class CudaSampler(Sampler):
             logits.index_copy_(0, pen_t, sub)
         if h_ban is not None:
             logits.view(-1).index_fill_(0, dev[h_ban], float("-inf"))
+        if h_bias is not None:
+            bias = dev[h_bias[1]].to(torch.int32).view(torch.float32)
+            logits.view(-1).index_add_(0, dev[h_bias[0]], bias)
+        if constrained:
+            from runtime.grammar import apply_bitmask
+
+            apply_bitmask(logits, *grammar_mask)
 
         if all(greedy):
             ids = logits.argmax(dim=-1)
@@ -274,6 +299,42 @@ class CudaSampler(Sampler):
         if not want_logprobs:
             return DeviceSample(ids)
         return DeviceSample(ids, _pack_logprobs(raw, ids, max(num_top)), num_top)
+
+
+class _MaskStaging:
+    """Grammar bitmasks: filled on the host into pinned rows, copied to the device on the
+    current stream. An event keeps a refill from racing the previous copy."""
+
+    def __init__(self, device: torch.device, max_rows: int) -> None:
+        self.device = device
+        self.max_rows = max_rows
+        self._cuda = device.type == "cuda"
+        self._host: torch.Tensor | None = None
+        self._rows_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=self._cuda)
+        self._event = torch.cuda.Event() if self._cuda else None
+
+    def stage(
+        self, rows: list[int], matchers: list[GrammarMatcher], num_rows: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """-> (row indices `[k]` int64, None when all `num_rows` rows are constrained; bitmask
+        `[k, words]` int32), both on the device."""
+        from runtime.grammar import fill_bitmask
+
+        k, words = len(rows), matchers[0].mask_words
+        if self._host is None or self._host.shape[1] != words:
+            self._host = torch.empty(self.max_rows, words, dtype=torch.int32, pin_memory=self._cuda)
+        if self._event is not None:
+            self._event.synchronize()  # the last copy out of these buffers has run
+        host = self._host[:k]
+        fill_bitmask(matchers, host)
+        rows_d = None
+        if rows != list(range(num_rows)):
+            self._rows_host[:k] = torch.tensor(rows, dtype=torch.int64)
+            rows_d = self._rows_host[:k].to(self.device, non_blocking=self._cuda)
+        mask_d = host.to(self.device, non_blocking=self._cuda)
+        if self._event is not None:
+            self._event.record()
+        return rows_d, mask_d
 
 
 def _min_tokens_bans(rows: Sequence[GpuRow], vocab: int) -> list[int]:

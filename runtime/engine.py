@@ -14,9 +14,11 @@ the step in flight first. `has_unfinished_requests` stays true while a step is i
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from models.batch import KVCache
 from runtime.config import EngineConfig
@@ -33,6 +35,9 @@ from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.scheduler import Scheduler
 from runtime.types import EngineStats, RequestDelta, SamplerOutput, SchedulerOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from runtime.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +168,21 @@ class Engine:
         self._generation_tokens_total = 0
         self._num_steps = 0
         self._in_flight: _InFlight | None = None
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output grammars for this engine's tokenizer (thread-safe; the
+        server compiles in a worker thread, so `add_request` finds the grammar cached)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from runtime.grammar import grammar_compiler_for
+
+                self._grammar_compiler = grammar_compiler_for(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                )
+            return self._grammar_compiler
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -186,6 +206,19 @@ class Engine:
             raise SamplingParamsError(
                 "prompt", f"token id {bad} is outside the vocabulary [0, {vocab})"
             )
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise SamplingParamsError(
+                "logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        grammar = None
+        if params.grammar is not None:
+            from runtime.grammar import GrammarError
+
+            try:
+                grammar = self.grammar_compiler.compile(params.grammar).new_matcher()
+            except GrammarError as exc:
+                raise SamplingParamsError("response_format", str(exc)) from None
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -193,6 +226,7 @@ class Engine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             eos_token_ids=self.eos_token_ids,
+            grammar=grammar,
         )
         self.scheduler.add_request(req)  # raises RequestTooLongError
         detok = None

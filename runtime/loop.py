@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from runtime.metrics import ServingMetrics, render_metrics
-from runtime.sampling_params import SamplingParams, expand_n
+from runtime.sampling_params import GrammarSpec, SamplingParams, expand_n
 from runtime.stream import RequestStream
 from runtime.types import EngineStats, RequestDelta
 
@@ -219,6 +219,19 @@ class EngineLoop:
             await asyncio.gather(self._task, return_exceptions=True)
 
     # ---- requests -----------------------------------------------------------------------
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile a structured-output grammar in a worker thread (never on the event loop),
+        so `add_request` finds it cached. Raises GrammarError (unsupported or invalid)."""
+        from runtime.grammar import GrammarError
+
+        def compile_() -> None:
+            compiler = getattr(self.engine, "grammar_compiler", None)  # built on first use
+            if compiler is None:
+                raise GrammarError("this engine does not support structured outputs")
+            compiler.compile(spec)
+
+        await asyncio.get_running_loop().run_in_executor(None, compile_)
+
     async def submit(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int = 0
     ) -> RequestStream:

@@ -130,6 +130,7 @@ class ModelRunner:
                 output_token_ids=s.request.output_token_ids,
                 generator=self.generator_for(s.request.request_id, s.request.params.seed),
                 eos_token_ids=s.request.eos_token_ids,
+                grammar=s.request.grammar,
             )
             for s in sampling
         ]
@@ -139,12 +140,14 @@ class ModelRunner:
 
     def needs_sync(self, sched: SchedulerOutput) -> bool:
         """Whether `sched` must launch only after every earlier step is applied: its sampling
-        reads the output history (penalties, min_tokens), which lacks tokens in flight."""
+        reads the output history (penalties, min_tokens), which lacks tokens in flight, or a
+        grammar, whose matcher must have taken the previous token before its mask is built."""
         return any(
             s.sample
             and (
                 s.request.params.has_penalties
                 or s.request.num_output_tokens < s.request.params.min_tokens
+                or s.request.grammar is not None
             )
             for s in sched.seqs
         )

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +54,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    grammar: GrammarMatcher | None = None  # advanced by every token appended
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -78,3 +83,5 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)

@@ -9,11 +9,15 @@ a token with probability p, which lets seeded and unseeded rows share one code p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.sampling_params import SamplingParams
 from runtime.types import SamplerOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from runtime.grammar import GrammarMatcher
 
 
 @dataclass
@@ -25,6 +29,7 @@ class SampleRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarMatcher | None = None  # constrained: only tokens it allows are sampled
 
 
 class Sampler:
@@ -40,6 +45,8 @@ class Sampler:
         logits = logits.clone()
         self._apply_penalties(logits, rows)
         self._apply_min_tokens(logits, rows)
+        self._apply_logit_bias(logits, rows)
+        self._apply_grammar(logits, rows)
 
         greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
         temps = torch.tensor(
@@ -96,6 +103,27 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")
+
+    def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        for i, r in enumerate(rows):
+            if r.params.logit_bias:
+                ids, biases = zip(*r.params.logit_bias, strict=True)
+                logits[i, list(ids)] += torch.tensor(biases, device=self.device)
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        """One bitmask for the constrained rows; the other rows are not touched."""
+        from runtime.grammar import apply_bitmask, fill_bitmask
+
+        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not idx:
+            return
+        matchers = [rows[i].grammar for i in idx]
+        bitmask = torch.empty(len(idx), matchers[0].mask_words, dtype=torch.int32)
+        fill_bitmask(matchers, bitmask)  # type: ignore[arg-type]
+        rows_t = None
+        if len(idx) != len(rows):
+            rows_t = torch.tensor(idx, dtype=torch.int64, device=self.device)
+        apply_bitmask(logits, rows_t, bitmask.to(self.device))
 
     def _apply_top_k_top_p_min_p(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
         vocab = logits.shape[1]

@@ -11,6 +11,23 @@ from dataclasses import dataclass, field
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # entries in one logit_bias map (OpenAI's limit)
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output: `kind` one of GRAMMAR_KINDS; `text` the JSON schema (JSON),
+    the regex, the JSON list of choices or the EBNF/Lark grammar ("" for json_object)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise SamplingParamsError("structured", f"unknown grammar kind {self.kind!r}")
+        if not isinstance(self.text, str):
+            raise SamplingParamsError("structured", "a grammar's text must be a string")
 
 
 class SamplingParamsError(ValueError):
@@ -38,6 +55,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    grammar: GrammarSpec | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +79,10 @@ class SamplingParams:
             )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(tuple(x) for x in self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
@@ -161,6 +184,29 @@ class SamplingParams:
             is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
             "top_logprobs",
             f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
+        )
+
+        need(
+            isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+        )
+        for entry in self.logit_bias:
+            tid, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+            need(
+                is_int(tid) and tid >= 0,
+                "logit_bias",
+                f"logit_bias keys must be token ids (integers >= 0), got {tid!r}",
+            )
+            need(
+                is_num(bias) and -100.0 <= bias <= 100.0,
+                "logit_bias",
+                f"logit_bias values must be in [-100, 100], got {bias!r} for token {tid}",
+            )
+        need(
+            self.grammar is None or isinstance(self.grammar, GrammarSpec),
+            "grammar",
+            "grammar must be a GrammarSpec",
         )
 
     @property

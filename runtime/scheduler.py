@@ -345,6 +345,8 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_done:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.config.max_model_len:

@@ -96,8 +96,21 @@ class Generation:
     def id(self) -> str:
         return self.meta.id
 
-    def usage(self) -> dict[str, int]:
-        return usage_dict(sum(self.stream.prompt_lens), sum(len(c.token_ids) for c in self.choices))
+    def usage(self) -> dict[str, Any]:
+        return usage_dict(
+            sum(self.stream.prompt_lens),
+            sum(len(c.token_ids) for c in self.choices),
+            self.cached_tokens(),
+        )
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache: per prompt, the most any of its n
+        samples reused (each prompt is counted once in prompt_tokens, so is its cache hit)."""
+        n = self.stream.n
+        return sum(
+            min(length, max(c.cached_tokens for c in self.choices[p * n : (p + 1) * n]))
+            for p, length in enumerate(self.stream.prompt_lens)
+        )
 
     def usage_chunk(self) -> dict[str, Any]:
         return usage_chunk(self.meta, self.usage())
@@ -109,6 +122,7 @@ class Generation:
         c.text += d.new_text
         c.token_ids.extend(d.new_token_ids)
         c.logprobs.extend(d.logprobs)
+        c.cached_tokens = max(c.cached_tokens, d.num_cached_tokens)
         if d.finish_reason:
             c.finish_reason = d.finish_reason
 

@@ -23,6 +23,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     role_sent: bool = False
+    cached_tokens: int = 0  # prompt tokens this choice's sequence took from the prefix cache
     text_offset: int = 0  # completions logprobs: chars of token text emitted so far
     message: dict[str, Any] | None = None  # chat: shaped message (tool calls, reasoning)
 
@@ -35,11 +36,14 @@ class ResponseMeta:
     kind: str  # "chat" | "completion"
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_dict(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -95,7 +99,7 @@ def chunk(meta: ResponseMeta, choice: dict[str, Any], include_usage: bool) -> di
     return out
 
 
-def usage_chunk(meta: ResponseMeta, usage: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(meta: ResponseMeta, usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": meta.id,
         "object": "chat.completion.chunk" if meta.kind == "chat" else "text_completion",
@@ -109,7 +113,7 @@ def usage_chunk(meta: ResponseMeta, usage: dict[str, int]) -> dict[str, Any]:
 def full_response(
     meta: ResponseMeta,
     choices: Sequence[ChoiceState],
-    usage: dict[str, int],
+    usage: dict[str, Any],
     token_text: TokenText,
     want_logprobs: bool,
 ) -> dict[str, Any]:

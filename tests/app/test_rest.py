@@ -34,6 +34,7 @@ async def test_chat_completion_shape_and_usage(harness: Harness) -> None:
         "prompt_tokens": len(prompt),
         "completion_tokens": 5,
         "total_tokens": len(prompt) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert harness.engine.added == [f"{data['id']}-0"]
 
@@ -95,6 +96,7 @@ async def test_completion_prompt_forms(harness: Harness) -> None:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": 3 * num_prompts,
             "total_tokens": prompt_tokens + 3 * num_prompts,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
 
 

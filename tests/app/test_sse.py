@@ -74,6 +74,7 @@ async def test_completion_stream_with_usage_chunk(harness: Harness) -> None:
         "prompt_tokens": 3,
         "completion_tokens": 6,
         "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert all(c["usage"] is None and c["object"] == "text_completion" for c in deltas)
     for index in (0, 1):

@@ -112,7 +112,12 @@ async def test_protocol_errors(make_harness: MakeHarness) -> None:
         assert got["ok"][-1] == {
             "type": "done",
             "id": "ok",
-            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+            "usage": {
+                "prompt_tokens": 1,
+                "completion_tokens": 2,
+                "total_tokens": 3,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
         }
 
 

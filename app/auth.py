@@ -1,6 +1,7 @@
 """Bearer API-key auth: a middleware comparing the token in constant time against every key.
 
-/health and /metrics stay public. With no keys configured, everything is public.
+/health, /metrics and the Web UI's static files stay public (the page itself asks for the key).
+With no keys configured, everything is public.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from app.errors import APIError, error_response
+from app.webui import is_webui_path
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
@@ -30,7 +32,11 @@ def make_auth_middleware(api_keys: Sequence[str]) -> Middleware:
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
+        if (
+            request.path in PUBLIC_PATHS
+            or request.method == "OPTIONS"
+            or is_webui_path(request.method, request.path)
+        ):
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")

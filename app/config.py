@@ -21,3 +21,4 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds to drain in-flight requests on SIGTERM
     max_body_bytes: int = 8 * 1024 * 1024
     ws_heartbeat_s: float = 30.0
+    web_ui: bool = True  # the chat page at / (app/webui)

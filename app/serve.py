@@ -58,6 +58,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds to drain in-flight requests on SIGTERM before aborting",
     )
     parser.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    parser.add_argument(
+        "--no-ui", action="store_true", help="do not serve the Web UI (the chat page at /)"
+    )
 
 
 def server_config_from_args(
@@ -77,6 +80,7 @@ def server_config_from_args(
         max_queue=args.max_queue,
         shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=getattr(args, "max_body_bytes", ServerConfig.max_body_bytes),
+        web_ui=not getattr(args, "no_ui", False),
     )
 
 

@@ -19,6 +19,7 @@ from app.openapi import build_openapi
 from app.protocol import Kind, parse_json_body
 from app.sse import stream_sse
 from app.state import STATE_KEY, ServerState, TokenText
+from app.webui import add_webui_routes
 from app.ws import ws_handler
 from runtime.loop import EngineDeadError, EngineLoop
 
@@ -130,6 +131,8 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop) -> web.Application
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    if config.web_ui:
+        add_webui_routes(app)
     app.cleanup_ctx.append(_engine_loop_ctx)
     app.on_shutdown.append(_on_shutdown)
     return app

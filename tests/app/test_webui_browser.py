@@ -1,0 +1,451 @@
+"""The Web UI in a real headless Chromium (the distribution's, driven by selenium) against a real
+`tandem serve` on the default model: streaming, conversations, edit and regenerate, stop (the
+server's request is aborted), the API key, errors, and model text that must stay text.
+
+The tests share one server and one browser and run in file order; the last one stops the
+server. Each step's screenshot goes to a folder named in the failure message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser")) if p), None)
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="no browser installed: apt-get install chromium chromium-driver (.ci/run does)",
+)
+
+API_KEY = "webui-test-key"
+SHOTS = Path(
+    os.environ.get("TANDEM_WEBUI_SHOTS", Path(tempfile.gettempdir()) / "tandem-webui-shots")
+)
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1100,800",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = _free_port()
+    # One sequence at a time and no queue: a second request while one runs gets a 429.
+    cmd = [sys.executable, "-c", "from app.cli import main; raise SystemExit(main())", "serve"]
+    cmd += ["--device", "cpu", "--port", str(port), "--api-key", API_KEY]
+    cmd += ["--max-num-seqs", "1", "--max-queue", "0", "--max-model-len", "2048"]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.seek(0)
+            pytest.fail(f"tandem serve did not start:\n{log.read().decode()[-3000:]}")
+        time.sleep(0.25)
+    yield base, proc
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(rf"^tandem:{name} (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+class UI:
+    """The page, with waits, and a screenshot per step."""
+
+    def __init__(self, driver: Any, base: str) -> None:
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        self.d = driver
+        self.base = base
+        self.By = By
+        self.Wait = WebDriverWait
+        self.dir = SHOTS
+        self.n = 0
+
+    def shot(self, name: str) -> None:
+        self.n += 1
+        self.d.save_screenshot(str(self.dir / f"{self.n:02d}-{name}.png"))
+
+    @contextmanager
+    def steps(self, test: str) -> Iterator[None]:
+        self.dir = SHOTS / test
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        self.n = 0
+        try:
+            yield
+        except BaseException as exc:
+            console = ""
+            try:
+                self.shot("failure")
+                console = "\n".join(str(e) for e in self.d.get_log("browser"))
+            except Exception:  # the browser itself may be what failed
+                pass
+            raise AssertionError(
+                f"{exc}\nbrowser console:\n{console}\n(screenshots of the steps: {self.dir})"
+            ) from exc
+
+    def wait(self, cond: Callable[[], Any], timeout: float = 60, what: str = "") -> Any:
+        return self.Wait(self.d, timeout, poll_frequency=0.05).until(lambda _: cond(), message=what)
+
+    def q(self, css: str) -> Any:
+        return self.d.find_element(self.By.CSS_SELECTOR, css)
+
+    def qq(self, css: str) -> list[Any]:
+        return self.d.find_elements(self.By.CSS_SELECTOR, css)
+
+    def js(self, script: str, *args: Any) -> Any:
+        return self.d.execute_script(script, *args)
+
+    def load(self, clear: bool = False) -> None:
+        if clear:
+            self.d.get(self.base + "/ui/style.css")  # same origin, so its storage can be set
+            self.js(
+                "localStorage.clear(); localStorage.setItem('tandem.apiKey', arguments[0])", API_KEY
+            )
+        self.d.get(self.base + "/")
+        self.wait(lambda: self.js("return document.body.dataset.ready === '1'"), 30, "page ready")
+
+    def settings(self, **values: Any) -> None:
+        self.q("#toggle-settings").click()
+        for key, value in values.items():
+            field = self.q(f"#set-{key}")
+            field.clear()
+            field.send_keys(str(value))
+        self.q("#toggle-settings").click()
+
+    def type(self, text: str, enter: bool = True) -> None:
+        from selenium.webdriver.common.keys import Keys
+
+        box = self.q("#input")
+        box.send_keys(text)
+        if enter:
+            box.send_keys(Keys.ENTER)
+
+    def busy(self) -> bool:
+        return self.q("#stop").is_displayed()
+
+    def wait_reply(self, timeout: float = 90) -> Any:
+        self.wait(lambda: not self.busy(), timeout, "the reply to finish")
+        return self.qq("#messages .msg")[-1]
+
+    def messages(self) -> list[tuple[str, str]]:
+        return [
+            (
+                m.get_attribute("class").split()[1],
+                m.find_element(self.By.CSS_SELECTOR, ".body").text,
+            )
+            for m in self.qq("#messages .msg")
+        ]
+
+    def open(self, title: str) -> None:
+        [button] = [e for e in self.qq("#conv-list .conv-open") if e.text == title]
+        button.click()
+        self.wait(lambda: self.q("#conv-title").text == title, 5, f"conversation {title!r}")
+
+    def titles(self) -> list[str]:
+        return [e.text for e in self.qq("#conv-list .conv-open")]
+
+
+@pytest.fixture(scope="module")
+def ui(server: tuple[str, subprocess.Popen[bytes]]) -> Iterator[UI]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix="tandem-webui-profile-")
+    options.add_argument(f"--user-data-dir={profile}")
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    try:
+        yield UI(driver, server[0])
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_api_key_chat_streams_edit_regenerate_and_reload(ui: UI) -> None:
+    with ui.steps("chat"):
+        ui.d.get(ui.base + "/")  # no key stored yet: the page asks for it
+        ui.wait(lambda: ui.q("#key-dialog").is_displayed(), 30, "the API key dialog")
+        ui.shot("key-dialog")
+        ui.q("#key-input").send_keys(API_KEY)
+        ui.q("#key-ok").click()
+        ui.wait(lambda: ui.js("return document.body.dataset.ready === '1'"), 30, "page ready")
+        assert ui.js("return localStorage.getItem('tandem.apiKey')") == API_KEY
+        assert ui.q("#model").get_attribute("value") == "smollm2-135m-instruct"
+
+        ui.settings(max_tokens=48, temperature=0)
+        ui.type("What is the capital of France?")
+        # streamed: the reply grows while the request still runs
+        partial: set[int] = set()
+
+        def grows() -> bool:
+            bodies = ui.qq("#messages .msg.assistant .body")
+            if bodies and ui.busy():
+                n = len(bodies[-1].text)
+                if n:
+                    partial.add(n)
+            return len(partial) >= 2 or not ui.busy()
+
+        ui.wait(grows, 90, "streamed text")
+        ui.shot("streaming")
+        assert len(partial) >= 2, f"no streaming seen (partial lengths {partial})"
+        reply = ui.wait_reply()
+        ui.shot("first-reply")
+        meta = reply.find_element(ui.By.CSS_SELECTOR, ".meta").text
+        assert re.search(r"\d+ prompt tokens · \d+ cached · \d+ generated · TTFT \d+ ms", meta), (
+            meta
+        )
+        first_answer = ui.messages()[1][1]
+        assert first_answer.strip()
+
+        ui.q("#new-chat").click()
+        ui.type("Name a color.")
+        ui.wait_reply()
+        assert ui.titles() == ["Name a color.", "What is the capital of France?"]
+        ui.shot("second-conversation")
+
+        ui.open("What is the capital of France?")
+        assert ui.messages() == [
+            ("user", "What is the capital of France?"),
+            ("assistant", first_answer),
+        ]
+        ui.q('.msg[data-index="0"] .msg-edit').click()
+        edit = ui.q(".edit-area")
+        edit.clear()
+        edit.send_keys("What is the capital of Italy?")
+        ui.shot("editing")
+        ui.q(".msg-save").click()
+        reply = ui.wait_reply()
+        ui.shot("edited-and-regenerated")
+        msgs = ui.messages()
+        assert [m[0] for m in msgs] == ["user", "assistant"]
+        assert msgs[0][1] == "What is the capital of Italy?" and msgs[1][1].strip()
+        # the chat template's opening is shared with the first request: served from the cache
+        cached = int(reply.find_element(ui.By.CSS_SELECTOR, ".meta").get_attribute("data-cached"))
+        assert cached > 0
+
+        ui.q(".msg-regenerate").click()
+        ui.wait(lambda: ui.busy() or len(ui.messages()) == 2, 10)
+        reply = ui.wait_reply()
+        assert [m[0] for m in ui.messages()] == ["user", "assistant"]
+        # the same conversation again at temperature 0: the whole prompt but its last block reused
+        meta = reply.find_element(ui.By.CSS_SELECTOR, ".meta")
+        prompt = int(re.search(r"(\d+) prompt tokens", meta.text).group(1))
+        assert int(meta.get_attribute("data-cached")) >= prompt - 16
+        assert ui.messages()[1][1] == msgs[1][1]
+
+        ui.d.refresh()
+        ui.wait(lambda: ui.js("return document.body.dataset.ready === '1'"), 30, "page ready")
+        assert not ui.q("#key-dialog").is_displayed()  # the key was kept
+        ui.shot("after-reload")
+        # the title followed the edited first question (it was never renamed)
+        assert ui.titles() == ["What is the capital of Italy?", "Name a color."]
+        assert ui.messages()[0] == ("user", "What is the capital of Italy?")
+
+        ui.q("#conv-list li.active .conv-rename").click()
+        ui.q(".conv-rename-input").send_keys("Capitals\n")  # the old name starts selected
+        assert ui.titles()[0] == "Capitals" and ui.q("#conv-title").text == "Capitals"
+        second = ui.qq("#conv-list li")[1]
+        delete = second.find_element(ui.By.CSS_SELECTOR, ".conv-delete")
+        ui.js("arguments[0].click(); arguments[0].click()", delete)
+        ui.wait(lambda: ui.titles() == ["Capitals"], 5, "the deleted conversation gone")
+        ui.shot("renamed-and-deleted")
+
+
+def test_stop_aborts_the_request_and_errors_keep_the_input(ui: UI) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    with ui.steps("stop-and-errors"):
+        ui.load(clear=True)
+        ui.settings(max_tokens=1500, temperature=0)
+        ui.type("Write a long story about a dragon and a knight.")
+        ui.wait(lambda: len(ui.qq("#messages .msg.assistant .body")[-1].text) > 20, 60, "text")
+        assert _metric(ui.base, "num_requests_running") == 1
+
+        # a second conversation while the first streams: the server (one sequence, no queue)
+        # answers 429, shown readably, and the typed text stays in the box
+        ui.q("#new-chat").click()
+        ui.type("Are you there?")
+        ui.wait(lambda: ui.qq("#messages .msg.error"), 20, "the 429 error")
+        ui.shot("busy-429")
+        error = ui.q("#messages .msg.error").text
+        assert "busy (429)" in error, error
+        assert ui.q("#input").get_attribute("value") == "Are you there?"
+        assert ui.messages() == [("error", error)]
+
+        ui.open("Write a long story about a dragon and a knight.")
+        assert ui.busy()
+        ui.q("#input").send_keys(Keys.ESCAPE)
+        ui.wait(lambda: not ui.busy(), 10, "the stop")
+        ui.shot("stopped")
+        meta = ui.q("#messages .msg.assistant .meta").text
+        assert "stopped" in meta, meta
+        deadline = time.monotonic() + 5
+        while _metric(ui.base, "num_requests_running") or _metric(ui.base, "num_requests_admitted"):
+            assert time.monotonic() < deadline, "the server still runs the stopped request"
+            time.sleep(0.05)
+
+        # the prompt too long for the context (2048): a readable error, the input kept
+        ui.open("New chat")  # the failed question's title went back with it into the box
+        ui.q("#input").clear()
+        ui.settings(max_tokens=4000)
+        ui.type("Hello")
+        ui.wait(lambda: ui.qq("#messages .msg.error"), 20, "the context error")
+        error = ui.q("#messages .msg.error").text
+        assert "no longer fits the model's context" in error, error
+        assert ui.q("#input").get_attribute("value") == "Hello"
+        ui.shot("context-error")
+
+        # a refused key: the dialog asks again, and the request goes through with the new one
+        ui.settings(max_tokens=8)
+        ui.js("localStorage.setItem('tandem.apiKey', 'wrong')")
+        ui.q("#send").click()
+        ui.wait(lambda: ui.q("#key-dialog").is_displayed(), 20, "the key dialog")
+        assert "refused" in ui.q("#key-reason").text
+        ui.q("#key-input").send_keys(API_KEY + "\n")
+        ui.wait_reply()
+        assert [m[0] for m in ui.messages()] == ["user", "assistant"]
+        assert ui.js("return localStorage.getItem('tandem.apiKey')") == API_KEY
+
+
+HOSTILE = (
+    'Look: <script>window.__pwned = 1</script> and <img src=x onerror="window.__pwned = 2">'
+    " and [click](javascript:window.__pwned=3) and <b>bold?</b>\n\n"
+    "```html\n<script>window.__pwned = 4</script>\n```\n"
+    "**strong** *em* `<i>code</i>` [site](https://example.com/a?b=c) https://example.org/x.\n\n"
+    "| a | b |\n|---|:-:|\n| <u>x</u> | 2 |\n\n- one\n- two <iframe src=x>"
+)
+
+
+def test_model_text_is_never_html(ui: UI) -> None:
+    with ui.steps("untrusted-text"):
+        ui.load(clear=True)
+        conversation = {
+            "id": "hostile",
+            "title": "<img src=x onerror=window.__pwned=5>",
+            "created": 1,
+            "updated": 2,
+            "settings": {"system": "<script>window.__pwned=6</script>"},
+            "messages": [
+                {"role": "user", "content": '<img src=x onerror="window.__pwned = 7">'},
+                {"role": "assistant", "content": HOSTILE, "stats": {"prompt_tokens": 3}},
+            ],
+        }
+        ui.js(
+            "localStorage.setItem('tandem.conversations.v1', arguments[0]);"
+            "localStorage.setItem('tandem.current', 'hostile')",
+            json.dumps([conversation]),
+        )
+        ui.load()
+        ui.shot("rendered")
+        assert ui.js("return window.__pwned") is None
+        box = ui.q("#messages")
+        assert not box.find_elements(ui.By.CSS_SELECTOR, "script, img, iframe, b, i, u")
+        assert not ui.qq("#conv-list img")
+        text = box.text
+        assert "<script>window.__pwned = 1</script>" in text
+        assert '<img src=x onerror="window.__pwned = 7">' in text
+        assert "<iframe src=x>" in text and "<u>x</u>" in text
+        assert ui.titles() == ["<img src=x onerror=window.__pwned=5>"]
+        # Markdown still renders, from DOM nodes
+        assert box.find_element(ui.By.CSS_SELECTOR, "strong").text == "strong"
+        assert box.find_element(ui.By.CSS_SELECTOR, "em").text == "em"
+        assert box.find_element(ui.By.CSS_SELECTOR, "p code").text == "<i>code</i>"
+        links = box.find_elements(ui.By.CSS_SELECTOR, "a")
+        assert [a.get_attribute("href") for a in links] == [
+            "https://example.com/a?b=c",
+            "https://example.org/x",
+        ]
+        assert [a.text for a in links] == ["site", "https://example.org/x"]
+        assert len(box.find_elements(ui.By.CSS_SELECTOR, "table td")) == 2
+        assert len(box.find_elements(ui.By.CSS_SELECTOR, "ul li")) == 2
+        code = box.find_element(ui.By.CSS_SELECTOR, ".code-block pre code")
+        assert code.text == "<script>window.__pwned = 4</script>"
+        copy = box.find_element(ui.By.CSS_SELECTOR, ".code-block .copy")
+        copy.click()
+        ui.wait(lambda: copy.text in ("Copied", "Copy failed"), 5)
+
+        # an imported file goes through the same cleaning; the export holds what was imported
+        path = ui.dir / "import.json"
+        conversation["id"], conversation["title"] = "imported", "Imported"
+        path.write_text(json.dumps({"conversations": [conversation, {"messages": "junk"}]}))
+        ui.q("#import").send_keys(str(path))
+        ui.wait(lambda: ui.q("#conv-title").text == "Imported", 10, "the imported conversation")
+        assert ui.js("return window.__pwned") is None
+        assert len(ui.titles()) == 2
+        ui.shot("imported")
+
+
+def test_phone_width_and_server_gone(ui: UI, server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    with ui.steps("phone-and-server-gone"):
+        ui.d.set_window_size(390, 800)
+        try:
+            ui.load()
+            assert not ui.q("#sidebar").is_displayed() or ui.q("#sidebar").rect["x"] < 0
+            ui.q("#toggle-sidebar").click()
+            ui.wait(lambda: ui.q("#sidebar").rect["x"] >= 0, 5, "the sidebar drawer")
+            ui.shot("phone-sidebar")
+            ui.q("#new-chat").click()
+            ui.wait(lambda: ui.q("#sidebar").rect["x"] < 0, 5, "the drawer closing")
+
+            server[1].terminate()
+            server[1].wait(20)
+            ui.type("Anyone home?")
+            ui.wait(lambda: ui.qq("#messages .msg.error"), 20, "the connection error")
+            ui.shot("phone-server-gone")
+            assert "Cannot reach the server" in ui.q("#messages .msg.error").text
+            assert ui.q("#input").get_attribute("value") == "Anyone home?"
+        finally:
+            ui.d.set_window_size(1100, 800)

@@ -427,6 +427,25 @@ def test_model_text_is_never_html(ui: UI) -> None:
         assert len(ui.titles()) == 2
         ui.shot("imported")
 
+        ui.js(
+            "const create = URL.createObjectURL;"
+            "URL.createObjectURL = (blob) => { window.__blob = blob; return create(blob); };"
+            "HTMLAnchorElement.prototype.click = function () { window.__download = this.download; }"
+        )
+        ui.q("#export").click()
+        name = ui.js("return window.__download")
+        assert name.startswith("tandem-conversations-") and name.endswith(".json")
+        exported = json.loads(
+            ui.d.execute_async_script(
+                "window.__blob.text().then(arguments[0], (e) => arguments[0](String(e)))"
+            )
+        )
+        assert exported["format"] == "tandem-conversations"
+        got = {c["id"]: c for c in exported["conversations"]}
+        assert set(got) == {"hostile", "imported"}
+        assert got["imported"]["messages"] == conversation["messages"]
+        assert got["imported"]["settings"]["system"] == "<script>window.__pwned=6</script>"
+
 
 def test_phone_width_and_server_gone(ui: UI, server: tuple[str, subprocess.Popen[bytes]]) -> None:
     with ui.steps("phone-and-server-gone"):

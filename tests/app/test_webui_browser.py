@@ -349,8 +349,15 @@ def test_stop_aborts_the_request_and_errors_keep_the_input(ui: UI) -> None:
         assert ui.q("#input").get_attribute("value") == "Hello"
         ui.shot("context-error")
 
-        # a refused key: the dialog asks again, and the request goes through with the new one
-        ui.settings(max_tokens=8)
+        # a refused key: the dialog asks again, and the request goes through with the new one,
+        # carrying the conversation's settings
+        ui.settings(max_tokens=8, system="Answer in French.", top_p=0.9, top_k=40, seed=7)
+        ui.js(
+            "window.__bodies = []; const send = window.fetch;"
+            "window.fetch = (url, init) => {"
+            "  if (init && init.body) window.__bodies.push(JSON.parse(init.body));"
+            "  return send(url, init); };"
+        )
         ui.js("localStorage.setItem('tandem.apiKey', 'wrong')")
         ui.q("#send").click()
         ui.wait(lambda: ui.q("#key-dialog").is_displayed(), 20, "the key dialog")
@@ -359,6 +366,14 @@ def test_stop_aborts_the_request_and_errors_keep_the_input(ui: UI) -> None:
         ui.wait_reply()
         assert [m[0] for m in ui.messages()] == ["user", "assistant"]
         assert ui.js("return localStorage.getItem('tandem.apiKey')") == API_KEY
+        body = ui.js("return window.__bodies.at(-1)")
+        assert body["messages"] == [
+            {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "Hello"},
+        ]
+        assert body["model"] == "smollm2-135m-instruct" and body["stream"] is True
+        assert (body["max_tokens"], body["temperature"], body["top_p"]) == (8, 0, 0.9)
+        assert (body["top_k"], body["seed"]) == (40, 7)
 
 
 HOSTILE = (
@@ -449,6 +464,8 @@ def test_model_text_is_never_html(ui: UI) -> None:
 
 
 def test_phone_width_and_server_gone(ui: UI, server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    from selenium.webdriver.common.keys import Keys
+
     with ui.steps("phone-and-server-gone"):
         ui.d.set_window_size(390, 800)
         try:
@@ -462,10 +479,14 @@ def test_phone_width_and_server_gone(ui: UI, server: tuple[str, subprocess.Popen
 
             server[1].terminate()
             server[1].wait(20)
-            ui.type("Anyone home?")
+            ui.type("Anyone home?", enter=False)
+            ui.q("#input").send_keys(Keys.SHIFT, Keys.ENTER)  # a new line, not a send
+            ui.type("Hello?", enter=False)
+            assert not ui.busy() and not ui.qq("#messages .msg")
+            ui.q("#input").send_keys(Keys.ENTER)
             ui.wait(lambda: ui.qq("#messages .msg.error"), 20, "the connection error")
             ui.shot("phone-server-gone")
             assert "Cannot reach the server" in ui.q("#messages .msg.error").text
-            assert ui.q("#input").get_attribute("value") == "Anyone home?"
+            assert ui.q("#input").get_attribute("value") == "Anyone home?\nHello?"
         finally:
             ui.d.set_window_size(1100, 800)

@@ -411,19 +411,25 @@ async function generate(conv, typed = null) {
   }
   if (frame) cancelAnimationFrame(frame);
   const ended = performance.now();
-  state.running.delete(conv.id);
+  if (state.running.get(conv.id) === controller) state.running.delete(conv.id);
   delete reply.pending;
+  const drop = (msg) => {
+    const at = conv.messages.indexOf(msg);
+    if (at >= 0) conv.messages.splice(at, 1);
+  };
+  const replaced = !conv.messages.includes(reply); // edited or regenerated while it ran
 
-  if (failure && failure.status === 401 && !reply.content) {
-    conv.messages.pop();
+  if (failure && failure.status === 401 && !reply.content && !replaced) {
+    drop(reply);
     const key = await askKey(store.getApiKey() ? "The server refused the stored API key." : "This server needs an API key.");
     if (key) return generate(conv, typed);
   }
-  if (failure) {
+  if (failure && !replaced) {
     if (!reply.content) {
-      conv.messages.pop();
-      if (typed !== null && conv.messages.at(-1)?.role === "user") {
-        conv.messages.pop();
+      const asked = conv.messages[conv.messages.indexOf(reply) - 1];
+      drop(reply);
+      if (typed !== null && asked?.role === "user" && asked.content === typed) {
+        drop(asked);
         if (!conv.messages.length && conv.title === titleFrom(typed)) conv.title = store.DEFAULT_TITLE;
         const input = $("input");
         input.value = input.value ? `${typed}\n${input.value}` : typed;
@@ -431,7 +437,7 @@ async function generate(conv, typed = null) {
       }
     } else reply.stopped = true;
     conv.messages.push({ role: "error", content: readableError(failure) });
-  } else {
+  } else if (!failure) {
     reply.stats = {};
     if (usage) {
       reply.stats.prompt_tokens = usage.prompt_tokens;

@@ -78,6 +78,20 @@ async def test_cached_tokens_in_usage(server: RunningServer) -> None:
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 4
 
 
+async def test_cached_tokens_count_each_prompt_once(server: RunningServer) -> None:
+    base = f"http://127.0.0.1:{server.port}"
+    body = {"prompt": SYSTEM, "max_tokens": 2, "temperature": 0}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/v1/completions", json=body) as r:
+            assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        body = {**body, "prompt": [SYSTEM + " Hello", SYSTEM + " world"], "n": 2}
+        async with http.post(f"{base}/v1/completions", json=body) as r:
+            usage = (await r.json())["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    # two prompts sharing SYSTEM's cached blocks, each counted once however many samples
+    assert usage["prompt_tokens"] - 2 * 8 <= cached < usage["prompt_tokens"], usage
+
+
 async def test_client_hang_up_aborts_the_request(server: RunningServer) -> None:
     base = f"http://127.0.0.1:{server.port}"
     engine = server.engine_loop.engine

@@ -528,8 +528,11 @@ async function importFile(file) {
 
 // ---- composer -----------------------------------------------------------------------------
 
+const NARROW = window.matchMedia("(max-width: 720px)");
+
 function autosize() {
   const input = $("input");
+  input.placeholder = NARROW.matches ? "Message" : "Message (Enter sends, Shift+Enter new line, Esc stops)";
   input.style.height = "auto";
   input.style.height = `${Math.min(input.scrollHeight + 2, 240)}px`;
   input.style.overflowY = input.scrollHeight + 2 > 240 ? "auto" : "hidden";
@@ -547,6 +550,7 @@ function bind() {
     }
   });
   $("input").addEventListener("input", autosize);
+  NARROW.addEventListener("change", autosize);
   $("stop").addEventListener("click", stop);
   document.addEventListener("keydown", (e) => {
     if (e.key === "Escape" && state.running.has(state.currentId)) {

@@ -469,7 +469,7 @@ def test_phone_width_and_server_gone(ui: UI, server: tuple[str, subprocess.Popen
     with ui.steps("phone-and-server-gone"):
         ui.d.set_window_size(390, 800)
         try:
-            ui.load()
+            ui.load(clear=True)
             assert not ui.q("#sidebar").is_displayed() or ui.q("#sidebar").rect["x"] < 0
             ui.q("#toggle-sidebar").click()
             ui.wait(lambda: ui.q("#sidebar").rect["x"] >= 0, 5, "the sidebar drawer")

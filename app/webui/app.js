@@ -1,7 +1,11 @@
 // The chat page: sidebar of conversations, the message view, the composer and its streaming.
 
 import { ApiError, listModels, streamChat } from "./api.js";
-import { copyButton, renderMarkdown } from "./markdown.js";
+import { askKey, alertBar } from "./dialogs.js";
+import { el } from "./dom.js";
+import { renderMarkdown } from "./markdown.js";
+import { messageNode } from "./messages.js";
+import { renderConversationList } from "./sidebar.js";
 import * as store from "./store.js";
 
 const $ = (id) => document.getElementById(id);
@@ -15,21 +19,6 @@ const state = {
   notice: null, // a storage problem to show once
 };
 
-function el(tag, cls, text) {
-  const node = document.createElement(tag);
-  if (cls) node.className = cls;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
-function button(label, cls, onClick, title) {
-  const b = el("button", cls, label);
-  b.type = "button";
-  if (title) b.title = title;
-  b.addEventListener("click", onClick);
-  return b;
-}
-
 function current() {
   return state.conversations.find((c) => c.id === state.currentId);
 }
@@ -42,71 +31,27 @@ function persist() {
   }
 }
 
-function alertBar(text) {
-  const bar = el("div", "notice", text);
-  bar.append(button("×", "close", () => bar.remove(), "Dismiss"));
-  $("main").prepend(bar);
-}
-
 // ---- sidebar ------------------------------------------------------------------------------
 
 function renderSidebar() {
-  const list = $("conv-list");
-  list.replaceChildren();
-  const sorted = [...state.conversations].sort((a, b) => b.updated - a.updated);
-  for (const conv of sorted) {
-    const li = el("li", conv.id === state.currentId ? "active" : "");
-    li.dataset.id = conv.id;
-    const open = button(conv.title, "conv-open", () => switchTo(conv.id));
-    if (state.running.has(conv.id)) open.classList.add("busy");
-    const rename = button("✎", "icon conv-rename", () => startRename(li, conv), "Rename");
-    const del = button("✕", "icon conv-delete", () => confirmDelete(del, conv), "Delete");
-    li.append(open, rename, del);
-    list.append(li);
-  }
+  renderConversationList($("conv-list"), state.conversations, state.currentId, state.running, {
+    open: (id) => switchTo(id),
+    rename: (conv, title) => {
+      conv.title = title;
+      persist();
+      renderSidebar();
+    },
+    remove: (conv) => {
+      state.running.get(conv.id)?.abort();
+      state.conversations = state.conversations.filter((c) => c.id !== conv.id);
+      persist();
+      renderAll();
+    },
+    redraw: () => renderSidebar(),
+  });
   const conv = current();
   $("conv-title").textContent = conv ? conv.title : "";
   document.title = conv && conv.title !== store.DEFAULT_TITLE ? `${conv.title} · Tandem` : "Tandem";
-}
-
-function startRename(li, conv) {
-  const input = el("input", "conv-rename-input");
-  input.value = conv.title;
-  input.setAttribute("aria-label", "Conversation name");
-  let done = false;
-  const commit = (save) => {
-    if (done) return;
-    done = true;
-    if (save && input.value.trim()) {
-      conv.title = input.value.trim().slice(0, 200);
-      persist();
-    }
-    renderSidebar();
-  };
-  input.addEventListener("keydown", (e) => {
-    if (e.key === "Enter") commit(true);
-    else if (e.key === "Escape") {
-      e.stopPropagation();
-      commit(false);
-    }
-  });
-  input.addEventListener("blur", () => commit(true));
-  li.replaceChildren(input);
-  input.focus();
-  input.select();
-}
-
-function confirmDelete(del, conv) {
-  if (!del.classList.contains("confirm")) {
-    del.classList.add("confirm");
-    del.textContent = "Delete?";
-    setTimeout(() => del.isConnected && renderSidebar(), 3000);
-    return;
-  }
-  state.running.get(conv.id)?.abort();
-  state.conversations = state.conversations.filter((c) => c.id !== conv.id);
-  persist();
-  renderAll();
 }
 
 function ensureConversation() {
@@ -197,56 +142,6 @@ function bindSettings() {
 
 // ---- messages -----------------------------------------------------------------------------
 
-function formatStats(stats, stopped) {
-  const parts = [];
-  if (stats.prompt_tokens !== undefined) {
-    parts.push(`${stats.prompt_tokens} prompt tokens`);
-    parts.push(`${stats.cached_tokens ?? 0} cached`);
-  }
-  if (stats.completion_tokens !== undefined) parts.push(`${stats.completion_tokens} generated`);
-  if (stats.ttft_ms !== undefined) parts.push(`TTFT ${Math.round(stats.ttft_ms)} ms`);
-  if (stats.tokens_per_s !== undefined) parts.push(`${stats.tokens_per_s.toFixed(1)} tok/s`);
-  if (stopped) parts.push("stopped");
-  return parts.join(" · ");
-}
-
-function messageNode(conv, msg, index) {
-  const node = el("div", `msg ${msg.role}`);
-  node.dataset.index = index;
-  const body = el("div", "body");
-  node.append(body);
-  if (msg.role === "user") {
-    body.textContent = msg.content;
-    const actions = el("div", "actions");
-    actions.append(button("Edit", "msg-edit", () => startEdit(conv, index, node), "Edit and regenerate from here"));
-    node.append(actions);
-  } else if (msg.role === "assistant") {
-    body.append(renderMarkdown(msg.content));
-    if (msg.pending && !msg.content) body.append(el("span", "typing", "…"));
-    const meta = el("div", "meta");
-    if (msg.stats) {
-      meta.textContent = formatStats(msg.stats, msg.stopped);
-      if (msg.stats.cached_tokens !== undefined) meta.dataset.cached = msg.stats.cached_tokens;
-    } else if (msg.stopped) meta.textContent = "stopped";
-    const actions = el("div", "actions");
-    if (!msg.pending) {
-      actions.append(copyButton(() => msg.content, "Copy"));
-      if (index === conv.messages.length - 1) {
-        actions.append(button("Regenerate", "msg-regenerate", () => regenerate(conv), "Generate this reply again"));
-      }
-    }
-    node.append(meta, actions);
-  } else {
-    body.textContent = msg.content;
-    const actions = el("div", "actions");
-    if (index === conv.messages.length - 1 && conv.messages.some((m) => m.role === "user")) {
-      actions.append(button("Retry", "msg-regenerate", () => regenerate(conv), "Send the conversation again"));
-    }
-    node.append(actions);
-  }
-  return node;
-}
-
 function renderMessages() {
   const conv = current();
   const box = $("messages");
@@ -257,7 +152,12 @@ function renderMessages() {
     empty.append(el("p", null, state.models[0] ? `Model: ${state.models[0].id}` : ""));
     box.append(empty);
   } else {
-    conv.messages.forEach((m, i) => box.append(messageNode(conv, m, i)));
+    const on = {
+      edit: (index, text) => editAndRegenerate(conv, index, text),
+      cancel: () => renderMessages(),
+      regenerate: () => regenerate(conv),
+    };
+    conv.messages.forEach((m, i) => box.append(messageNode(conv, m, i, on)));
   }
   box.scrollTop = box.scrollHeight;
   renderComposer();
@@ -276,35 +176,13 @@ function renderAll() {
   renderMessages();
 }
 
-function startEdit(conv, index, node) {
-  const msg = conv.messages[index];
-  const area = el("textarea", "edit-area");
-  area.value = msg.content;
-  area.rows = Math.min(12, Math.max(2, msg.content.split("\n").length));
-  const save = button("Save & regenerate", "primary msg-save", () => {
-    const text = area.value.trim();
-    if (!text) return;
-    state.running.get(conv.id)?.abort();
-    conv.messages = conv.messages.slice(0, index);
-    conv.messages.push({ role: "user", content: text });
-    if (index === 0 && conv.title === titleFrom(msg.content)) conv.title = titleFrom(text);
-    generate(conv);
-  });
-  const cancel = button("Cancel", "msg-cancel", () => renderMessages());
-  area.addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
-      e.preventDefault();
-      save.click();
-    } else if (e.key === "Escape") {
-      e.stopPropagation();
-      renderMessages();
-    }
-  });
-  const actions = el("div", "actions");
-  actions.append(cancel, save);
-  node.replaceChildren(area, actions);
-  node.classList.add("editing");
-  area.focus();
+function editAndRegenerate(conv, index, text) {
+  const old = conv.messages[index].content;
+  state.running.get(conv.id)?.abort();
+  conv.messages = conv.messages.slice(0, index);
+  conv.messages.push({ role: "user", content: text });
+  if (index === 0 && conv.title === titleFrom(old)) conv.title = titleFrom(text);
+  generate(conv);
 }
 
 function regenerate(conv) {
@@ -421,7 +299,7 @@ async function generate(conv, typed = null) {
 
   if (failure && failure.status === 401 && !reply.content && !replaced) {
     drop(reply);
-    const key = await askKey(store.getApiKey() ? "The server refused the stored API key." : "This server needs an API key.");
+    const key = await askForKey();
     if (key) return generate(conv, typed);
   }
   if (failure && !replaced) {
@@ -462,26 +340,10 @@ function stop() {
 
 // ---- API key ------------------------------------------------------------------------------
 
-function askKey(reason) {
-  const dialog = $("key-dialog");
-  $("key-reason").textContent = reason;
-  $("key-input").value = "";
-  return new Promise((resolve) => {
-    const done = (key) => {
-      dialog.removeEventListener("close", onClose);
-      $("key-cancel").removeEventListener("click", onCancel);
-      if (dialog.open) dialog.close();
-      if (key) store.setApiKey(key);
-      $("forget-key").hidden = !store.getApiKey();
-      resolve(key);
-    };
-    const onClose = () => done(dialog.returnValue === "ok" ? $("key-input").value.trim() : null);
-    const onCancel = () => done(null);
-    dialog.addEventListener("close", onClose);
-    $("key-cancel").addEventListener("click", onCancel);
-    dialog.showModal();
-    $("key-input").focus();
-  });
+async function askForKey() {
+  const key = await askKey(store.getApiKey() ? "The server refused the stored API key." : "This server needs an API key.");
+  $("forget-key").hidden = !store.getApiKey();
+  return key;
 }
 
 async function loadModels() {
@@ -491,7 +353,7 @@ async function loadModels() {
       return;
     } catch (e) {
       if (e instanceof ApiError && e.status === 401) {
-        const key = await askKey(store.getApiKey() ? "The server refused the stored API key." : "This server needs an API key.");
+        const key = await askForKey();
         if (key) continue;
       }
       alertBar(e instanceof ApiError ? `Could not list the models: ${readableError(e)}` : String(e));

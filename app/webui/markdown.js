@@ -1,6 +1,8 @@
 // Safe Markdown: text in, DOM nodes out. Model output only ever becomes text nodes and
 // attributes we choose (links: http, https and mailto only), never HTML.
 
+import { el } from "./dom.js";
+
 const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
 const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
 const RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
@@ -21,13 +23,6 @@ const INLINE = new RegExp(
     "(\\n)", // 12 line break
   ].join("|"),
 );
-
-function el(tag, cls, text) {
-  const node = document.createElement(tag);
-  if (cls) node.className = cls;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function safeHref(url) {
   try {

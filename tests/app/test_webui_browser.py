@@ -122,6 +122,8 @@ class UI:
         self.n = 0
         try:
             yield
+            errors = [e for e in self.d.get_log("browser") if e.get("source") == "javascript"]
+            assert not errors, f"errors in the page's scripts: {errors}"
         except BaseException as exc:
             console = ""
             try:

@@ -465,6 +465,48 @@ def test_model_text_is_never_html(ui: UI) -> None:
         assert got["imported"]["settings"]["system"] == "<script>window.__pwned=6</script>"
 
 
+MARKDOWN_CASES = [
+    ("snake_case_name and 2 * 3 * 4", "<p>snake_case_name and 2 * 3 * 4</p>"),
+    ("line one\nline two", "<p>line one<br>line two</p>"),
+    ("# Title\ntext", "<h1>Title</h1><p>text</p>"),
+    ("<b>x</b> &amp;", "<p>&lt;b&gt;x&lt;/b&gt; &amp;amp;</p>"),
+    ("[a](javascript:alert(1)) [b](/relative)", "<p>a b</p>"),
+    ("1. a\n2. b\n   - c", "<ol><li>a</li><li><p>b</p><ul><li>c</li></ul></li></ol>"),
+    ("~~gone~~ `x<y`", "<p><del>gone</del> <code>x&lt;y</code></p>"),
+    ("> quoted\n> more", "<blockquote><p>quoted<br>more</p></blockquote>"),
+    ("**a** __b__ *c* _d_", "<p><strong>a</strong> <strong>b</strong> <em>c</em> <em>d</em></p>"),
+    (
+        "see http://x.org/a_b_c.",
+        '<p>see <a href="http://x.org/a_b_c" rel="noopener noreferrer nofollow" '
+        'target="_blank">http://x.org/a_b_c</a>.</p>',
+    ),
+    ("a\n\n---\n\nb", "<p>a</p><hr><p>b</p>"),
+    (
+        "| x | y |\n|---|--:|\n| 1 |",
+        '<div class="table-wrap"><table><thead><tr><th>x</th>'
+        '<th style="text-align: right;">y</th></tr></thead><tbody><tr><td>1</td></tr></tbody>'
+        "</table></div>",
+    ),
+]
+
+
+def test_markdown_renderer(ui: UI) -> None:
+    with ui.steps("markdown"):
+        ui.load(clear=True)
+        script = (
+            "const done = arguments[arguments.length - 1];"
+            "import('/ui/markdown.js').then((md) => done(arguments[0].map((text) => {"
+            "  const box = document.createElement('div');"
+            "  box.append(md.renderMarkdown(text));"
+            "  return box.innerHTML; })), (e) => done(String(e)));"
+        )
+        got = ui.d.execute_async_script(script, [text for text, _ in MARKDOWN_CASES])
+        assert got == [html for _, html in MARKDOWN_CASES]
+        # a fence still streaming (not closed yet) is already a code block with its copy button
+        script = script.replace("box.innerHTML", "box.querySelector('pre code').textContent")
+        assert ui.d.execute_async_script(script, ["```py\nx = 1\n  y"]) == ["x = 1\n  y"]
+
+
 def test_phone_width_and_server_gone(ui: UI, server: tuple[str, subprocess.Popen[bytes]]) -> None:
     from selenium.webdriver.common.keys import Keys
 

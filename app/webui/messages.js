@@ -4,7 +4,7 @@
 import { button, el } from "./dom.js";
 import { copyButton, renderMarkdown } from "./markdown.js";
 
-function formatStats(stats, stopped) {
+function formatStats(stats, stopped, finishReason) {
   const parts = [];
   if (stats.prompt_tokens !== undefined) {
     parts.push(`${stats.prompt_tokens} prompt tokens`);
@@ -14,6 +14,7 @@ function formatStats(stats, stopped) {
   if (stats.ttft_ms !== undefined) parts.push(`TTFT ${Math.round(stats.ttft_ms)} ms`);
   if (stats.tokens_per_s !== undefined) parts.push(`${stats.tokens_per_s.toFixed(1)} tok/s`);
   if (stopped) parts.push("stopped");
+  else if (finishReason === "length") parts.push("max tokens reached");
   return parts.join(" · ");
 }
 
@@ -33,7 +34,7 @@ export function messageNode(conv, msg, index, on) {
     if (msg.pending && !msg.content) body.append(el("span", "typing", "…"));
     const meta = el("div", "meta");
     if (msg.stats) {
-      meta.textContent = formatStats(msg.stats, msg.stopped);
+      meta.textContent = formatStats(msg.stats, msg.stopped, msg.finish_reason);
       if (msg.stats.cached_tokens !== undefined) meta.dataset.cached = msg.stats.cached_tokens;
     } else if (msg.stopped) meta.textContent = "stopped";
     const actions = el("div", "actions");

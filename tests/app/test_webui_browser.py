@@ -251,6 +251,7 @@ def test_api_key_chat_streams_edit_regenerate_and_reload(ui: UI) -> None:
             meta
         )
         assert len(ui.messages()[1][1]) > partial[0]
+        assert meta.endswith("tok/s · max tokens reached") and "64 generated" in meta, meta
         first_answer = ui.messages()[1][1]
         assert first_answer.strip()
 

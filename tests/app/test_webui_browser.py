@@ -240,7 +240,7 @@ def test_api_key_chat_streams_edit_regenerate_and_reload(ui: UI) -> None:
             "  {childList: true, subtree: true, characterData: true});"
         )
         ui.type("Describe the water cycle.")
-        ui.wait(lambda: ui.busy(), 10, "the request to start")
+        ui.wait(lambda: ui.qq("#messages .msg.assistant"), 10, "the reply to start")
         ui.shot("streaming")
         reply = ui.wait_reply()
         ui.shot("first-reply")

@@ -522,8 +522,23 @@ def test_phone_width_and_server_gone(ui: UI, server: tuple[str, subprocess.Popen
             ui.q("#new-chat").click()
             ui.wait(lambda: ui.q("#sidebar").rect["x"] < 0, 5, "the drawer closing")
 
-            server[1].terminate()
+            # the server dies mid-reply: what came is kept, and the loss is said
+            ui.settings(max_tokens=1500)
+            ui.type("Write a long story about a dragon and a knight.")
+            ui.wait(lambda: len(ui.qq("#messages .msg.assistant .body")[-1].text) > 20, 60, "text")
+            server[1].kill()
             server[1].wait(20)
+            ui.wait(lambda: ui.qq("#messages .msg.error"), 20, "the lost connection")
+            ui.shot("phone-server-died")
+            assert "lost mid-reply" in ui.q("#messages .msg.error").text
+            reply = ui.q("#messages .msg.assistant")
+            assert len(reply.find_element(ui.By.CSS_SELECTOR, ".body").text) > 20
+            assert reply.find_element(ui.By.CSS_SELECTOR, ".meta").text == "stopped"
+
+            ui.q("#toggle-sidebar").click()
+            ui.wait(lambda: ui.q("#sidebar").rect["x"] >= 0, 5, "the sidebar drawer")
+            ui.q("#new-chat").click()
+            ui.wait(lambda: ui.q("#sidebar").rect["x"] < 0, 5, "the drawer closing")
             ui.type("Anyone home?", enter=False)
             ui.q("#input").send_keys(Keys.SHIFT, Keys.ENTER)  # a new line, not a send
             ui.type("Hello?", enter=False)

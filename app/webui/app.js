@@ -83,11 +83,24 @@ function newChat() {
   switchTo(conv.id);
 }
 
+function keepDraft(conv) {
+  const text = $("input").value;
+  if (text.trim()) conv.draft = text;
+  else delete conv.draft;
+}
+
 function switchTo(id) {
+  const from = current();
+  const moving = from?.id !== id;
+  if (from && moving) keepDraft(from);
   state.currentId = id;
   store.saveCurrentId(id);
   persist();
   renderAll();
+  if (moving) {
+    $("input").value = current()?.draft ?? "";
+    autosize();
+  }
   closeSidebar();
   $("input").focus();
 }
@@ -233,6 +246,7 @@ async function send() {
   conv.messages.push({ role: "user", content: text });
   if (conv.title === store.DEFAULT_TITLE) conv.title = titleFrom(text);
   input.value = "";
+  delete conv.draft;
   autosize();
   await generate(conv, text);
 }
@@ -309,9 +323,11 @@ async function generate(conv, typed = null) {
       if (typed !== null && asked?.role === "user" && asked.content === typed) {
         drop(asked);
         if (!conv.messages.length && conv.title === titleFrom(typed)) conv.title = store.DEFAULT_TITLE;
-        const input = $("input");
-        input.value = input.value ? `${typed}\n${input.value}` : typed;
-        autosize();
+        if (conv.id === state.currentId) {
+          const input = $("input");
+          input.value = input.value ? `${typed}\n${input.value}` : typed;
+          autosize();
+        } else conv.draft = conv.draft ? `${typed}\n${conv.draft}` : typed;
       }
     } else reply.stopped = true;
     conv.messages.push({ role: "error", content: readableError(failure) });
@@ -450,6 +466,15 @@ async function main() {
   autosize();
   $("forget-key").hidden = !store.getApiKey();
   renderAll();
+  $("input").value = current()?.draft ?? "";
+  autosize();
+  window.addEventListener("pagehide", () => {
+    const conv = current();
+    if (!conv) return;
+    const before = conv.draft;
+    keepDraft(conv);
+    if (conv.draft !== before) persist();
+  });
   await loadModels();
   for (const conv of state.conversations) if (!conv.settings.model && state.models[0]) conv.settings.model = state.models[0].id;
   renderAll();

@@ -56,6 +56,7 @@ export function cleanConversation(c) {
     updated: Number.isFinite(c.updated) ? c.updated : now,
     settings: cleanSettings(c.settings),
     messages: c.messages.map(cleanMessage).filter(Boolean),
+    ...(typeof c.draft === "string" && c.draft ? { draft: c.draft } : {}),
   };
 }
 

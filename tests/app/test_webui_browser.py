@@ -290,8 +290,10 @@ def test_api_key_chat_streams_edit_regenerate_and_reload(ui: UI) -> None:
         prompt = int(re.search(r"(\d+) prompt tokens", meta.text).group(1))
         assert int(meta.get_attribute("data-cached")) >= prompt - 16
 
+        ui.type("an unsent draft", enter=False)
         ui.d.refresh()
         ui.wait(lambda: ui.js("return document.body.dataset.ready === '1'"), 30, "page ready")
+        assert ui.q("#input").get_attribute("value") == "an unsent draft"
         assert not ui.q("#key-dialog").is_displayed()  # the key was kept
         ui.shot("after-reload")
         # the title followed the edited first question (it was never renamed)
@@ -330,7 +332,7 @@ def test_stop_aborts_the_request_and_errors_keep_the_input(ui: UI) -> None:
         assert ui.messages() == [("error", error)]
 
         ui.open("Write a long story about a dragon and a knight.")
-        assert ui.busy()
+        assert ui.busy() and ui.q("#input").get_attribute("value") == ""
         ui.q("#input").send_keys(Keys.ESCAPE)
         ui.wait(lambda: not ui.busy(), 10, "the stop")
         ui.shot("stopped")
@@ -343,6 +345,7 @@ def test_stop_aborts_the_request_and_errors_keep_the_input(ui: UI) -> None:
 
         # the prompt too long for the context (2048): a readable error, the input kept
         ui.open("New chat")  # the failed question's title went back with it into the box
+        assert ui.q("#input").get_attribute("value") == "Are you there?"  # its draft
         ui.q("#input").clear()
         ui.settings(max_tokens=4000)
         ui.type("Hello")

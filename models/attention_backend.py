@@ -39,6 +39,25 @@ class AttentionBackend(Protocol):
         `batch.slot_mapping`, then attend q `[T, H, D]` causally; returns `[T, H, D]`."""
         ...
 
+    def mla(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """Multi-head latent attention over a paged latent cache (DeepSeek, absorbed form).
+
+        q_latent `[T, H, L]`: q_nope already absorbed through W_UK into the latent space;
+        q_rope `[T, H, R]`: rope applied; latent_cache `[num_blocks, block_size, L + R]`: this
+        layer's cache with this step's rows ALREADY written at `batch.slot_mapping` (a row is
+        [normed c_kv (L) | roped k_pe (R)]). Returns `[T, H, L]` in q_latent's dtype:
+        softmax(scale * (q_latent . c + q_rope . k_pe)) @ c over each token's causal context
+        (by position, as `ForwardBatch` lays it out), accumulated in float32. The caller applies
+        W_UV and o_proj."""
+        ...
+
 
 class TorchAttentionBackend:
     """Reference backend: `ext.attention_ref` on whatever device the tensors live on."""
@@ -75,6 +94,51 @@ class TorchAttentionBackend:
             scale,
             plan,
         )
+
+    def mla(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """See `AttentionBackend.mla`."""
+        return mla_reference(q_latent, q_rope, latent_cache, batch, scale)
+
+
+def mla_reference(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """`AttentionBackend.mla` in plain torch, one sequence at a time: gathers the sequence's
+    latent rows through its block table and attends in float32 with a causal mask by
+    position. Host-side lengths (`query_lens_cpu`, `seq_lens_cpu`) drive the loop."""
+    num_latent = q_latent.shape[-1]
+    block_size = latent_cache.shape[1]
+    rows = latent_cache.shape[-1]
+    out = torch.empty_like(q_latent)  # [T, H, L]
+    start = 0
+    for i, (num_q, num_kv) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu, strict=True)):
+        if num_q == 0:
+            continue
+        num_blocks = -(-num_kv // block_size)
+        blocks = batch.block_tables[i, :num_blocks].long()
+        ctx = latent_cache.index_select(0, blocks).reshape(-1, rows)[:num_kv].float()  # [S, L+R]
+        c, k_pe = ctx[:, :num_latent], ctx[:, num_latent:]
+        ql = q_latent[start : start + num_q].float()  # [n, H, L]
+        qr = q_rope[start : start + num_q].float()  # [n, H, R]
+        scores = torch.einsum("nhl,sl->hns", ql, c) + torch.einsum("nhr,sr->hns", qr, k_pe)
+        q_pos = torch.arange(num_kv - num_q, num_kv, device=ctx.device)
+        k_pos = torch.arange(num_kv, device=ctx.device)
+        future = k_pos[None, :] > q_pos[:, None]  # [n, S]
+        probs = torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
+        out[start : start + num_q] = torch.einsum("hns,sl->nhl", probs, c).to(out.dtype)
+        start += num_q
+    return out
 
 
 def _cupy_backend() -> AttentionBackend:

@@ -8,13 +8,19 @@ model layer knows nothing about scheduling (ARCHITECTURE.md, "The model forward 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
 
 
 @dataclass
 class KVCache:
-    """Paged KV storage: per layer a K and a V tensor `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    """Paged KV storage: per layer a K and a V tensor `[num_blocks, block_size, num_kv_heads, head_dim]`,
+    or, for multi-head latent attention (DeepSeek), one `latent` tensor
+    `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` (k and v empty).
 
     `slot = block_id * block_size + offset`. Allocated once by the runner; addresses never move
     (CUDA graphs capture them).
@@ -23,6 +29,45 @@ class KVCache:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     block_size: int
+    latent: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """The layout `config` needs: latent rows for MLA models, K and V otherwise."""
+        if config.is_mla:
+            shape = (num_blocks, block_size, config.latent_dim)
+            latent = [
+                torch.zeros(shape, dtype=dtype, device=device)
+                for _ in range(config.num_hidden_layers)
+            ]
+            return cls(k=[], v=[], block_size=block_size, latent=latent)
+        return cls.allocate(
+            config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
+            config.head_dim, dtype, device,
+        )  # fmt: skip
+
+    @staticmethod
+    def bytes_per_block_for(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers in the layout `for_model` allocates."""
+        if config.is_mla:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            return config.num_hidden_layers * block_size * config.latent_dim * itemsize
+        return KVCache.bytes_per_block(
+            config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
+            dtype,
+        )  # fmt: skip
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor (K, V and latent)."""
+        return self.k + self.v + self.latent
 
     @classmethod
     def allocate(
@@ -42,7 +87,8 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0] if self.k else 0
+        first = self.k or self.latent
+        return first[0].shape[0] if first else 0
 
     @staticmethod
     def bytes_per_block(

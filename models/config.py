@@ -1,8 +1,8 @@
 """Model hyper-parameters, read from an HF `config.json` or from GGUF metadata.
 
 `ModelConfig` is architecture-neutral: one frozen dataclass holds what every supported
-family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE). Loaders
-fill it; models read it.
+family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3
+and Kimi-K2). Loaders fill it; models read it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _OLMOE = "OlmoeForCausalLM"
 
@@ -64,6 +67,38 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts": 64,
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
+    },
+    "DeepseekV2ForCausalLM": {
+        "max_position_embeddings": 2048,
+        "intermediate_size": 11008,
+        "num_experts": 64,
+        "moe_intermediate_size": 1407,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 0,
+        "topk_method": "greedy",
+    },
+    "DeepseekV3ForCausalLM": {
+        "intermediate_size": 18432,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
     },
 }
 
@@ -117,6 +152,26 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # DeepSeek MoE (models/deepseek.py): the first `first_k_dense_replace` layers dense, an
+    # ungated shared expert of moe_intermediate_size * n_shared_experts, routing by
+    # models/layers/moe_routing.py ("softmax" V2: greedy or group-limited by the max of a
+    # group; "sigmoid" V3: e_score_correction_bias, groups by their top-2 sum), the top-k
+    # weights times routed_scaling_factor.
+    first_k_dense_replace: int = 0
+    n_shared_experts: int = 0
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (kv_lora_rank > 0; models/layers/mla.py). q_lora_rank 0: a
+    # plain q_proj (DeepSeek-V2-Lite). head_dim is the rope part (qk_rope_head_dim), as in HF.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rope over (even, odd) pairs of the rope dims
     # Tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -135,8 +190,19 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token and layer of the latent KV cache (MLA): c_kv then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         if not self.is_moe or layer_idx in self.mlp_only_layers:
+            return False
+        if layer_idx < self.first_k_dense_replace:
             return False
         step = max(self.decoder_sparse_step, 1)
         return (layer_idx + 1) % step == 0
@@ -165,14 +231,18 @@ class ModelConfig:
         num_experts = 0
         if arch not in _DENSE:
             default = _default(arch, "num_experts")
-            num_experts = _first(d, "num_local_experts", "num_experts", default=default)
+            num_experts = _first(
+                d, "num_local_experts", "num_experts", "n_routed_experts", default=default
+            )
         if arch == "MixtralForCausalLM":
             norm_topk = True  # transformers' Mixtral always renormalizes the top-k weights
+        elif arch == "DeepseekV2ForCausalLM":
+            norm_topk = False  # transformers' DeepSeek-V2 router never renormalizes
         else:
             norm_topk = bool(d.get("norm_topk_prob", _default(arch, "norm_topk_prob")))
         # Qwen2-MoE and Qwen3-MoE size their experts by moe_intermediate_size, Mixtral and OLMoE
         # by intermediate_size.
-        if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", *_DEEPSEEK):
             expert_inter = d.get("moe_intermediate_size", _default(arch, "moe_intermediate_size"))
         else:
             expert_inter = d.get("intermediate_size", 0)
@@ -190,11 +260,11 @@ class ModelConfig:
             architecture=arch,
             vocab_size=d["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=d.get("intermediate_size", 0) or 0,
+            intermediate_size=d.get("intermediate_size", _default(arch, "intermediate_size")) or 0,
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim", _default(arch, "head_dim")) or hidden // heads,
+            head_dim=_head_dim(arch, d),
             rms_norm_eps=d.get("rms_norm_eps", _default(arch, "rms_norm_eps")),
             rope_theta=float(
                 rope_theta if rope_theta is not None else _default(arch, "rope_theta")
@@ -234,6 +304,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            **(_deepseek_fields(arch, d) if arch in _DEEPSEEK else {}),
         )
 
     @classmethod
@@ -242,6 +313,57 @@ class ModelConfig:
         if not path.exists():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _head_dim(arch: str, d: dict[str, Any]) -> int:
+    if arch in _DEEPSEEK:  # transformers sets head_dim to the rope part
+        return int(d.get("qk_rope_head_dim") or _default(arch, "qk_rope_head_dim"))
+    return (
+        d.get("head_dim", _default(arch, "head_dim"))
+        or d["hidden_size"] // d["num_attention_heads"]
+    )
+
+
+def _deepseek_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The MLA and DeepSeek-MoE fields as transformers' DeepseekV2/V3 code reads them: V3
+    always routes by sigmoid + e_score_correction_bias in groups (its config's topk_method and
+    scoring_func are not read), V2 by softmax, greedy or group-limited by `topk_method`; V2
+    always applies rope to interleaved pairs, V3 where `rope_interleave` (default true)."""
+
+    def get(key: str) -> Any:
+        value = d.get(key)
+        return _default(arch, key) if value is None else value
+
+    v3 = arch == "DeepseekV3ForCausalLM"
+    topk_method = "noaux_tc" if v3 else str(get("topk_method"))
+    if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise UnsupportedModelError(f"unsupported DeepSeek topk_method {topk_method!r}")
+    grouped = topk_method != "greedy"
+    n_group = int(get("n_group") or 1) if grouped else 1
+    topk_group = int(get("topk_group") or 1) if grouped else 1
+    experts = _first(d, "n_routed_experts", "num_local_experts", "num_experts",
+                     default=_default(arch, "num_experts"))  # fmt: skip
+    if grouped and (experts % n_group or not 1 <= topk_group <= n_group):
+        raise UnsupportedModelError(
+            f"group-limited routing needs n_group ({n_group}) to divide the {experts} experts "
+            f"and 1 <= topk_group ({topk_group}) <= n_group"
+        )
+    rope_interleave = bool(d.get("rope_interleave", True)) if v3 else True
+    return {
+        "first_k_dense_replace": int(get("first_k_dense_replace") or 0),
+        "n_shared_experts": int(get("n_shared_experts") or 0),
+        "scoring_func": "sigmoid" if v3 else "softmax",
+        "topk_method": topk_method,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": float(get("routed_scaling_factor")),
+        "q_lora_rank": int(d.get("q_lora_rank", _default(arch, "q_lora_rank")) or 0),
+        "kv_lora_rank": int(get("kv_lora_rank")),
+        "qk_nope_head_dim": int(get("qk_nope_head_dim")),
+        "qk_rope_head_dim": int(get("qk_rope_head_dim")),
+        "v_head_dim": int(get("v_head_dim")),
+        "rope_interleave": rope_interleave,
+    }
 
 
 def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
@@ -279,6 +401,9 @@ def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
     `mlp_bias`; Mistral and Mixtral none, whatever keys the config carries."""
     if arch == "Qwen2ForCausalLM":
         return True, False, False
+    if arch in _DEEPSEEK:  # attention_bias: q_a, kv_a and o_proj; mlp_bias (V2): every MLP
+        attn = bool(d.get("attention_bias", False))
+        return attn, attn, arch == "DeepseekV2ForCausalLM" and bool(d.get("mlp_bias", False))
     if arch == "Qwen2MoeForCausalLM":
         return bool(_first(d, "qkv_bias", "attention_bias", default=True)), False, False
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", _OLMOE):
@@ -290,7 +415,7 @@ def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
 def _moe_layers(arch: str, d: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
     """(decoder_sparse_step, mlp_only_layers): the Qwen MoE families read both from the config;
     Mixtral's and OLMoE's code put experts on every layer, whatever keys the config carries."""
-    if arch in ("MixtralForCausalLM", _OLMOE):
+    if arch in ("MixtralForCausalLM", _OLMOE, *_DEEPSEEK):
         return 1, ()
     return d.get("decoder_sparse_step", 1) or 1, tuple(d.get("mlp_only_layers", ()) or ())
 
@@ -315,6 +440,9 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "qwen2_moe": "Qwen2MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "olmoe": _OLMOE,
+        "deepseek_v2": "DeepseekV2ForCausalLM",
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+        "kimi_k2": "DeepseekV3ForCausalLM",
     }
     if model_type not in table:
         raise UnsupportedModelError(f"unsupported model_type {model_type!r}")

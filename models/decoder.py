@@ -56,7 +56,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Base of every model class in models/registry.py."""
+    """Base of every model class in models/registry.py; a family with another layer (DeepSeek's
+    MLA) sets `layer_cls`."""
+
+    layer_cls: type[nn.Module] = DecoderLayer
 
     def __init__(
         self,
@@ -72,7 +75,7 @@ class DecoderForCausalLM(nn.Module):
         self.expert_backend = expert_backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, attn_backend, expert_backend)
+            self.layer_cls(config, i, attn_backend, expert_backend)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

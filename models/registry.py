@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from models.config import UnsupportedModelError
 from models.decoder import DecoderForCausalLM
+from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from models.moe_models import (
     MixtralForCausalLM,
@@ -21,6 +22,8 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -23,6 +23,20 @@ if TYPE_CHECKING:
 
 # Checkpoint names that carry no parameters (buffers some exporters include).
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Families whose checkpoints append multi-token-prediction modules as extra layers past
+# num_hidden_layers (DeepSeek-V3's layer 61); serving does not use them.
+_MTP_FAMILIES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+
+
+def _is_mtp(name: str, cfg) -> bool:
+    m = _LAYER.match(name)
+    return (
+        cfg.architecture in _MTP_FAMILIES and m is not None
+        and int(m[1]) >= cfg.num_hidden_layers
+    )  # fmt: skip
+
+
 _FUSED_EXPERTS = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$"
 )
@@ -74,18 +88,21 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
         t[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         t[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         attn = layer.self_attn
-        params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
-        for kind in params:
-            fused = getattr(attn.qkv_proj, kind)
-            t[p + f"self_attn.q_proj.{kind}"] = fused[:q]
-            t[p + f"self_attn.k_proj.{kind}"] = fused[q : q + kv]
-            t[p + f"self_attn.v_proj.{kind}"] = fused[q + kv :]
-        t[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
-        if attn.o_proj.bias is not None:
-            t[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
-        if attn.q_norm is not None and attn.k_norm is not None:
-            t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
-            t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
+        if hasattr(attn, "kv_b_proj"):  # DeepSeek's MLA: its linears and norms as they are
+            _module_targets(t, p + "self_attn.", attn)
+        else:
+            params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
+            for kind in params:
+                fused = getattr(attn.qkv_proj, kind)
+                t[p + f"self_attn.q_proj.{kind}"] = fused[:q]
+                t[p + f"self_attn.k_proj.{kind}"] = fused[q : q + kv]
+                t[p + f"self_attn.v_proj.{kind}"] = fused[q + kv :]
+            t[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
+            if attn.o_proj.bias is not None:
+                t[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
+            if attn.q_norm is not None and attn.k_norm is not None:
+                t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
+                t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
         mlp = layer.mlp
         if hasattr(mlp, "w13"):
             inter = mlp.w2.shape[2]
@@ -94,6 +111,10 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
                 t[p + f"mlp.experts.{e}.gate_proj.weight"] = mlp.w13[e, :inter]
                 t[p + f"mlp.experts.{e}.up_proj.weight"] = mlp.w13[e, inter:]
                 t[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.w2[e]
+            if getattr(mlp, "e_score_correction_bias", None) is not None:
+                t[p + "mlp.gate.e_score_correction_bias"] = mlp.e_score_correction_bias
+            if getattr(mlp, "shared_experts", None) is not None:
+                _gated_mlp_targets(t, p + "mlp.shared_experts.", mlp.shared_experts)
             if mlp.shared_expert is not None:
                 _gated_mlp_targets(t, p + "mlp.shared_expert.", mlp.shared_expert)
                 t[p + "mlp.shared_expert_gate.weight"] = mlp.shared_expert_gate.weight
@@ -120,6 +141,12 @@ def _discarded(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
             d[p + "shared_expert.down_proj.weight"] = (hidden, 0)
             d[p + "shared_expert_gate.weight"] = (1, hidden)
     return d
+
+
+def _module_targets(t: dict[str, torch.Tensor], prefix: str, module: torch.nn.Module) -> None:
+    """Every parameter of `module` under its own dotted name (linears, norms)."""
+    for name, param in module.named_parameters():
+        t[prefix + name] = param
 
 
 def _gated_mlp_targets(t: dict[str, torch.Tensor], prefix: str, mlp: torch.nn.Module) -> None:
@@ -179,7 +206,7 @@ def load_hf_weights(
     filled: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
-            if _IGNORED.match(name):
+            if _IGNORED.match(name) or _is_mtp(name, model.config):
                 continue
             for canon, piece in _split(name, tensor):
                 dst = targets.get(canon)

@@ -41,15 +41,7 @@ def profile_activation_bytes(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    cache = KVCache.allocate(
-        model_config.num_hidden_layers,
-        num_seqs * nb_per_seq,
-        block_size,
-        model_config.num_key_value_heads,
-        model_config.head_dim,
-        dtype,
-        device,
-    )
+    cache = KVCache.for_model(model_config, num_seqs * nb_per_seq, block_size, dtype, device)
     cache_bytes = torch.cuda.memory_allocated(device) - base
     lens = [min(per_seq, num_tokens - i * per_seq) for i in range(num_seqs)]
     lens = [n for n in lens if n > 0]

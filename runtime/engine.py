@@ -121,14 +121,8 @@ class Engine:
         self.layout = size_kv_cache(
             config, model, model_config, self.dtype, self.device, self.max_model_len
         )
-        self.kv_cache = KVCache.allocate(
-            model_config.num_hidden_layers,
-            self.layout.num_blocks,
-            self.layout.block_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-            self.dtype,
-            self.device,
+        self.kv_cache = KVCache.for_model(
+            model_config, self.layout.num_blocks, self.layout.block_size, self.dtype, self.device
         )
         from dataclasses import replace
 

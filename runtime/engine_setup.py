@@ -225,9 +225,7 @@ def size_kv_cache(
     """KV blocks from an explicit count, from free GPU memory after weights and a profiled
     peak (`gpu_memory_utilization`), or from the CPU byte budget."""
     cfg, mc = config.cache, model_config
-    per_block = KVCache.bytes_per_block(
-        mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, dtype
-    )
+    per_block = KVCache.bytes_per_block_for(mc, cfg.block_size, dtype)
     min_blocks = -(-max_model_len // cfg.block_size) + 1
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -290,6 +288,8 @@ def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> 
     """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
     if device.type != "cuda":
         return "torch"
+    if model_config is not None and model_config.is_mla:
+        return "torch"  # the cupy backend's MLA is the torch reference until its kernel lands
     from models.cupy_backend import cupy_backend_supports
 
     head_dim = model_config.head_dim if model_config is not None else 128

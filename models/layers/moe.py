@@ -1,6 +1,7 @@
 """Sparse MoE block: router -> softmax -> top-k -> (renormalize) -> expert backend, plus
 Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)) (none at
-shared_expert_intermediate_size 0: it would add zeros; models/weights.py drops its tensors).
+shared_expert_intermediate_size 0: it would add zeros; models/weights.py drops its tensors);
+and DeepSeek's block (group-limited routing, ungated shared experts).
 
 The block owns the routing and the stacked expert weights (w13 `[E, 2 * I, H]` gate rows then
 up rows, w2 `[E, H, I]`); the expert computation itself belongs to the `ExpertBackend`.
@@ -14,6 +15,7 @@ from torch import nn
 from models.config import ModelConfig, UnsupportedModelError
 from models.layers.experts import ExpertBackend
 from models.layers.mlp import GatedMLP, check_activation
+from models.layers.moe_routing import deepseek_route
 
 
 class SparseMoeBlock(nn.Module):
@@ -91,3 +93,70 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is None or self.shared_expert_gate is None:
             return None
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DeepseekMoeBlock(SparseMoeBlock):
+    """DeepSeek-V2/V3 MoE: the router of models/layers/moe_routing.py (float32 logits, as
+    transformers keeps the gate in float32), the routed experts through the expert backend and
+    an ungated shared expert of moe_intermediate_size * n_shared_experts. The block's own fused
+    router paths (softmax only) are not used; `e_score_correction_bias` (V3) stays float32
+    whatever the model dtype."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: ExpertBackend) -> None:
+        super().__init__(config, layer_idx, backend)
+        self.scoring_func = config.scoring_func
+        self.topk_method = config.topk_method
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.renormalize = config.norm_topk_prob
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if config.scoring_func == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(self.num_experts, dtype=torch.float32), requires_grad=False
+            )
+        self.shared_experts: GatedMLP | None = None
+        if config.n_shared_experts > 0:
+            self.shared_experts = GatedMLP(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                config.hidden_act,
+                config.mlp_bias,
+            )
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            self.e_score_correction_bias = nn.Parameter(bias.float(), requires_grad=False)
+        return self
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E]
+        return self._route_logits(logits)
+
+    def _route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return deepseek_route(
+            logits,
+            self.top_k,
+            scoring_func=self.scoring_func,
+            topk_method=self.topk_method,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            correction_bias=self.e_score_correction_bias,
+            renormalize=self.renormalize,
+            scaling_factor=self.routed_scaling_factor,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        topk_ids, topk_weights = self.route(x)
+        start = getattr(self.backend, "start", None)
+        if start is None:
+            out = self.backend.forward(self.layer_idx, x, topk_ids, topk_weights, self.w13, self.w2)
+            return out if self.shared_experts is None else out + self.shared_experts(x)
+        pending = start(self.layer_idx, x, topk_ids, topk_weights)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        out = self.backend.finish(
+            pending
+        )  # an asynchronous backend: the shared expert ran meanwhile
+        return out if shared is None else out + shared

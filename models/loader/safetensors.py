@@ -13,6 +13,9 @@ import torch
 from safetensors import safe_open
 
 INDEX_NAME = "model.safetensors.index.json"
+# Tensors kept in their stored float32 whatever the model dtype: DeepSeek-V3's router
+# correction bias (its small differences pick the experts; transformers keeps it float32 too).
+KEEP_FLOAT32 = (".e_score_correction_bias",)
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -43,6 +46,8 @@ def iter_safetensors_weights(
                 if select is not None and not select(name):
                     continue
                 tensor = f.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                if name.endswith(KEEP_FLOAT32):
+                    tensor = tensor.float()
+                elif dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
                 yield name, tensor

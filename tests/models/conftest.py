@@ -28,15 +28,7 @@ class PagedRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_cache = KVCache.allocate(
-            config.num_hidden_layers,
-            num_blocks,
-            block_size,
-            config.num_key_value_heads,
-            config.head_dim,
-            dtype,
-            "cpu",
-        )
+        self.kv_cache = KVCache.for_model(config, num_blocks, block_size, dtype, "cpu")
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # non-contiguous, unordered block ids
         self.block_tables: dict[int, list[int]] = {}

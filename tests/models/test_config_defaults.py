@@ -19,6 +19,8 @@ HF_CLASSES = {
     "Qwen3MoeForCausalLM": hf.Qwen3MoeConfig,
     "MixtralForCausalLM": hf.MixtralConfig,
     "OlmoeForCausalLM": hf.OlmoeConfig,
+    "DeepseekV2ForCausalLM": hf.DeepseekV2Config,
+    "DeepseekV3ForCausalLM": hf.DeepseekV3Config,
 }
 
 
@@ -41,7 +43,23 @@ def _hf_view(arch: str, c: hf.PretrainedConfig) -> dict[str, object]:
         "num_experts_per_tok": c.num_experts_per_tok if moe else 0,
         "shared_expert_intermediate_size": getattr(c, "shared_expert_intermediate_size", 0),
     }
-    if moe:
+    if arch.startswith("Deepseek"):  # MLA and DeepSeek MoE (V2's router never renormalizes)
+        view.update(
+            num_experts=c.n_routed_experts,
+            num_experts_per_tok=c.num_experts_per_tok or 0,
+            moe_intermediate_size=c.moe_intermediate_size,
+            norm_topk_prob=arch == "DeepseekV3ForCausalLM" and c.norm_topk_prob,
+            intermediate_size=c.intermediate_size,
+            q_lora_rank=c.q_lora_rank or 0,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_nope_head_dim=c.qk_nope_head_dim,
+            qk_rope_head_dim=c.qk_rope_head_dim,
+            v_head_dim=c.v_head_dim,
+            n_shared_experts=c.n_shared_experts,
+            first_k_dense_replace=c.first_k_dense_replace,
+            routed_scaling_factor=c.routed_scaling_factor,
+        )
+    elif moe:
         qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
         view["moe_intermediate_size"] = c.moe_intermediate_size if qwen else c.intermediate_size
         view["norm_topk_prob"] = True if arch == "MixtralForCausalLM" else c.norm_topk_prob

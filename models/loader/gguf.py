@@ -19,6 +19,7 @@ import torch
 from models.config import ModelConfig, UnsupportedModelError
 from models.gguf_dequant import dequantize_tensor, one_thread
 from models.gguf_reader import GGUFReader
+from models.loader import gguf_deepseek2
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ _ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     # q/k not permuted (rope in HF's halves order); attn_q_norm / attn_k_norm span the whole row
     "olmoe": "OlmoeForCausalLM",
+    # V2 (softmax gating) or V3 (sigmoid): models/loader/gguf_deepseek2.py decides
+    "deepseek2": "DeepseekV3ForCausalLM",
 }
 
 _GLOBAL_NAMES = {
@@ -128,6 +131,23 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
         )
     )
     bos = reader.get("tokenizer.ggml.bos_token_id")
+    if arch == gguf_deepseek2.ARCH:
+        common = dict(
+            vocab_size=int(key("vocab_size") or len(tokens)),
+            hidden_size=hidden,
+            intermediate_size=_single(key("feed_forward_length", 0), f"{arch}.feed_forward_length"),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=heads,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=_rope_scaling(reader, arch),
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in reader.tensors,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=eos_ids,
+            extra={"gguf_architecture": arch, "gguf_file_type": reader.get("general.file_type")},
+        )
+        return gguf_deepseek2.deepseek2_config(reader, common)
     norm_topk = key("expert_weights_norm")
     olmoe = hf_arch == "OlmoeForCausalLM"
     clip_qkv = key("attention.clamp_kqv") if olmoe else None
@@ -179,7 +199,9 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def _hf_name(gguf_name: str, mlp: str) -> tuple[str, str | None]:
+def _hf_name(
+    gguf_name: str, mlp: str, layer_names: dict[str, str] = _LAYER_NAMES
+) -> tuple[str, str | None]:
     """(hf name, expert projection or None). Expert names carry an `{e}` placeholder."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name], None
@@ -193,9 +215,10 @@ def _hf_name(gguf_name: str, mlp: str) -> tuple[str, str | None]:
         proj = _MIXTRAL_EXPERT_PROJ[w] if mlp == "block_sparse_moe" else _EXPERT_PROJ[w]
         e = expert if expert is not None else "{e}"
         return f"{prefix}.{mlp}.experts.{e}.{proj}.{kind}", (None if expert is not None else proj)
-    if part not in _LAYER_NAMES:
+    if part not in layer_names:
         raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"{prefix}.{_LAYER_NAMES[part].format(mlp=mlp)}.{kind}", None
+    name = f"{prefix}.{layer_names[part].format(mlp=mlp)}.{kind}"
+    return name.replace(".e_score_correction.bias", ".e_score_correction_bias"), None
 
 
 def load_gguf_weights(
@@ -212,10 +235,25 @@ def load_gguf_weights(
     """
     reader = _open(path)
     config = gguf_model_config(reader)
+    if reader.architecture == gguf_deepseek2.ARCH:
+        pieces = _gguf_weights(reader, config, dtype, select, gguf_deepseek2.LAYER_NAMES)
+        yield from gguf_deepseek2.merge_kv_b(pieces, config)
+        return
+    yield from _gguf_weights(reader, config, dtype, select, {})
+
+
+def _gguf_weights(
+    reader: GGUFReader,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    select: Callable[[str], bool] | None,
+    layer_names: dict[str, str],
+) -> Iterator[tuple[str, torch.Tensor]]:
     mlp = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
     permute = reader.architecture == "llama"
+    table = {**_LAYER_NAMES, **layer_names}
     names = {
-        info.name: _hf_name(info.name, mlp)
+        info.name: _hf_name(info.name, mlp, table)
         for info in reader.tensors.values()
         if info.name not in _IGNORED
     }

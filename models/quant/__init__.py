@@ -1,0 +1,1 @@
+"""Checkpoint quantization formats decoded on load (FP8 block-scaled weights)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.config import UnsupportedModelError
+from models.config import ModelConfig, UnsupportedModelError
 
 if TYPE_CHECKING:
     from models.decoder import DecoderForCausalLM
@@ -29,7 +29,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MTP_FAMILIES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 
 
-def _is_mtp(name: str, cfg) -> bool:
+def is_mtp(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of a DeepSeek multi-token-prediction layer (index >= num_hidden_layers)."""
     m = _LAYER.match(name)
     return (
         cfg.architecture in _MTP_FAMILIES and m is not None
@@ -206,7 +207,7 @@ def load_hf_weights(
     filled: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
-            if _IGNORED.match(name) or _is_mtp(name, model.config):
+            if _IGNORED.match(name) or is_mtp(name, model.config):
                 continue
             for canon, piece in _split(name, tensor):
                 dst = targets.get(canon)

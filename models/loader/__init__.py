@@ -22,7 +22,7 @@ from models.layers.experts import get_expert_backend
 from models.loader.dummy import init_dummy_weights
 from models.loader.safetensors import iter_safetensors_weights
 from models.registry import get_model_class
-from models.weights import expert_layer
+from models.weights import expert_layer, is_mtp
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +178,11 @@ def load_model(
         skip = skip_layers(model, path, fmt) if skip_layers is not None else frozenset()
 
         def wanted(name: str) -> bool:  # every tensor but the skipped layers' experts
-            return expert_layer(name) not in skip
+            return expert_layer(name) not in skip and not is_mtp(name, config)
 
-        select = wanted if skip else None
+        # never read: skipped experts, and DeepSeek's multi-token-prediction layers
+        has_mtp = is_mtp(f"model.layers.{config.num_hidden_layers}.", config)
+        select = wanted if skip or has_mtp else None
         model.load_weights(_checkpoint_weights(path, fmt, dtype, select), expected=select)
 
         def read_experts(layer: int) -> None:

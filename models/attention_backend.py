@@ -117,6 +117,9 @@ def mla_reference(
     """`AttentionBackend.mla` in plain torch, one sequence at a time: gathers the sequence's
     latent rows through its block table and attends in float32 with a causal mask by
     position. Host-side lengths (`query_lens_cpu`, `seq_lens_cpu`) drive the loop."""
+    if q_latent.is_cuda and torch.cuda.is_current_stream_capturing():
+        # its loop bakes this step's host-side lengths in: a captured graph would replay them
+        raise RuntimeError("the torch MLA reference cannot be captured in a CUDA graph")
     num_latent = q_latent.shape[-1]
     block_size = latent_cache.shape[1]
     rows = latent_cache.shape[-1]

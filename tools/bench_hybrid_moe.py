@@ -287,15 +287,7 @@ class Runner:
         self.max_len = max_len or num_blocks * self.block_size
         self.graphs_on = False
         self._graphs: dict[int, DecodeGraph] = {}
-        self.kv = KVCache.allocate(
-            cfg.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype,
-            device,
-        )
+        self.kv = KVCache.for_model(cfg, num_blocks, self.block_size, dtype, device)
         self.gen = torch.Generator().manual_seed(0)
         self.reset()
 

@@ -55,8 +55,10 @@ def max_rel_diff(hf_model, seqs, rows) -> float:
     return worst
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name,block_size",
+    [("v3", 4), ("v3", 16), ("v3_yarn_noq", 16), ("v2_lite", 4), ("v2_grouped", 16)],
+)
 def test_parity_with_hf(name: str, block_size: int, tmp_path: Path, paged_runner) -> None:
     hf_model = save_deepseek(name, tmp_path)
     model, config = load_model(tmp_path, dtype=torch.float32, device="cpu")

@@ -265,7 +265,8 @@ def _gguf_weights(
         if select is not None and not select(hf_name):
             continue
         with one_thread():  # memory-bound work; see models.gguf_dequant
-            tensor = dequantize_tensor(reader, info, dtype)
+            keep32 = hf_name.endswith(".e_score_correction_bias")  # stays float32 (routing)
+            tensor = dequantize_tensor(reader, info, torch.float32 if keep32 else dtype)
             if permute and ".self_attn.q_proj." in hf_name:
                 tensor = unpermute_qk(tensor, config.num_attention_heads)
             elif permute and ".self_attn.k_proj." in hf_name:

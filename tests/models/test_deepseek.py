@@ -163,3 +163,18 @@ def test_routing_matches_transformers_router(name: str) -> None:
     ours = torch.zeros(200, 8).scatter_add_(1, ids, w)
     ref = torch.zeros(200, 8).scatter_add_(1, ref_ids, ref_w)
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_correction_bias_stays_float32_in_a_bf16_model(tmp_path: Path) -> None:
+    """V3's router bias picks experts by small differences: a bf16 model keeps it float32, as
+    stored (transformers keeps it float32 too)."""
+    from safetensors.torch import load_file
+
+    save_deepseek("v3", tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")[
+        "model.layers.1.mlp.gate.e_score_correction_bias"
+    ]
+    model, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
+    bias = model.layers[1].mlp.e_score_correction_bias
+    assert bias.dtype == torch.float32 and torch.equal(bias, stored)
+    assert model.layers[1].mlp.gate.weight.dtype == torch.bfloat16

@@ -231,9 +231,9 @@ class ModelConfig:
         num_experts = 0
         if arch not in _DENSE:
             default = _default(arch, "num_experts")
-            num_experts = _first(
-                d, "num_local_experts", "num_experts", "n_routed_experts", default=default
-            )
+            keys = ("num_local_experts", "num_experts")  # DeepSeek's own key first
+            keys = ("n_routed_experts", *keys) if arch in _DEEPSEEK else keys
+            num_experts = _first(d, *keys, default=default)
         if arch == "MixtralForCausalLM":
             norm_topk = True  # transformers' Mixtral always renormalizes the top-k weights
         elif arch == "DeepseekV2ForCausalLM":

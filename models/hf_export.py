@@ -17,6 +17,8 @@ _MODEL_TYPES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -66,4 +68,35 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
             d["mlp_only_layers"] = list(cfg.mlp_only_layers)
         if cfg.architecture == "Qwen2MoeForCausalLM":  # 0 too: transformers' default is 5632
             d["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    if cfg.is_mla:
+        for key in (
+            "num_experts",
+            "head_dim",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "qkv_bias",
+        ):
+            d.pop(key, None)  # other families' keys; DeepSeek's config derives head_dim itself
+        d.update(_deepseek_fields(cfg))
+    return d
+
+
+def _deepseek_fields(cfg: ModelConfig) -> dict[str, Any]:
+    d = {
+        "n_routed_experts": cfg.num_experts,
+        "n_shared_experts": cfg.n_shared_experts,
+        "first_k_dense_replace": cfg.first_k_dense_replace,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "topk_method": cfg.topk_method,
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+    }
+    if cfg.architecture == "DeepseekV3ForCausalLM":
+        d["rope_interleave"] = cfg.rope_interleave
+        d["scoring_func"] = "sigmoid"
     return d

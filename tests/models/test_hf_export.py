@@ -10,6 +10,7 @@ import transformers as hf
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.hf_export import to_hf_config_dict
+from tests.models.deepseek_cases import CASES as DEEPSEEK_CASES
 
 TINY = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -35,6 +36,7 @@ CASES = {
     "olmoe_clip_bias_renorm": lambda: hf.OlmoeConfig(
         **TINY, num_experts=8, clip_qkv=2.5, attention_bias=True, norm_topk_prob=True
     ),
+    **{f"deepseek_{name}": make for name, make in DEEPSEEK_CASES.items()},
 }
 
 

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ext.attention_ref import PagedAttentionPlan, paged_attention, plan_paged_attention, write_kv
+from ext.mla_ref import mla_attention_ref
 from models.batch import ForwardBatch
 
 
@@ -103,45 +104,15 @@ class TorchAttentionBackend:
         batch: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
-        """See `AttentionBackend.mla`."""
-        return mla_reference(q_latent, q_rope, latent_cache, batch, scale)
-
-
-def mla_reference(
-    q_latent: torch.Tensor,
-    q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    batch: ForwardBatch,
-    scale: float,
-) -> torch.Tensor:
-    """`AttentionBackend.mla` in plain torch, one sequence at a time: gathers the sequence's
-    latent rows through its block table and attends in float32 with a causal mask by
-    position. Host-side lengths (`query_lens_cpu`, `seq_lens_cpu`) drive the loop."""
-    if q_latent.is_cuda and torch.cuda.is_current_stream_capturing():
-        # its loop bakes this step's host-side lengths in: a captured graph would replay them
-        raise RuntimeError("the torch MLA reference cannot be captured in a CUDA graph")
-    num_latent = q_latent.shape[-1]
-    block_size = latent_cache.shape[1]
-    rows = latent_cache.shape[-1]
-    out = torch.empty_like(q_latent)  # [T, H, L]
-    start = 0
-    for i, (num_q, num_kv) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu, strict=True)):
-        if num_q == 0:
-            continue
-        num_blocks = -(-num_kv // block_size)
-        blocks = batch.block_tables[i, :num_blocks].long()
-        ctx = latent_cache.index_select(0, blocks).reshape(-1, rows)[:num_kv].float()  # [S, L+R]
-        c, k_pe = ctx[:, :num_latent], ctx[:, num_latent:]
-        ql = q_latent[start : start + num_q].float()  # [n, H, L]
-        qr = q_rope[start : start + num_q].float()  # [n, H, R]
-        scores = torch.einsum("nhl,sl->hns", ql, c) + torch.einsum("nhr,sr->hns", qr, k_pe)
-        q_pos = torch.arange(num_kv - num_q, num_kv, device=ctx.device)
-        k_pos = torch.arange(num_kv, device=ctx.device)
-        future = k_pos[None, :] > q_pos[:, None]  # [n, S]
-        probs = torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
-        out[start : start + num_q] = torch.einsum("hns,sl->nhl", probs, c).to(out.dtype)
-        start += num_q
-    return out
+        """See `AttentionBackend.mla`: ext.mla_ref, one sequence at a time from the host-side
+        lengths (`query_lens_cpu`, `seq_lens_cpu`)."""
+        if q_latent.is_cuda and torch.cuda.is_current_stream_capturing():
+            # its loop bakes this step's host-side lengths in: a captured graph would replay them
+            raise RuntimeError("the torch MLA reference cannot be captured in a CUDA graph")
+        return mla_attention_ref(
+            q_latent, q_rope, latent_cache, batch.query_lens_cpu, batch.seq_lens_cpu,
+            batch.block_tables, scale,
+        )  # fmt: skip
 
 
 def _cupy_backend() -> AttentionBackend:

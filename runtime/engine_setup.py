@@ -288,9 +288,14 @@ def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> 
     """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
     if device.type != "cuda":
         return "torch"
+    from models.cupy_backend import cupy_backend_supports, cupy_backend_supports_mla
+
     if model_config is not None and model_config.is_mla:
-        return "torch"  # the cupy backend's MLA is the torch reference until its kernel lands
-    from models.cupy_backend import cupy_backend_supports
+        mc = model_config
+        supported = cupy_backend_supports_mla(
+            mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_attention_heads, dtype, device
+        )
+        return "cupy" if supported else "torch"
 
     head_dim = model_config.head_dim if model_config is not None else 128
     return "cupy" if cupy_backend_supports(head_dim, dtype, device) else "torch"

@@ -100,7 +100,10 @@ class MLAttention(nn.Module):
         k_rope = RotaryEmbedding.apply(k_rope, cos, sin)
         cache = batch.kv_cache.latent[self.layer_idx]  # [num_blocks, block_size, L + R]
         rows = torch.cat((c_kv, k_rope.view(num_tokens, rope)), dim=-1).to(cache.dtype)
-        cache.view(-1, cache.shape[-1]).index_copy_(0, batch.slot_mapping, rows)
+        # A negative slot (a CUDA graph's padding row) writes nothing real: it lands in block 0,
+        # the block pool's reserved null block, which no sequence reads.
+        slots = batch.slot_mapping.clamp(min=0)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slots, rows)
         w_kv = self.kv_b_proj.weight.view(heads, nope + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [H, nope, L], [H, v, L]
         q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, L]

@@ -492,9 +492,11 @@ class CpuPoolExpertBackend:
         header check (no weight is mapped or read), and, for a GGUF file, every layer with
         stacked experts (`add_block` converts them from the file's own blocks). `attach` then
         maps or converts them; it must be given `read_experts` in case an entry has gone bad
-        in between. Records `checkpoint` as the cache's source identity. For random weights
-        ("dummy") every layer: `read_experts` fills each right before it is converted, and
-        nothing is cached."""
+        in between. Records `checkpoint` as the cache's source identity. For safetensors,
+        every other layer too: `attach` reads each right before converting it, so one layer's
+        host copy exists at a time (a 671B checkpoint's experts never fit at once). For random
+        weights ("dummy") every layer: `read_experts` fills each right before it is converted,
+        and nothing is cached."""
         checkpoint = Path(checkpoint)
         self._skipped = set()
         if checkpoint_format == "dummy":
@@ -517,6 +519,9 @@ class CpuPoolExpertBackend:
                 cache is not None
                 and cache.check(layer, self._layer_key(cache, layer, w13, w2), _shape(w13))
             ):
+                self._skipped.add(layer)
+            elif checkpoint_format == "safetensors":
+                # read right before its conversion (attach): one layer's copy at a time
                 self._skipped.add(layer)
         return frozenset(self._skipped)
 

@@ -116,6 +116,39 @@ def test_fp8_checkpoint_matches_hf(experts: str, tmp_path: Path, paged_runner) -
         model.expert_backend.close()
 
 
+def test_fp8_experts_reach_the_pool_one_layer_at_a_time(tmp_path: Path, monkeypatch) -> None:
+    """--cpu-experts all on an FP8 safetensors checkpoint: a layer's experts are read (and
+    decoded) right before that layer is converted into the pool, never all layers first."""
+    import models.loader as loader
+    from ext.cpu import CpuExpertPool
+    from models.weights import expert_layer
+
+    _fp8_checkpoint(tmp_path)
+    events: list[tuple[str, int]] = []
+    read = loader.iter_safetensors_weights
+
+    def spy_read(*args, **kwargs):
+        for name, t in read(*args, **kwargs):
+            if expert_layer(name) is not None:
+                events.append(("read", expert_layer(name)))
+            yield name, t
+
+    add = CpuExpertPool.add_layer
+
+    def spy_add(self, layer, *args, **kwargs):
+        events.append(("convert", layer))
+        return add(self, layer, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "iter_safetensors_weights", spy_read)
+    monkeypatch.setattr(CpuExpertPool, "add_layer", spy_add)
+    model, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cpu", expert_backend="cpu_pool",
+                          expert_options={"isa": "scalar", "num_threads": 1,
+                                          "expert_cache": False})  # fmt: skip
+    collapsed = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
+    assert collapsed == [("read", 1), ("convert", 1), ("read", 2), ("convert", 2)]
+    model.expert_backend.close()
+
+
 def test_fp8_weight_without_scale_is_refused(tmp_path: Path) -> None:
     _fp8_checkpoint(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")

@@ -1,8 +1,8 @@
 """Model hyper-parameters, read from an HF `config.json` or from GGUF metadata.
 
 `ModelConfig` is architecture-neutral: one frozen dataclass holds what every supported
-family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3
-and Kimi-K2). Loaders fill it; models read it.
+family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3,
+Kimi-K2 and GLM-4.5/4.6). Loaders fill it; models read it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ SUPPORTED_ARCHITECTURES = (
     "OlmoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
+_GLM = "Glm4MoeForCausalLM"
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _OLMOE = "OlmoeForCausalLM"
@@ -100,6 +102,20 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "topk_group": 4,
         "norm_topk_prob": True,
     },
+    # GLM-4.5 / 4.6 (transformers' Glm4MoeConfig defaults)
+    _GLM: {
+        "max_position_embeddings": 131072,
+        "intermediate_size": 10944,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1408,
+        "rms_norm_eps": 1e-5,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.5,
+    },
 }
 
 
@@ -172,6 +188,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rope over (even, odd) pairs of the rope dims
+    # Rotary on the first head_dim * partial_rotary_factor dims of q and k, the rest passed
+    # through (GLM-4.5); 1.0 everywhere else.
+    partial_rotary_factor: float = 1.0
     # Tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -189,6 +208,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_mla(self) -> bool:
@@ -232,7 +255,7 @@ class ModelConfig:
         if arch not in _DENSE:
             default = _default(arch, "num_experts")
             keys = ("num_local_experts", "num_experts")  # DeepSeek's own key first
-            keys = ("n_routed_experts", *keys) if arch in _DEEPSEEK else keys
+            keys = ("n_routed_experts", *keys) if arch in (*_DEEPSEEK, _GLM) else keys
             num_experts = _first(d, *keys, default=default)
         if arch == "MixtralForCausalLM":
             norm_topk = True  # transformers' Mixtral always renormalizes the top-k weights
@@ -242,7 +265,7 @@ class ModelConfig:
             norm_topk = bool(d.get("norm_topk_prob", _default(arch, "norm_topk_prob")))
         # Qwen2-MoE and Qwen3-MoE size their experts by moe_intermediate_size, Mixtral and OLMoE
         # by intermediate_size.
-        if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", *_DEEPSEEK):
+        if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", *_DEEPSEEK, _GLM):
             expert_inter = d.get("moe_intermediate_size", _default(arch, "moe_intermediate_size"))
         else:
             expert_inter = d.get("intermediate_size", 0)
@@ -278,7 +301,9 @@ class ModelConfig:
             attention_bias=qkv_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=mlp_bias,
-            qk_norm=arch.startswith("Qwen3") or arch == _OLMOE,
+            qk_norm=arch.startswith("Qwen3")
+            or arch == _OLMOE
+            or (arch == _GLM and bool(d.get("use_qk_norm", False))),
             qk_norm_full=arch == _OLMOE,
             clip_qkv=float(clip_qkv) if clip_qkv is not None else None,
             hidden_act=d.get("hidden_act", "silu"),
@@ -305,6 +330,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             **(_deepseek_fields(arch, d) if arch in _DEEPSEEK else {}),
+            **(_glm_fields(d, rope_params) if arch == _GLM else {}),
         )
 
     @classmethod
@@ -366,6 +392,40 @@ def _deepseek_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _glm_fields(d: dict[str, Any], rope_params: Any) -> dict[str, Any]:
+    """GLM-4.5's MoE as transformers' Glm4Moe code computes it: DeepSeek-V3's router (sigmoid +
+    e_score_correction_bias, groups by their top-2 sum, renormalized by `norm_topk_prob`, times
+    `routed_scaling_factor`), shared experts, the first `first_k_dense_replace` layers dense;
+    rotary on the first `partial_rotary_factor` of each head (rotate_half, not interleaved)."""
+
+    def get(key: str) -> Any:
+        value = d.get(key)
+        return _default(_GLM, key) if value is None else value
+
+    experts = int(_first(d, "n_routed_experts", "num_local_experts", default=128))
+    n_group, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise UnsupportedModelError(
+            f"group-limited routing needs n_group ({n_group}) to divide the {experts} experts "
+            f"and 1 <= topk_group ({topk_group}) <= n_group"
+        )
+    factor = d.get("partial_rotary_factor")
+    if factor is None and isinstance(rope_params, dict):
+        factor = rope_params.get("partial_rotary_factor")
+    return {
+        "first_k_dense_replace": int(get("first_k_dense_replace")),
+        "n_shared_experts": int(get("n_shared_experts")),
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": float(get("routed_scaling_factor")),
+        "partial_rotary_factor": float(
+            factor if factor is not None else get("partial_rotary_factor")
+        ),
+    }
+
+
 def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
     """The window of the checkpoint's sliding-window layers, or None where no layer has one, by
     transformers' rules: Mistral and Mixtral window every layer when `sliding_window` is set
@@ -401,6 +461,8 @@ def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
     `mlp_bias`; Mistral and Mixtral none, whatever keys the config carries."""
     if arch == "Qwen2ForCausalLM":
         return True, False, False
+    if arch == _GLM:  # attention_bias on q/k/v; o_proj and the MLPs never
+        return bool(d.get("attention_bias", False)), False, False
     if arch in _DEEPSEEK:  # attention_bias: q_a, kv_a and o_proj; mlp_bias (V2): every MLP
         attn = bool(d.get("attention_bias", False))
         return attn, attn, arch == "DeepseekV2ForCausalLM" and bool(d.get("mlp_bias", False))
@@ -415,7 +477,7 @@ def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
 def _moe_layers(arch: str, d: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
     """(decoder_sparse_step, mlp_only_layers): the Qwen MoE families read both from the config;
     Mixtral's and OLMoE's code put experts on every layer, whatever keys the config carries."""
-    if arch in ("MixtralForCausalLM", _OLMOE, *_DEEPSEEK):
+    if arch in ("MixtralForCausalLM", _OLMOE, *_DEEPSEEK, _GLM):
         return 1, ()
     return d.get("decoder_sparse_step", 1) or 1, tuple(d.get("mlp_only_layers", ()) or ())
 
@@ -443,6 +505,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "deepseek_v2": "DeepseekV2ForCausalLM",
         "deepseek_v3": "DeepseekV3ForCausalLM",
         "kimi_k2": "DeepseekV3ForCausalLM",
+        "glm4_moe": _GLM,
     }
     if model_type not in table:
         raise UnsupportedModelError(f"unsupported model_type {model_type!r}")

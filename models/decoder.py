@@ -27,6 +27,8 @@ from models.weights import load_hf_weights
 
 
 class DecoderLayer(nn.Module):
+    moe_cls: type[nn.Module] = SparseMoeBlock  # a family with another MoE block sets its own
+
     def __init__(
         self,
         config: ModelConfig,
@@ -41,7 +43,7 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module
         if config.is_moe_layer(layer_idx):
             assert expert_backend is not None
-            self.mlp = SparseMoeBlock(config, layer_idx, expert_backend)
+            self.mlp = self.moe_cls(config, layer_idx, expert_backend)
         else:
             self.mlp = GatedMLP(
                 config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias
@@ -83,7 +85,7 @@ class DecoderForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+            config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
 
     def forward(
@@ -96,7 +98,7 @@ class DecoderForCausalLM(nn.Module):
         if batch.attn_metadata is None:
             self.attn_backend.prepare(batch)
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, 1, head_dim] each
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, 1, rotary_dim] each
         for layer in self.layers:
             x = layer(x, cos, sin, batch)
         # RMSNorm is row-wise, so selecting rows first only saves work.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from models.config import UnsupportedModelError
 from models.decoder import DecoderForCausalLM
 from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from models.glm import Glm4MoeForCausalLM
 from models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from models.moe_models import (
     MixtralForCausalLM,
@@ -24,6 +25,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 

@@ -26,11 +26,12 @@ _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Families whose checkpoints append multi-token-prediction modules as extra layers past
 # num_hidden_layers (DeepSeek-V3's layer 61); serving does not use them.
-_MTP_FAMILIES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+_MTP_FAMILIES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM")
 
 
 def is_mtp(name: str, cfg: ModelConfig) -> bool:
-    """A tensor of a DeepSeek multi-token-prediction layer (index >= num_hidden_layers)."""
+    """A tensor of a DeepSeek / GLM-4.5 multi-token-prediction layer (index >=
+    num_hidden_layers)."""
     m = _LAYER.match(name)
     return (
         cfg.architecture in _MTP_FAMILIES and m is not None

@@ -27,6 +27,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim  # < head_dim: partial rotary (GLM-4.5)
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = self.head_dim**-0.5

@@ -173,6 +173,7 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             and module.clip_qkv is None
             and hasattr(module.backend, "attend")
             and module.head_dim % 16 == 0
+            and module.rotary_dim == module.head_dim  # the fused kernels rotate every dim
         ):
             module.__class__ = SkinnyAttention
             module.max_rows = max_rows
@@ -184,6 +185,7 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             and module.qkv_proj.bias is None
             and hasattr(module.backend, "attend")
             and module.head_dim in qk_norm_rope.HEAD_DIMS
+            and module.rotary_dim == module.head_dim
         ):
             module.__class__ = NormRopeAttention
     if swapped and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens"):

@@ -155,5 +155,10 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x `[T, heads, head_dim]` -> rotated, same shape and dtype."""
-        return rotate_neox(x, cos, sin)
+        """x `[T, heads, head_dim]` -> rotated, same shape and dtype. cos/sin narrower than
+        head_dim (partial rotary, GLM-4.5) rotate the first dims and pass the rest through."""
+        rotary_dim = cos.shape[-1]
+        if rotary_dim == x.shape[-1]:
+            return rotate_neox(x, cos, sin)
+        rotated = rotate_neox(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

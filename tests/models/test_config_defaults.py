@@ -21,6 +21,7 @@ HF_CLASSES = {
     "OlmoeForCausalLM": hf.OlmoeConfig,
     "DeepseekV2ForCausalLM": hf.DeepseekV2Config,
     "DeepseekV3ForCausalLM": hf.DeepseekV3Config,
+    "Glm4MoeForCausalLM": hf.Glm4MoeConfig,
 }
 
 
@@ -58,6 +59,18 @@ def _hf_view(arch: str, c: hf.PretrainedConfig) -> dict[str, object]:
             n_shared_experts=c.n_shared_experts,
             first_k_dense_replace=c.first_k_dense_replace,
             routed_scaling_factor=c.routed_scaling_factor,
+        )
+    elif arch == "Glm4MoeForCausalLM":  # DeepSeek-V3's MoE, partial rotary
+        view.update(
+            num_experts=c.n_routed_experts,
+            num_experts_per_tok=c.num_experts_per_tok,
+            moe_intermediate_size=c.moe_intermediate_size,
+            norm_topk_prob=c.norm_topk_prob,
+            intermediate_size=c.intermediate_size,
+            n_shared_experts=c.n_shared_experts,
+            first_k_dense_replace=c.first_k_dense_replace,
+            routed_scaling_factor=c.routed_scaling_factor,
+            partial_rotary_factor=c.rope_parameters.get("partial_rotary_factor", 1.0),
         )
     elif moe:
         qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")

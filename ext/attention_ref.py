@@ -7,7 +7,10 @@ tables. Layout: per layer K and V caches `[num_blocks, block_size, num_kv_heads,
 
 Work is planned once per step (`plan_paged_attention`) and the plan is reused by every layer:
 decode sequences (one query token) are batched into one masked SDPA call; each prefill
-sequence gets one SDPA call with a causal mask offset by its cached prefix.
+sequence gets one SDPA call with a causal mask offset by its cached prefix. A sliding-window
+layer (a key is seen while `q_pos - k_pos < window`, transformers' rule) gets a plan of its own
+that gathers only the blocks its window covers; learned per-head sinks (GPT-OSS) add one logit
+per head to every softmax's denominator.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ def write_kv(
 class _PrefillSeq:
     token_start: int  # first row of this sequence in the flattened batch
     query_len: int
-    seq_len: int
-    blocks: torch.Tensor  # [num_blocks_used] int64
-    mask: torch.Tensor  # [query_len, seq_len] bool: True where a query may attend
+    key_len: int  # keys gathered: positions first_block * block_size .. seq_len - 1
+    blocks: torch.Tensor  # [num_blocks_used] int64, from the first block the window reaches
+    mask: torch.Tensor  # [query_len, key_len] bool: True where a query may attend
 
 
 @dataclass
@@ -57,12 +60,33 @@ class PagedAttentionPlan:
     decode_rows: torch.Tensor | None  # [num_decode] int64 rows of the batch; None: no decode
     decode_rows_are_all: bool  # every row of the batch is a decode row, in order
     decode_blocks: torch.Tensor | None  # [num_decode, max_blocks_used] int64
-    decode_len: int  # max seq_len over the decode sequences
+    decode_len: int  # keys gathered per decode sequence (max over them)
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_len] bool
     prefills: list[_PrefillSeq]
+    window: int | None = None
+    # The inputs, to plan the windowed variants of this step on first use.
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None
+    windowed: dict[int, PagedAttentionPlan] = field(default_factory=dict)
     # Gather buffers reused by every layer of the step: fresh multi-MB allocations per layer
     # page-fault on each call and cost more than the attention itself on CPU.
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> PagedAttentionPlan:
+        """This step's plan for layers of sliding window `window` (None: full attention),
+        planned once and shared by every such layer (and the workspace with them)."""
+        if window == self.window:
+            return self
+        plan = self.windowed.get(window or 0)
+        if plan is None:
+            assert self.block_tables is not None
+            plan = plan_paged_attention(
+                self.query_lens, self.seq_lens, self.block_tables, self.block_size, window
+            )
+            plan.workspace = self.workspace
+            self.windowed[window or 0] = plan
+        return plan
 
 
 def plan_paged_attention(
@@ -70,8 +94,13 @@ def plan_paged_attention(
     seq_lens: list[int],
     block_tables: torch.Tensor,
     block_size: int,
+    window: int | None = None,
 ) -> PagedAttentionPlan:
-    """Build the gather indices and masks for one ragged batch (see `paged_attention`)."""
+    """Build the gather indices and masks for one ragged batch (see `paged_attention`). With
+    a `window`, each sequence gathers only from the first block its oldest query's window
+    reaches: blocks before it are never read (they may be freed and reused)."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     device = block_tables.device
     starts = [0]
     for n in query_lens:
@@ -79,30 +108,54 @@ def plan_paged_attention(
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
     prefill_seqs = [i for i, n in enumerate(query_lens) if n > 1]
 
+    def first_block(q_len: int, s_len: int) -> int:
+        """The first block any of the sequence's queries may read."""
+        if window is None:
+            return 0
+        return max(0, s_len - q_len - window + 1) // block_size
+
     decode_rows = decode_blocks = decode_mask = None
     decode_len = 0
     if decode_seqs:
-        decode_len = max(seq_lens[i] for i in decode_seqs)
-        nb = -(-decode_len // block_size)
+        firsts = [first_block(1, seq_lens[i]) for i in decode_seqs]
+        counts = [
+            -(-seq_lens[i] // block_size) - f for i, f in zip(decode_seqs, firsts, strict=True)
+        ]
+        nb = max(counts)
+        decode_len = (
+            nb * block_size if window is not None else max(seq_lens[i] for i in decode_seqs)
+        )
         seq_idx = torch.tensor(decode_seqs, dtype=torch.int64, device=device)
         decode_rows = torch.tensor(
             [starts[i] for i in decode_seqs], dtype=torch.int64, device=device
         )
-        decode_blocks = block_tables.index_select(0, seq_idx)[:, :nb].to(torch.int64)
+        first = torch.tensor(firsts, dtype=torch.int64, device=device)
+        # [num_decode, nb] block-table columns from each sequence's first block (clamped
+        # columns pad the shorter ones; their keys are masked out below)
+        cols = (first[:, None] + torch.arange(nb, device=device)[None, :]).clamp(
+            max=block_tables.shape[1] - 1
+        )
+        decode_blocks = block_tables.index_select(0, seq_idx).to(torch.int64).gather(1, cols)
         lens = torch.tensor([seq_lens[i] for i in decode_seqs], device=device)
-        # [num_decode, 1, 1, decode_len]: key j is visible iff j < seq_len
-        decode_mask = (torch.arange(decode_len, device=device)[None, :] < lens[:, None])[
-            :, None, None
-        ]
+        # absolute position of gathered key j: first * block_size + j; seen iff in the window
+        key_pos = first[:, None] * block_size + torch.arange(decode_len, device=device)[None, :]
+        visible = key_pos < lens[:, None]
+        if window is not None:
+            visible &= key_pos > lens[:, None] - 1 - window
+        decode_mask = visible[:, None, None]  # [num_decode, 1, 1, decode_len]
 
     prefills = []
     for i in prefill_seqs:
         q_len, s_len = query_lens[i], seq_lens[i]
+        first = first_block(q_len, s_len)
         nb = -(-s_len // block_size)
-        blocks = block_tables[i, :nb].to(torch.int64)
+        blocks = block_tables[i, first:nb].to(torch.int64)
         q_pos = torch.arange(s_len - q_len, s_len, device=device)
-        mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, s_len]
-        prefills.append(_PrefillSeq(starts[i], q_len, s_len, blocks, mask))
+        k_pos = torch.arange(first * block_size, s_len, device=device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, key_len]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        prefills.append(_PrefillSeq(starts[i], q_len, s_len - first * block_size, blocks, mask))
 
     return PagedAttentionPlan(
         num_tokens=starts[-1],
@@ -113,6 +166,10 @@ def plan_paged_attention(
         decode_len=decode_len,
         decode_mask=decode_mask,
         prefills=prefills,
+        window=window,
+        query_lens=list(query_lens),
+        seq_lens=list(seq_lens),
+        block_tables=block_tables,
     )
 
 
@@ -146,6 +203,32 @@ def _gather(
     return raw.view(*blocks.shape[:-1], -1, kvh, d)[..., :length, :, :]
 
 
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """Masked attention, float32: q `[..., Hq, Lq, D]`, k/v `[..., Hk, Lk, D]` (Hq a multiple
+    of Hk with `gqa`), mask bool broadcast to `[..., Hq, Lq, Lk]`. `sinks` (broadcast to
+    `[..., Hq, Lq, 1]`) is one extra logit per head that joins the softmax and is dropped
+    after it (transformers' GPT-OSS attention)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * scale  # [..., Hq, Lq, Lk]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat((scores, sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return probs @ v
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -155,21 +238,28 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     plan: PagedAttentionPlan | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened ragged batch over a paged KV cache.
 
     q `[num_tokens, num_heads, head_dim]`; sequence i's query rows sit at positions
-    `seq_lens[i] - query_lens[i] .. seq_lens[i] - 1` and attend to KV positions `0..own`,
-    whose K/V are already in the cache. `block_tables` `[num_seqs, max_blocks]` int32.
-    GQA when num_heads is a multiple of num_kv_heads. Computes in float32; returns
-    `[num_tokens, num_heads, head_dim]` in q.dtype.
+    `seq_lens[i] - query_lens[i] .. seq_lens[i] - 1` and attend to KV positions `0..own`
+    (with a sliding `window`: only those with `own - pos < window`), whose K/V are already in
+    the cache. `block_tables` `[num_seqs, max_blocks]` int32. `sinks` `[num_heads]`: a learned
+    logit per head in every softmax's denominator (GPT-OSS). GQA when num_heads is a multiple
+    of num_kv_heads. Computes in float32; returns `[num_tokens, num_heads, head_dim]` in q.dtype.
     """
     if plan is None:
-        plan = plan_paged_attention(query_lens, seq_lens, block_tables, k_cache.shape[1])
+        plan = plan_paged_attention(query_lens, seq_lens, block_tables, k_cache.shape[1], window)
+    else:
+        plan = plan.for_window(window)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must be [{num_heads}], got {tuple(sinks.shape)}")
     gqa = num_heads != num_kv_heads
     group = num_heads // num_kv_heads
     qf = q.float()
@@ -181,8 +271,9 @@ def paged_attention(
         dq = dq.view(-1, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
         dk = _gather(k_cache, plan.decode_blocks, plan.decode_len, ws, "k")  # [B, L, KVH, D]
         dv = _gather(v_cache, plan.decode_blocks, plan.decode_len, ws, "v")
-        dout = F.scaled_dot_product_attention(
-            dq, dk.transpose(1, 2), dv.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale
+        dsinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+        dout = _attend(
+            dq, dk.transpose(1, 2), dv.transpose(1, 2), plan.decode_mask, scale, dsinks, False
         ).reshape(-1, num_heads, head_dim)  # [B, H, D]
         if plan.decode_rows_are_all:
             return dout.to(q.dtype)
@@ -190,12 +281,11 @@ def paged_attention(
     if plan.decode_rows is not None:
         out.index_copy_(0, plan.decode_rows, dout.to(q.dtype))
 
+    psinks = None if sinks is None else sinks.view(num_heads, 1, 1)
     for p in plan.prefills:
         pq = qf[p.token_start : p.token_start + p.query_len].transpose(0, 1)  # [H, q_len, D]
-        pk = _gather(k_cache, p.blocks, p.seq_len, ws, "k").transpose(0, 1)  # [KVH, s_len, D]
-        pv = _gather(v_cache, p.blocks, p.seq_len, ws, "v").transpose(0, 1)
-        pout = F.scaled_dot_product_attention(
-            pq, pk, pv, attn_mask=p.mask, scale=scale, enable_gqa=gqa
-        )  # [H, q_len, D]
+        pk = _gather(k_cache, p.blocks, p.key_len, ws, "k").transpose(0, 1)  # [KVH, L, D]
+        pv = _gather(v_cache, p.blocks, p.key_len, ws, "v").transpose(0, 1)
+        pout = _attend(pq, pk, pv, p.mask, scale, psinks, gqa)  # [H, q_len, D]
         out[p.token_start : p.token_start + p.query_len] = pout.transpose(0, 1).to(q.dtype)
     return out

@@ -35,9 +35,14 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write k/v `[T, KVH, D]` into `batch.kv_cache` layer `layer_idx` at
-        `batch.slot_mapping`, then attend q `[T, H, D]` causally; returns `[T, H, D]`."""
+        `batch.slot_mapping`, then attend q `[T, H, D]` causally; returns `[T, H, D]`.
+        `window`: this layer's sliding window (a key is seen while `q_pos - k_pos < window`;
+        keys before it are never read); `sinks` `[H]`: a learned logit per head joining every
+        softmax's denominator (GPT-OSS). None: full attention, no sinks."""
         ...
 
     def mla(
@@ -78,6 +83,8 @@ class TorchAttentionBackend:
         v: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache = batch.kv_cache.k[layer_idx]
         v_cache = batch.kv_cache.v[layer_idx]
@@ -94,6 +101,8 @@ class TorchAttentionBackend:
             batch.block_tables,
             scale,
             plan,
+            window=window,
+            sinks=sinks,
         )
 
     def mla(

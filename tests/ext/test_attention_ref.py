@@ -11,7 +11,7 @@ import torch
 from ext.attention_ref import paged_attention, plan_paged_attention, write_kv
 
 
-def _naive(q, k_cache, v_cache, query_lens, seq_lens, block_tables, scale):
+def _naive(q, k_cache, v_cache, query_lens, seq_lens, block_tables, scale, window=None, sinks=None):
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -23,11 +23,15 @@ def _naive(q, k_cache, v_cache, query_lens, seq_lens, block_tables, scale):
             for h in range(num_heads):
                 kvh = h // group
                 keys, vals = [], []
-                for j in range(pos + 1):
+                first = 0 if window is None else max(0, pos - window + 1)
+                for j in range(first, pos + 1):
                     b = int(block_tables[i, j // block_size])
                     keys.append(k_cache[b, j % block_size, kvh].double())
                     vals.append(v_cache[b, j % block_size, kvh].double())
                 scores = torch.stack(keys) @ q[row, h].double() * scale
+                if sinks is not None:  # one more logit in the softmax, its value dropped
+                    scores = torch.cat((scores, sinks[h].double().view(1)))
+                    vals.append(torch.zeros_like(vals[0]))
                 out[row, h] = torch.softmax(scores, 0) @ torch.stack(vals)
             row += 1
     return out
@@ -132,3 +136,44 @@ def test_plan_workspace_reused_across_layers() -> None:
         shared = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.3, plan)
         fresh = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.3)
         torch.testing.assert_close(shared, fresh, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 100])
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_window_and_sinks_match_naive(window: int, sinks: bool, case: int) -> None:
+    """A sliding window (a key is seen while q_pos - k_pos < window) and per-head sinks, on
+    their own and together, through a shared plan of the step (as every layer uses it)."""
+    torch.manual_seed(case + window)
+    rng = random.Random(case)
+    query_lens, seq_lens = CASES[case]
+    q, kc, vc, bt = _random_batch(rng, query_lens, seq_lens, 6, 2, 8, 4)
+    s = torch.randn(6) * 2 if sinks else None
+    ref = _naive(q, kc, vc, query_lens, seq_lens, bt, 0.4, window=window, sinks=s)
+    out = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.4, window=window, sinks=s)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    plan = plan_paged_attention(query_lens, seq_lens, bt, 4)  # full, as the backend plans
+    shared = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.4, plan, window, s)
+    torch.testing.assert_close(shared, out, rtol=0, atol=0)
+    assert window in plan.windowed
+    full = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.4, plan, None, s)
+    torch.testing.assert_close(
+        full.double(), _naive(q, kc, vc, query_lens, seq_lens, bt, 0.4, sinks=s), atol=1e-5,
+        rtol=1e-5,
+    )  # fmt: skip
+
+
+def test_window_never_reads_blocks_before_it() -> None:
+    """Blocks wholly before every query's window may hold anything (freed, reused)."""
+    rng = random.Random(2)
+    torch.manual_seed(2)
+    query_lens, seq_lens = [1, 5, 1], [30, 22, 9]
+    q, kc, vc, bt = _random_batch(rng, query_lens, seq_lens, 4, 2, 8, 4)
+    out = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.3, window=6)
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        first_block = max(0, s_len - q_len - 6 + 1) // 4
+        for b in range(first_block):
+            kc[int(bt[i, b])] = float("nan")
+            vc[int(bt[i, b])] = float("nan")
+    again = paged_attention(q, kc, vc, query_lens, seq_lens, bt, 0.3, window=6)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)

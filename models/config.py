@@ -2,7 +2,7 @@
 
 `ModelConfig` is architecture-neutral: one frozen dataclass holds what every supported
 family needs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3,
-Kimi-K2 and GLM-4.5/4.6). Loaders fill it; models read it.
+Kimi-K2, GLM-4.5/4.6 and GPT-OSS). Loaders fill it; models read it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,22 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 _GLM = "Glm4MoeForCausalLM"
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _OLMOE = "OlmoeForCausalLM"
+_GPT_OSS = "GptOssForCausalLM"
+# transformers' GptOssConfig default rope (YaRN over a 4096-token original context)
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 # transformers' own defaults (its config classes') for the keys a config.json may leave out, where
 # they differ from the common ones below: a minimal config must mean what it means to transformers.
@@ -116,6 +127,20 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "partial_rotary_factor": 0.5,
     },
+    _GPT_OSS: {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "max_position_embeddings": 131072,
+        "head_dim": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 2880,
+        "num_experts": 128,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+    },
 }
 
 
@@ -142,11 +167,18 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # HF's dict, e.g. {"rope_type": "llama3", ...}
     max_position_embeddings: int = 4096
-    # Sliding-window attention (HF: a key is seen while q_pos - k_pos < window), where the
-    # checkpoint puts it on any layer (Mistral, Mixtral; Qwen with use_sliding_window:
-    # _sliding_window). Tandem attends to the whole context, so the engine caps max_model_len
-    # at the window, where both agree.
+    # Sliding-window attention (HF: a key is seen while q_pos - k_pos < window) on the layers
+    # `sliding_layers` names, where the checkpoint's own code windows them (_sliding_window):
+    # Mistral, Mixtral, Qwen with use_sliding_window, GPT-OSS's alternate layers.
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    # GPT-OSS: a learned logit per head in every attention softmax (attention sinks); experts
+    # with biases and the clamped SwiGLU (gate clamped above at swiglu_limit, up to
+    # +-swiglu_limit, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)); a router bias.
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    moe_bias: bool = False
     tie_word_embeddings: bool = False
     # Biases, where transformers' code for the family has them (_biases): on q/k/v (Qwen2,
     # Qwen2-MoE; Llama, Qwen3 and Qwen3-MoE with attention_bias), on o_proj (Llama, Qwen3 and
@@ -200,10 +232,12 @@ class ModelConfig:
     @property
     def max_context(self) -> int:
         """The longest sequence Tandem computes as the checkpoint's own code would: the
-        position limit, or a sliding window below it (attention here is never windowed)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        position limit (sliding windows are real windows, models/attention_backend.py)."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx`, None where it attends to everything."""
+        return self.sliding_window if layer_idx in self.sliding_layers else None
 
     @property
     def is_moe(self) -> bool:
@@ -257,7 +291,9 @@ class ModelConfig:
             keys = ("num_local_experts", "num_experts")  # DeepSeek's own key first
             keys = ("n_routed_experts", *keys) if arch in (*_DEEPSEEK, _GLM) else keys
             num_experts = _first(d, *keys, default=default)
-        if arch == "MixtralForCausalLM":
+        if arch in ("MixtralForCausalLM", _GPT_OSS):
+            # Mixtral renormalizes the top-k weights; GPT-OSS's softmax over the top-k logits
+            # is the same thing
             norm_topk = True  # transformers' Mixtral always renormalizes the top-k weights
         elif arch == "DeepseekV2ForCausalLM":
             norm_topk = False  # transformers' DeepSeek-V2 router never renormalizes
@@ -268,11 +304,14 @@ class ModelConfig:
         if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", *_DEEPSEEK, _GLM):
             expert_inter = d.get("moe_intermediate_size", _default(arch, "moe_intermediate_size"))
         else:
-            expert_inter = d.get("intermediate_size", 0)
+            expert_inter = d.get("intermediate_size", _default(arch, "intermediate_size") or 0)
         qkv_bias, o_proj_bias, mlp_bias = _biases(arch, d)
+        window, sliding_layers = _sliding_window(arch, d)
         sparse_step, mlp_only_layers = _moe_layers(arch, d)
         clip_qkv = d.get("clip_qkv") if arch == _OLMOE else None
         rope_scaling = d.get("rope_scaling")
+        if arch == _GPT_OSS and rope_scaling is None and d.get("rope_parameters") is None:
+            rope_scaling = dict(_GPT_OSS_ROPE)
         rope_theta = d.get("rope_theta")
         rope_params = d.get("rope_parameters")  # transformers >= 5 moves rope settings here
         if isinstance(rope_params, dict):
@@ -286,7 +325,9 @@ class ModelConfig:
             intermediate_size=d.get("intermediate_size", _default(arch, "intermediate_size")) or 0,
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            num_key_value_heads=(
+                d.get("num_key_value_heads") or _default(arch, "num_key_value_heads") or heads
+            ),
             head_dim=_head_dim(arch, d),
             rms_norm_eps=d.get("rms_norm_eps", _default(arch, "rms_norm_eps")),
             rope_theta=float(
@@ -296,7 +337,16 @@ class ModelConfig:
             max_position_embeddings=d.get(
                 "max_position_embeddings", _default(arch, "max_position_embeddings")
             ),
-            sliding_window=_sliding_window(arch, d),
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            attention_sinks=arch == _GPT_OSS,
+            swiglu_limit=(
+                float(d.get("swiglu_limit", _default(arch, "swiglu_limit")))
+                if arch == _GPT_OSS
+                else None
+            ),
+            swiglu_alpha=float(d.get("swiglu_alpha", _default(arch, "swiglu_alpha") or 1.702)),
+            moe_bias=arch == _GPT_OSS,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             o_proj_bias=o_proj_bias,
@@ -426,31 +476,40 @@ def _glm_fields(d: dict[str, Any], rope_params: Any) -> dict[str, Any]:
     }
 
 
-def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
-    """The window of the checkpoint's sliding-window layers, or None where no layer has one, by
-    transformers' rules: Mistral and Mixtral window every layer when `sliding_window` is set
-    (Mistral's code ignores `layer_types`); the Qwen families only with `use_sliding_window`,
-    then the layers `layer_types` names (when absent: Qwen3-MoE every layer, Qwen2-MoE the
+def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers it applies to) by transformers' rules; (None, ()) where no layer has
+    one: Mistral and Mixtral window every layer when `sliding_window` is set (Mistral's code
+    ignores `layer_types`); the Qwen families only with `use_sliding_window`, then the layers
+    `layer_types` names (Qwen3-MoE's code: every layer; when absent: Qwen2-MoE the
     even-indexed ones below `max_window_layers`, dense Qwen2/Qwen3 those from
-    `max_window_layers` on). Llama and OLMoE have none."""
+    `max_window_layers` on); GPT-OSS the layers `layer_types` names (default: the
+    even-indexed ones) with a window of 128 unless set. Llama and OLMoE have none."""
+    layers = range(d["num_hidden_layers"])
+    if arch == _GPT_OSS:
+        window = d.get("sliding_window", _default(arch, "sliding_window"))
+        types = d.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in layers
+        ]
+        sliding = tuple(i for i in layers if types[i] == "sliding_attention")
+        return (int(window), sliding) if window and sliding else (None, ())
     window = d.get("sliding_window")
     if not window or arch in ("LlamaForCausalLM", _OLMOE):
-        return None
+        return None, ()
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return int(window)
+        return int(window), tuple(layers)
     if not d.get("use_sliding_window", False):
-        return None
-    layers = range(d["num_hidden_layers"])
+        return None, ()
     types = d.get("layer_types")
-    if types is None:
+    if arch == "Qwen3MoeForCausalLM":
+        types = ["sliding_attention" for _ in layers]
+    elif types is None:
         below = d.get("max_window_layers", 28)
-        if arch == "Qwen3MoeForCausalLM":
-            types = ["sliding_attention" for _ in layers]
-        elif arch == "Qwen2MoeForCausalLM":
+        if arch == "Qwen2MoeForCausalLM":
             types = ["sliding_attention" if i % 2 == 0 and i < below else "full" for i in layers]
         else:
             types = ["sliding_attention" if i >= below else "full" for i in layers]
-    return int(window) if "sliding_attention" in types else None
+    sliding = tuple(i for i in layers if types[i] == "sliding_attention")
+    return (int(window), sliding) if sliding else (None, ())
 
 
 def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
@@ -471,13 +530,17 @@ def _biases(arch: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", _OLMOE):
         attn = bool(d.get("attention_bias", False))
         return attn, attn, arch == "LlamaForCausalLM" and bool(d.get("mlp_bias", False))
+    if arch == _GPT_OSS:  # q/k/v and o_proj by attention_bias, on by default
+        attn = bool(d.get("attention_bias", True))
+        return attn, attn, False
     return False, False, False
 
 
 def _moe_layers(arch: str, d: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
     """(decoder_sparse_step, mlp_only_layers): the Qwen MoE families read both from the config;
-    Mixtral's and OLMoE's code put experts on every layer, whatever keys the config carries."""
-    if arch in ("MixtralForCausalLM", _OLMOE, *_DEEPSEEK, _GLM):
+    Mixtral's, OLMoE's and GPT-OSS's code put experts on every layer, whatever keys the config
+    carries."""
+    if arch in ("MixtralForCausalLM", _OLMOE, _GPT_OSS, *_DEEPSEEK, _GLM):
         return 1, ()
     return d.get("decoder_sparse_step", 1) or 1, tuple(d.get("mlp_only_layers", ()) or ())
 
@@ -506,6 +569,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "deepseek_v3": "DeepseekV3ForCausalLM",
         "kimi_k2": "DeepseekV3ForCausalLM",
         "glm4_moe": _GLM,
+        "gpt_oss": _GPT_OSS,
     }
     if model_type not in table:
         raise UnsupportedModelError(f"unsupported model_type {model_type!r}")

@@ -63,8 +63,15 @@ class CupyAttentionBackend:
         v: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q [T, H, D], k/v [T, KVH, D] in the cache dtype, cuda
+        if window is not None or sinks is not None:  # never computed as full attention
+            raise NotImplementedError(
+                "the cupy attention kernels have no sliding window nor attention sinks; "
+                "use the torch attention backend for this model (the automatic choice)"
+            )
         write_kv(batch.kv_cache.k[layer_idx], batch.kv_cache.v[layer_idx], k, v, batch.slot_mapping)
         return self.attend(layer_idx, q, batch, scale)
 

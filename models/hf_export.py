@@ -19,7 +19,10 @@ _MODEL_TYPES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
 }
+# Families whose code windows every layer or none, whatever layer_types says
+_ALL_LAYERS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
@@ -50,9 +53,17 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.rope_scaling:
         d["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.architecture not in _ALL_LAYERS_WINDOWED:
+        d["layer_types"] = [
+            "sliding_attention" if i in cfg.sliding_layers else "full_attention"
+            for i in range(cfg.num_hidden_layers)
+        ]
+    if cfg.architecture == "GptOssForCausalLM":
+        d["swiglu_alpha"] = cfg.swiglu_alpha
+        d["swiglu_limit"] = cfg.swiglu_limit
     if cfg.is_moe:
         d["num_experts_per_tok"] = cfg.num_experts_per_tok
-        if cfg.architecture == "MixtralForCausalLM":
+        if cfg.architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
             d["num_local_experts"] = cfg.num_experts
             d["intermediate_size"] = cfg.moe_intermediate_size
         elif cfg.architecture == "OlmoeForCausalLM":  # experts sized by intermediate_size

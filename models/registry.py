@@ -6,6 +6,7 @@ from models.config import UnsupportedModelError
 from models.decoder import DecoderForCausalLM
 from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.glm import Glm4MoeForCausalLM
+from models.gpt_oss import GptOssForCausalLM
 from models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from models.moe_models import (
     MixtralForCausalLM,
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

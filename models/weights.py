@@ -102,6 +102,8 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
             t[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
             if attn.o_proj.bias is not None:
                 t[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
+            if attn.sinks is not None:
+                t[p + "self_attn.sinks"] = attn.sinks
             if attn.q_norm is not None and attn.k_norm is not None:
                 t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
                 t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
@@ -109,10 +111,16 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
         if hasattr(mlp, "w13"):
             inter = mlp.w2.shape[2]
             t[p + "mlp.gate.weight"] = mlp.gate.weight
+            if mlp.gate.bias is not None:
+                t[p + "mlp.gate.bias"] = mlp.gate.bias
             for e in range(mlp.num_experts):
                 t[p + f"mlp.experts.{e}.gate_proj.weight"] = mlp.w13[e, :inter]
                 t[p + f"mlp.experts.{e}.up_proj.weight"] = mlp.w13[e, inter:]
                 t[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.w2[e]
+                if getattr(mlp, "w13_bias", None) is not None:  # GPT-OSS
+                    t[p + f"mlp.experts.{e}.gate_proj.bias"] = mlp.w13_bias[e, :inter]
+                    t[p + f"mlp.experts.{e}.up_proj.bias"] = mlp.w13_bias[e, inter:]
+                    t[p + f"mlp.experts.{e}.down_proj.bias"] = mlp.w2_bias[e]
             if getattr(mlp, "e_score_correction_bias", None) is not None:
                 t[p + "mlp.gate.e_score_correction_bias"] = mlp.e_score_correction_bias
             if getattr(mlp, "shared_experts", None) is not None:

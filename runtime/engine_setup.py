@@ -163,6 +163,15 @@ def load_engine_model(
     attn = spec.attention_backend
     if attn == "auto":
         attn = _auto_attention_backend(device, dtype, model_config)
+    elif (
+        attn == "cupy"
+        and model_config is not None
+        and (model_config.sliding_layers or model_config.attention_sinks)
+    ):
+        raise ValueError(
+            f"the cupy attention backend has no sliding window nor attention sinks, which "
+            f"{model_config.architecture} here needs; use attention_backend 'torch' or 'auto'"
+        )
     experts = spec.expert_backend
     if experts == "auto":  # the CPU pool when asked for; on CUDA every expert on the GPU
         asked = spec.cpu_experts is not None or spec.gpu_experts is not None
@@ -285,8 +294,12 @@ def _auto_expert_backend(device) -> str:
 
 
 def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> str:
-    """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch"."""
+    """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch". The
+    kernels have no sliding windows nor sinks yet: a model with either (GPT-OSS; Mistral,
+    Mixtral, Qwen with their windows) attends with the torch reference, correct but eager."""
     if device.type != "cuda":
+        return "torch"
+    if model_config is not None and (model_config.sliding_layers or model_config.attention_sinks):
         return "torch"
     from models.cupy_backend import cupy_backend_supports, cupy_backend_supports_mla
 

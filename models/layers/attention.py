@@ -1,7 +1,7 @@
 """Self-attention layer: fused qkv projection, optional q/k/v bias (Qwen2; Llama and Qwen3 with
 attention_bias), q/k RMSNorm per head (Qwen3) or over the whole projected q and k (OLMoE), the
-optional clamp of q/k/v (OLMoE's clip_qkv), rotary, the attention backend, o_proj (with a bias
-where the checkpoint has one). Paging and KV storage belong to the backend; this layer only
+optional clamp of q/k/v (OLMoE's clip_qkv), rotary, the attention backend (told this layer's
+sliding window and GPT-OSS's per-head sinks), o_proj (with a bias where the checkpoint has one). Paging and KV storage belong to the backend; this layer only
 shapes tensors.
 """
 
@@ -43,6 +43,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
         self.clip_qkv = config.clip_qkv
+        self.window = config.layer_window(layer_idx)
+        # GPT-OSS: one learned logit per head in the softmax's denominator, [H]
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
     def forward(
         self,
@@ -70,5 +73,10 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
-        out = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, H, D]
+        if self.window is None and self.sinks is None:
+            out = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, H, D]
+        else:
+            out = self.backend.forward(
+                self.layer_idx, q, k, v, batch, self.scale, window=self.window, sinks=self.sinks
+            )
         return self.o_proj(out.reshape(num_tokens, self.q_size))

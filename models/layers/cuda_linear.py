@@ -171,6 +171,8 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             type(module) is Attention
             and module.q_norm is None
             and module.clip_qkv is None
+            and module.window is None
+            and module.sinks is None
             and hasattr(module.backend, "attend")
             and module.head_dim % 16 == 0
             and module.rotary_dim == module.head_dim  # the fused kernels rotate every dim
@@ -182,6 +184,8 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             and module.q_norm is not None
             and not module.qk_norm_full
             and module.clip_qkv is None
+            and module.window is None
+            and module.sinks is None
             and module.qkv_proj.bias is None
             and hasattr(module.backend, "attend")
             and module.head_dim in qk_norm_rope.HEAD_DIMS

@@ -17,6 +17,10 @@
   reference's per-expert loop (`TorchExpertBackend`), which syncs once a layer, so a decode
   step with it stays eager.
 
+Experts with biases and the clamped SwiGLU (GPT-OSS, `bias=ExpertBias`) take the grouped GEMMs
+with the biases added per slot at every step size (the skinny kernels have no bias), else the
+torch reference.
+
 `TANDEM_MOE_GEMV_TOKENS` overrides the step size at which grouped GEMMs take over
 (tools/bench_gpu_moe.py measures both paths per token count).
 """
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 
 from ext.cuda import is_available as cuda_kernels_available
 from ext.cuda import skinny  # registers torch.ops.tandem.moe_routed_experts
-from models.layers.experts import TorchExpertBackend, register_expert_backend
+from models.layers.experts import ExpertBias, TorchExpertBackend, register_expert_backend
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +62,22 @@ def grouped_experts(
     topk_weights: torch.Tensor,  # [T, k] float32
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
+    bias: ExpertBias | None = None,
 ) -> torch.Tensor:
     """The routed experts' sum, [T, H] in hidden's dtype, by two grouped GEMMs over the
     (token, expert) slots sorted by expert; per-expert row counts stay on the device."""
     t, top_k = topk_ids.shape
-    _, order, offsets = skinny.sort_slots(topk_ids, w13.shape[0])
+    sorted_ids, order, offsets = skinny.sort_slots(topk_ids, w13.shape[0])
     ends = offsets[1:].to(torch.int32)  # [E] end row of each group
     x = hidden.index_select(0, order // top_k)  # [S, H] rows in sorted order
-    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [S, H]
+    h13 = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends)  # [S, 2I]
+    if bias is None:
+        gate, up = h13.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [S, H]
+    else:
+        gate, up = (h13 + bias.b13.index_select(0, sorted_ids)).chunk(2, dim=-1)
+        y = torch._grouped_mm(bias.activation(gate, up), w2.transpose(1, 2), offs=ends)
+        y = y + bias.b2.index_select(0, sorted_ids)
     y = y.float() * topk_weights.reshape(-1).float().index_select(0, order)[:, None]
     per_slot = torch.empty_like(y).index_copy_(0, order, y)  # back to slot order
     return per_slot.view(t, top_k, -1).sum(dim=1).to(hidden.dtype)  # deterministic: no atomics
@@ -83,6 +94,7 @@ class GpuExpertBackend:
 
     name = "gpu"
     supports_cuda_graphs = True  # no path syncs on the host inside a decode step's forward
+    supports_expert_bias = True
 
     def __init__(self, gemv_max_tokens: int | None = None) -> None:
         if gemv_max_tokens is None:
@@ -128,7 +140,10 @@ class GpuExpertBackend:
         topk_weights: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
+        bias: ExpertBias | None = None,
     ) -> torch.Tensor:
+        if bias is not None:
+            return self._forward_biased(layer_idx, hidden, topk_ids, topk_weights, w13, w2, bias)
         tokens = hidden.shape[0]
         gemv = self._kernels and skinny.moe_supported(hidden, w13, w2)
         grouped = not self._grouped_failed and grouped_supported(hidden, w13, w2)
@@ -147,6 +162,18 @@ class GpuExpertBackend:
                 logger.warning("gpu experts: grouped GEMMs unavailable, per-expert loop: %s", e)
         self.calls["torch"] += 1
         return self._reference.forward(layer_idx, hidden, topk_ids, topk_weights, w13, w2)
+
+    def _forward_biased(self, layer_idx, hidden, topk_ids, topk_weights, w13, w2, bias):
+        if not self._grouped_failed and grouped_supported(hidden, w13, w2):
+            try:
+                out = grouped_experts(hidden, topk_ids, topk_weights, w13, w2, bias)
+                self.calls["grouped"] += 1
+                return out
+            except (RuntimeError, NotImplementedError) as e:
+                self._grouped_failed = True
+                logger.warning("gpu experts: grouped GEMMs unavailable, per-expert loop: %s", e)
+        self.calls["torch"] += 1
+        return self._reference.forward(layer_idx, hidden, topk_ids, topk_weights, w13, w2, bias)
 
 
 register_expert_backend("gpu", GpuExpertBackend)

@@ -25,10 +25,12 @@ class PagedRunner:
         num_blocks: int = 64,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
     ) -> None:
         self.model = model
+        self.device = device
         self.block_size = block_size
-        self.kv_cache = KVCache.for_model(config, num_blocks, block_size, dtype, "cpu")
+        self.kv_cache = KVCache.for_model(config, num_blocks, block_size, dtype, device)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # non-contiguous, unordered block ids
         self.block_tables: dict[int, list[int]] = {}
@@ -69,20 +71,21 @@ class PagedRunner:
             block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         qsl = torch.zeros(len(work) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+        dev = self.device
         batch = ForwardBatch(
-            query_start_loc=qsl,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=block_tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            logits_indices=torch.arange(len(input_ids), dtype=torch.int64),
+            query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(len(input_ids), dtype=torch.int64, device=dev),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             kv_cache=self.kv_cache,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64)
-        return ids, torch.tensor(positions, dtype=torch.int64), batch
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        return ids, torch.tensor(positions, dtype=torch.int64, device=dev), batch
 
     @torch.no_grad()
     def step(self, work: list[tuple[int, list[int]]]) -> dict[int, torch.Tensor]:

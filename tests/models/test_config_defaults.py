@@ -22,6 +22,7 @@ HF_CLASSES = {
     "DeepseekV2ForCausalLM": hf.DeepseekV2Config,
     "DeepseekV3ForCausalLM": hf.DeepseekV3Config,
     "Glm4MoeForCausalLM": hf.Glm4MoeConfig,
+    "GptOssForCausalLM": hf.GptOssConfig,
 }
 
 
@@ -32,6 +33,7 @@ def _hf_view(arch: str, c: hf.PretrainedConfig) -> dict[str, object]:
         "Qwen3MoeForCausalLM",
         "MixtralForCausalLM",
         "OlmoeForCausalLM",
+        "GptOssForCausalLM",
     )
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
@@ -75,7 +77,8 @@ def _hf_view(arch: str, c: hf.PretrainedConfig) -> dict[str, object]:
     elif moe:
         qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
         view["moe_intermediate_size"] = c.moe_intermediate_size if qwen else c.intermediate_size
-        view["norm_topk_prob"] = True if arch == "MixtralForCausalLM" else c.norm_topk_prob
+        renormalized = arch in ("MixtralForCausalLM", "GptOssForCausalLM")
+        view["norm_topk_prob"] = True if renormalized else c.norm_topk_prob
     return view
 
 

@@ -33,6 +33,20 @@ CASES = {
     ),
     "mixtral": lambda: hf.MixtralConfig(**TINY, num_local_experts=4, sliding_window=64),
     "olmoe": lambda: hf.OlmoeConfig(**TINY, num_experts=8, num_experts_per_tok=2),
+    "qwen2_window": lambda: hf.Qwen2Config(
+        **{**TINY, "num_hidden_layers": 3},
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=1,
+    ),  # fmt: skip
+    "gpt_oss": lambda: hf.GptOssConfig(
+        **{**TINY, "num_hidden_layers": 3},
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        swiglu_limit=5.0,
+        head_dim=16,
+    ),  # fmt: skip
     "olmoe_clip_bias_renorm": lambda: hf.OlmoeConfig(
         **TINY, num_experts=8, clip_qkv=2.5, attention_bias=True, norm_topk_prob=True
     ),

@@ -1,9 +1,7 @@
 """Sliding-window attention (Mistral's and Mixtral's `sliding_window`, the Qwen families'
-`use_sliding_window`):
-attention here is never windowed, so the engine caps max_model_len at the window (where full
-attention equals HF's windowed one) instead of computing longer sequences differently from the
-checkpoint's own code. (Before, a Qwen MoE checkpoint with use_sliding_window was read as full
-attention: logits off HF's from the window on, with no warning.)"""
+`use_sliding_window`): the config names the windowed layers as transformers' code does, and the
+engine serves sequences past the window (windowed attention, logits parity in
+tests/models/test_gpt_oss.py) up to max_model_len."""
 
 from __future__ import annotations
 
@@ -41,9 +39,11 @@ def test_config_reads_mixtral_sliding_window() -> None:
     d = hf.MixtralConfig(**TINY, sliding_window=8, max_position_embeddings=64).to_dict()
     d["architectures"] = ["MixtralForCausalLM"]
     cfg = ModelConfig.from_hf_dict(d)
-    assert cfg.sliding_window == 8 and cfg.max_context == 8
+    assert cfg.sliding_window == 8 and cfg.sliding_layers == (0,) and cfg.max_context == 64
+    assert cfg.layer_window(0) == 8
     d["sliding_window"] = None
-    assert ModelConfig.from_hf_dict(d).max_context == 64
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.max_context == 64 and cfg.layer_window(0) is None
 
 
 @pytest.mark.parametrize("layer_types", [None, ["full_attention"]])
@@ -55,9 +55,9 @@ def test_config_reads_mistral_sliding_window(layer_types: list[str] | None) -> N
         d["layer_types"] = layer_types
     cfg = ModelConfig.from_hf_dict(d)  # no `architectures`: read from model_type "mistral"
     assert cfg.architecture == "MistralForCausalLM"
-    assert cfg.sliding_window == 8 and cfg.max_context == 8
+    assert cfg.sliding_window == 8 and cfg.sliding_layers == (0,) and cfg.max_context == 64
     d["sliding_window"] = None
-    assert ModelConfig.from_hf_dict(d).max_context == 64
+    assert ModelConfig.from_hf_dict(d).sliding_layers == ()
 
 
 QWEN_TINY = dict(
@@ -67,46 +67,47 @@ QWEN_TINY = dict(
 
 
 @pytest.mark.parametrize(
-    "config_cls,extra,window",
+    "config_cls,extra,layers",
     [
-        (hf.Qwen3MoeConfig, dict(use_sliding_window=True), 8),  # every layer
-        (hf.Qwen3MoeConfig, dict(use_sliding_window=False), None),
-        (hf.Qwen2MoeConfig, dict(use_sliding_window=True, max_window_layers=2), 8),  # layer 0
-        (hf.Qwen2MoeConfig, dict(use_sliding_window=True, max_window_layers=0), None),
-        (hf.Qwen2Config, dict(use_sliding_window=True, max_window_layers=2), 8),  # layers 2, 3
-        (hf.Qwen2Config, dict(use_sliding_window=True, max_window_layers=4), None),
-        (hf.Qwen3Config, dict(use_sliding_window=True, max_window_layers=3), 8),
-        (hf.Qwen3Config, dict(use_sliding_window=False, max_window_layers=0), None),
+        (hf.Qwen3MoeConfig, dict(use_sliding_window=True), (0, 1, 2, 3)),  # every layer
+        (hf.Qwen3MoeConfig, dict(use_sliding_window=False), ()),
+        (hf.Qwen2MoeConfig, dict(use_sliding_window=True, max_window_layers=2), (0,)),
+        (hf.Qwen2MoeConfig, dict(use_sliding_window=True, max_window_layers=0), ()),
+        (hf.Qwen2Config, dict(use_sliding_window=True, max_window_layers=2), (2, 3)),
+        (hf.Qwen2Config, dict(use_sliding_window=True, max_window_layers=4), ()),
+        (hf.Qwen3Config, dict(use_sliding_window=True, max_window_layers=3), (3,)),
+        (hf.Qwen3Config, dict(use_sliding_window=False, max_window_layers=0), ()),
     ],
 )
-def test_config_reads_qwen_sliding_windows(config_cls, extra, window) -> None:
-    """The window counts where transformers puts it on at least one layer."""
+def test_config_reads_qwen_sliding_windows(config_cls, extra, layers) -> None:
+    """The window sits on the layers transformers' code windows."""
     d = config_cls(**QWEN_TINY, **extra).to_dict()
     d["architectures"] = [config_cls.__name__.replace("Config", "ForCausalLM")]
     cfg = ModelConfig.from_hf_dict(d)
-    assert cfg.sliding_window == window
-    assert cfg.max_context == (8 if window else 64)
+    assert cfg.sliding_layers == layers
+    assert cfg.sliding_window == (8 if layers else None)
+    assert cfg.max_context == 64
     d.pop("layer_types", None)  # older configs: the rule from use_sliding_window alone
-    assert ModelConfig.from_hf_dict(d).sliding_window == window
+    assert ModelConfig.from_hf_dict(d).sliding_layers == layers
 
 
-def test_qwen3_moe_sliding_window_caps_the_engine(tmp_path: Path) -> None:
+def test_qwen3_moe_sliding_window_serves_past_the_window(tmp_path: Path) -> None:
     cfg = hf.Qwen3MoeConfig(
         **QWEN_TINY, use_sliding_window=True, num_experts=2, num_experts_per_tok=1,
         moe_intermediate_size=16,
     )  # fmt: skip
     llm = _llm_of(cfg, tmp_path)
-    assert llm.engine.max_model_len == 8
+    assert llm.engine.max_model_len == 48
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    with pytest.raises(ValueError):
-        llm.generate([list(range(1, 13))], params)
+    (out,) = llm.generate([list(range(1, 13))], params)
+    assert len(out.outputs[0].token_ids) == 3
 
 
 @pytest.mark.parametrize("family", ["mixtral", "mistral"])
 @pytest.mark.parametrize("window", [8, None])
-def test_engine_caps_max_model_len_at_the_window(
-    tmp_path: Path, window: int | None, family: str
-) -> None:
+def test_engine_serves_past_the_window(tmp_path: Path, window: int | None, family: str) -> None:
+    """A windowed checkpoint serves up to max_model_len, the same greedy tokens as HF's
+    generate past the window."""
     if family == "mixtral":
         cfg = hf.MixtralConfig(**TINY, sliding_window=window, max_position_embeddings=64)
     else:
@@ -115,10 +116,12 @@ def test_engine_caps_max_model_len_at_the_window(
     assert llm.engine.model_config.architecture == type(cfg).__name__.replace(
         "Config", "ForCausalLM"
     )
-    assert llm.engine.max_model_len == (8 if window else 48)
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    (out,) = llm.generate([[1, 2, 3, 4]], params)
-    assert len(out.outputs[0].token_ids) == 3
-    if window:  # longer than the window: refused, never computed unlike HF
-        with pytest.raises(ValueError):
-            llm.generate([list(range(1, 13))], params)
+    assert llm.engine.max_model_len == 48
+    prompt = list(range(1, 13))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([prompt], params)
+    hf_model = hf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    ref = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+    )
+    assert list(out.outputs[0].token_ids) == ref[0, len(prompt) :].tolist()

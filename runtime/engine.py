@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from models.batch import KVCache
+from models.config import ModelConfig
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_setup import (
@@ -112,12 +113,6 @@ class Engine:
 
         sched_cfg = config.scheduler
         self.max_model_len = min(sched_cfg.max_model_len, model_config.max_context)
-        if self.max_model_len < min(sched_cfg.max_model_len, model_config.max_position_embeddings):
-            log.warning(
-                "max_model_len capped at the model's sliding window (%d tokens): sliding-window "
-                "attention is not implemented, and up to the window full attention is the same",
-                self.max_model_len,
-            )
         self.layout = size_kv_cache(
             config, model, model_config, self.dtype, self.device, self.max_model_len
         )
@@ -136,6 +131,7 @@ class Engine:
         self.scheduler = Scheduler(
             replace(sched_cfg, max_model_len=self.max_model_len), config.cache,
             self.layout.num_blocks, async_mode=self.overlap,
+            window=_all_layers_window(model_config),
         )  # fmt: skip
         attn_backend = getattr(model, "attn_backend", None)
         if self.device.type == "cuda":
@@ -403,3 +399,12 @@ class Engine:
         # Only the CPU-pool expert backend keeps hybrid counters (models/layers/cpu_experts.py).
         stats = getattr(getattr(self.model, "expert_backend", None), "stats", None)
         return stats() if callable(stats) else None
+
+
+def _all_layers_window(model_config: ModelConfig) -> int | None:
+    """The sliding window when every layer has it (Mistral, Mixtral, Qwen3-MoE with windows):
+    blocks behind it are released. GPT-OSS's full layers read every block, so none is."""
+    layers = model_config.num_hidden_layers
+    if model_config.sliding_window and len(model_config.sliding_layers) == layers:
+        return model_config.sliding_window
+    return None

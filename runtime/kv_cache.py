@@ -14,6 +14,10 @@ Every usable block is in exactly one state:
 
 The prefix cache is a hash chain: block i of a sequence is keyed by
 blake2b(key of block i-1, token ids of block i), so a key names the whole prefix.
+
+A model whose every layer has a sliding window never reads a block again once every window
+has passed it: `release_before` drops the request's reference to such blocks and puts the null
+block in their place in its block table, so a long sequence holds a bounded number of blocks.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class BlockPool:
         self._hash_to_block: dict[BlockHash, int] = {}
         self._holders: dict[str, Request] = {}  # request_id -> request holding blocks
         self._req_hashes: dict[str, list[BlockHash]] = {}  # hash chain of its full blocks
+        self._released: dict[str, int] = {}  # request_id -> blocks before this one released
         self.prefix_cache_queries = 0  # tokens of requests that looked up the cache
         self.prefix_cache_hits = 0  # of which served from the cache
 
@@ -168,6 +173,8 @@ class BlockPool:
             h = hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             block_id = request.block_ids[i]
+            if block_id == NULL_BLOCK_ID:  # released before it was registered
+                continue
             if h not in self._hash_to_block and block_id not in self._block_hash:
                 self._hash_to_block[h] = block_id
                 self._block_hash[block_id] = h
@@ -181,14 +188,36 @@ class BlockPool:
         if self._holders.pop(request.request_id, None) is None:
             return
         self._req_hashes.pop(request.request_id, None)
+        self._released.pop(request.request_id, None)
         for block_id in reversed(request.block_ids):
-            self._ref_count[block_id] -= 1
-            if self._ref_count[block_id] == 0:
-                if block_id in self._block_hash:
-                    self._evictable[block_id] = None
-                else:
-                    self._free_uncached.append(block_id)
+            if block_id != NULL_BLOCK_ID:  # released already (`release_before`)
+                self._unref(block_id)
         request.block_ids = []
+
+    def release_before(self, request: Request, num_tokens: int) -> int:
+        """Drop the request's references to its blocks wholly before token `num_tokens` (no
+        later query reads them: every layer's window has passed); their block-table entries
+        become NULL_BLOCK_ID. Returns how many blocks were released."""
+        rid = request.request_id
+        if rid not in self._holders:
+            return 0
+        start = self._released.get(rid, 0)
+        end = min(max(num_tokens, 0) // self.block_size, len(request.block_ids))
+        for i in range(start, end):
+            block_id = request.block_ids[i]
+            if block_id != NULL_BLOCK_ID:
+                self._unref(block_id)
+                request.block_ids[i] = NULL_BLOCK_ID
+        self._released[rid] = max(start, end)
+        return max(0, end - start)
+
+    def _unref(self, block_id: int) -> None:
+        self._ref_count[block_id] -= 1
+        if self._ref_count[block_id] == 0:
+            if block_id in self._block_hash:
+                self._evictable[block_id] = None
+            else:
+                self._free_uncached.append(block_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change); free cached blocks stay free."""
@@ -206,8 +235,9 @@ class BlockPool:
         expected = [0] * self.num_blocks
         for request_id, request in self._holders.items():
             assert request.request_id == request_id
-            assert len(set(request.block_ids)) == len(request.block_ids), request.block_ids
-            for block_id in request.block_ids:
+            held = [b for b in request.block_ids if b != NULL_BLOCK_ID]  # NULL: released
+            assert len(set(held)) == len(held), request.block_ids
+            for block_id in held:
                 assert 0 < block_id < self.num_blocks, block_id
                 expected[block_id] += 1
         assert expected == self._ref_count, "ref counts differ from holders"

@@ -46,7 +46,10 @@ class Scheduler:
         num_blocks: int,
         *,
         async_mode: bool = False,
+        window: int | None = None,
     ):
+        """`window`: the sliding window of a model whose every layer has one; a running
+        request then releases its blocks that every window has passed (kv_cache.py)."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduler_config.policy!r}")
         self.config = scheduler_config
@@ -62,6 +65,7 @@ class Scheduler:
         self._fronts = itertools.count(1)  # FCFS: each re-queued preemptee goes before all
         self.num_preemptions_total = 0
         self.async_mode = async_mode
+        self.window = window
         # Async mode only, per running request: tokens whose results update() has applied
         # (the start of its next seq to apply) and sampled tokens still in flight (0 or 1).
         self._num_applied: dict[str, int] = {}
@@ -117,6 +121,9 @@ class Scheduler:
         # The last sampled token is never fed back, so its KV slot is never needed.
         max_total = num_prompt + max_tokens if max_tokens is not None else max_len
         blocks = self.block_pool.blocks_needed(max_total - 1)
+        if self.window is not None:  # held at once: a chunk's queries and the window behind
+            span = self.window - 1 + self.config.max_num_batched_tokens
+            blocks = min(blocks, self.block_pool.blocks_needed(span) + 1)
         if blocks > self.block_pool.num_usable_blocks:
             limit = (
                 f"max_tokens {max_tokens}" if max_tokens is not None else f"max_model_len {max_len}"
@@ -207,6 +214,8 @@ class Scheduler:
             if num_new <= 0:  # nothing left to compute until its last token is sampled
                 i += 1
                 continue
+            if self.window is not None:  # its next query (and every later one) sees no further
+                pool.release_before(request, request.num_computed_tokens - self.window + 1)
             while not pool.allocate_for(request, num_new):
                 victim = self.running[-1]  # never one scheduled this step: those precede i
                 self._preempt(victim)
@@ -230,6 +239,8 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break  # no skipping ahead: the head of the queue would starve
             heapq.heappop(self._waiting)
+            if self.window is not None:  # a long cached prefix: only its window is read
+                pool.release_before(request, request.num_computed_tokens - self.window + 1)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
             self._start_running(request)

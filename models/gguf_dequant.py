@@ -1,6 +1,6 @@
 """Dequantize GGUF tensor bytes to torch tensors, vectorized over blocks.
 
-Owns the ggml block layouts (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K); knows nothing of
+Owns the ggml block layouts (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4); knows nothing of
 file parsing (`models.gguf_reader`) or of model names. Every type is decoded to float32 with the
 same order of float operations as ggml's reference, then cast to the requested dtype. Large
 tensors are decoded in chunks of blocks so the float32 intermediates stay small (and in cache).
@@ -56,6 +56,16 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 0)
     q = _nibbles(blocks[:, 2:18]).reshape(-1, 32).float() - 8.0
     return d * q
+
+
+_E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # block: u8 e8m0 e | u8 qs[16] (element i < 16 the low nibble of qs[i]);  x = e2m1 * 2^(e-127),
+    # with the e2m1 table doubled and the scale halved, as ggml stores it
+    q = _E2M1_DOUBLED.float()[_nibbles(blocks[:, 1:17]).reshape(-1, 32).long()]
+    return torch.ldexp(q, blocks[:, :1].float() - 128.0)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
@@ -124,6 +134,7 @@ _BLOCK_DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "MXFP4": _mxfp4,
 }
 _PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 SUPPORTED_TYPES: tuple[str, ...] = tuple(_PLAIN_DTYPES) + tuple(_BLOCK_DECODERS)

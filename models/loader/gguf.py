@@ -35,6 +35,9 @@ _ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     # V2 (softmax gating) or V3 (sigmoid): models/loader/gguf_deepseek2.py decides
     "deepseek2": "DeepseekV3ForCausalLM",
+    # llama.cpp's gpt-oss: gate and up experts apart (not interleaved), MXFP4 or any type;
+    # windows on the even layers, the clamped SwiGLU's alpha and limit fixed (as llama.cpp)
+    "gpt-oss": "GptOssForCausalLM",
 }
 
 _GLOBAL_NAMES = {
@@ -47,6 +50,7 @@ _GLOBAL_NAMES = {
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # gpt-oss
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -68,6 +72,7 @@ _MIXTRAL_EXPERT_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
 _IGNORED = {"rope_freqs.weight"}  # llama3 rope factors; HF recomputes them from the config
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)$")
+_SINKS_RE = re.compile(r"^blk\.(\d+)\.attn_sinks(?:\.weight)?$")  # gpt-oss, [num_heads]
 
 
 def _open(path_or_reader: str | Path | GGUFReader) -> GGUFReader:
@@ -150,19 +155,25 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
         return gguf_deepseek2.deepseek2_config(reader, common)
     norm_topk = key("expert_weights_norm")
     olmoe = hf_arch == "OlmoeForCausalLM"
+    gpt_oss = hf_arch == "GptOssForCausalLM"
+    layers = int(key("block_count"))
+    window = int(key("attention.sliding_window", 0) or 0) if gpt_oss else 0
+    rope_scaling = _rope_scaling(reader, arch)
+    if gpt_oss and rope_scaling is not None:
+        rope_scaling["truncate"] = False  # transformers' GptOss config
     clip_qkv = key("attention.clamp_kqv") if olmoe else None
     return ModelConfig(
         architecture=hf_arch,
         vocab_size=int(key("vocab_size") or len(tokens)),
         hidden_size=hidden,
         intermediate_size=_single(key("feed_forward_length", 0), f"{arch}.feed_forward_length"),
-        num_hidden_layers=int(key("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=int(head_dim),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in reader.tensors,
         attention_bias="blk.0.attn_q.bias" in reader.tensors,
@@ -171,6 +182,11 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in reader.tensors,
         qk_norm_full=olmoe,
         clip_qkv=float(clip_qkv) if clip_qkv is not None else None,
+        sliding_window=window or None,
+        sliding_layers=tuple(range(0, layers, 2)) if window else (),
+        attention_sinks=gpt_oss,
+        swiglu_limit=7.0 if gpt_oss else None,
+        moe_bias=gpt_oss,
         num_experts=num_experts,
         num_experts_per_tok=int(key("expert_used_count", 0) or 0) if num_experts else 0,
         moe_intermediate_size=(
@@ -205,6 +221,9 @@ def _hf_name(
     """(hf name, expert projection or None). Expert names carry an `{e}` placeholder."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name], None
+    sinks = _SINKS_RE.match(gguf_name)
+    if sinks is not None:
+        return f"model.layers.{sinks[1]}.self_attn.sinks", None
     m = _LAYER_RE.match(gguf_name)
     if m is None:
         raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")

@@ -48,7 +48,7 @@ def _random_k_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.nd
 
 @pytest.mark.parametrize("shape", [(4, 256), (3, 2, 512), (1536,)])
 @pytest.mark.parametrize(
-    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4]
 )
 def test_dequantize_matches_gguf_package(qtype: Q, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(int(qtype) * 7 + len(shape))

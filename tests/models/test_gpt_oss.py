@@ -102,8 +102,8 @@ def _run_and_check(
         [(1, seqs[1][8:17]), (0, seqs[0][5:6]), (2, seqs[2][16:33]), (3, seqs[3][:9])],
         sample={0, 1, 2, 3},
     )
-    # decode steps well past every window (sequence 0: 6 -> 20 tokens)
-    for step in range(14):
+    # decode steps past every window (sequence 0: 6 -> 15 tokens, window 8)
+    for step in range(9):
         order = [(step + j) % 4 for j in range(4)]
         run([(i, seqs[i][-1:]) for i in order], sample=set(order))
     for seq_id, produced in rows.items():
@@ -298,3 +298,92 @@ def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner) -> None:
         tol=3e-2,
     )  # fmt: skip
     assert model.expert_backend.calls["grouped"] > 0
+
+
+@pytest.mark.parametrize("experts_mxfp4", [False, True])
+def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bool) -> None:
+    """A "gpt-oss" GGUF as llama.cpp's converter lays it out (gate and up experts apart,
+    post_attention_norm, attn_sinks, biases; experts F32 or MXFP4 blocks), written from a tiny
+    HF model: its config and its logits equal HF's (experts set to the file's values)."""
+    import gguf
+    import numpy as np
+
+    from models.loader.gguf import gguf_model_config
+
+    ref = _save_hf_model(hf.GptOssConfig(**GPT_OSS), tmp_path / "hf")
+    names = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp",
+    }  # fmt: skip
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+    tensors: dict[str, np.ndarray] = {}
+    raw: dict[str, gguf.GGMLQuantizationType] = {}
+
+    def experts(name: str, w: torch.Tensor) -> None:  # w [E, out, in]
+        if experts_mxfp4:
+            packed = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.MXFP4)
+            tensors[name], raw[name] = packed, gguf.GGMLQuantizationType.MXFP4
+        else:
+            tensors[name] = np.ascontiguousarray(w.numpy())
+
+    for name, t in ref.state_dict().items():
+        if name in globals_:
+            tensors[globals_[name]] = t.numpy()
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        p = f"blk.{layer}."
+        if rest == "self_attn.sinks":
+            tensors[p + "attn_sinks.weight"] = t.numpy()
+        elif rest == "mlp.experts.gate_up_proj":  # [E, H, 2I] interleaved
+            experts(p + "ffn_gate_exps.weight", t[:, :, 0::2].transpose(1, 2))
+            experts(p + "ffn_up_exps.weight", t[:, :, 1::2].transpose(1, 2))
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            tensors[p + "ffn_gate_exps.bias"] = np.ascontiguousarray(t[:, 0::2].numpy())
+            tensors[p + "ffn_up_exps.bias"] = np.ascontiguousarray(t[:, 1::2].numpy())
+        elif rest == "mlp.experts.down_proj":  # [E, I, H]
+            experts(p + "ffn_down_exps.weight", t.transpose(1, 2))
+        elif rest == "mlp.experts.down_proj_bias":
+            tensors[p + "ffn_down_exps.bias"] = t.numpy()
+        else:
+            module, kind = rest.rsplit(".", 1)
+            tensors[p + f"{names[module]}.{kind}"] = t.numpy()
+    if experts_mxfp4:  # HF's reference gets the experts the file holds
+        with torch.no_grad():
+            for i, layer in enumerate(ref.model.layers):
+                deq = {
+                    w: torch.from_numpy(
+                        gguf.quants.dequantize(tensors[f"blk.{i}.ffn_{w}_exps.weight"], raw[f"blk.{i}.ffn_{w}_exps.weight"])
+                    )
+                    for w in ("gate", "up", "down")
+                }  # fmt: skip
+                gate_up = layer.mlp.experts.gate_up_proj
+                gate_up[:, :, 0::2] = deq["gate"].transpose(1, 2)
+                gate_up[:, :, 1::2] = deq["up"].transpose(1, 2)
+                layer.mlp.experts.down_proj.copy_(deq["down"].transpose(1, 2))
+    kv = {
+        "gpt-oss.block_count": 3, "gpt-oss.embedding_length": 64,
+        "gpt-oss.expert_feed_forward_length": 32, "gpt-oss.attention.head_count": 4,
+        "gpt-oss.attention.head_count_kv": 2, "gpt-oss.attention.key_length": 16,
+        "gpt-oss.attention.value_length": 16, "gpt-oss.rope.freq_base": 150000.0,
+        "gpt-oss.attention.layer_norm_rms_epsilon": 1e-5, "gpt-oss.context_length": 256,
+        "gpt-oss.vocab_size": 128, "gpt-oss.expert_count": 8, "gpt-oss.expert_used_count": 2,
+        "gpt-oss.attention.sliding_window": 8, "gpt-oss.rope.scaling.type": "yarn",
+        "gpt-oss.rope.scaling.factor": 32.0, "gpt-oss.rope.scaling.original_context_length": 16,
+    }  # fmt: skip
+    path = tmp_path / "gpt-oss.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    for key, value in kv.items():
+        {int: w.add_uint32, float: w.add_float32, str: w.add_string}[type(value)](key, value)
+    for name, array in tensors.items():
+        w.add_tensor(name, array, raw_dtype=raw.get(name))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = gguf_model_config(path)
+    assert cfg.architecture == "GptOssForCausalLM" and cfg.sliding_layers == (0, 2)
+    assert cfg.attention_sinks and cfg.attention_bias and cfg.o_proj_bias
+    model, config = load_model(path, dtype=torch.float32, device="cpu")
+    _run_and_check(ref, model, config, paged_runner, 4, seed=9)

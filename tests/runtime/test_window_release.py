@@ -13,6 +13,7 @@ from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.types import SchedulerOutput
+from tests.runtime.test_async_scheduler import run_async
 
 VOCAB = 13
 WINDOW = 6
@@ -25,9 +26,13 @@ def next_token(context: list[int]) -> int:
 
 
 class WindowedFakeModel:
+    """Runs a step when launched (as the async scheduler's test model does: a token still in
+    flight comes from its future map); every query reads its window back from the cache."""
+
     def __init__(self, scheduler: Scheduler) -> None:
         self.pool = scheduler.block_pool
         self.kv: dict[int, tuple[int, ...]] = {}  # slot -> context whose last token it holds
+        self.future: dict[str, int] = {}
         self.max_held = 0
 
     def step(self, output: SchedulerOutput) -> list[int]:
@@ -36,19 +41,23 @@ class WindowedFakeModel:
         for seq in output.seqs:
             r = seq.request
             end = seq.start_pos + seq.num_tokens
+            context = list(r.token_ids[:end])
+            if len(context) < end:  # async mode: the token the step in flight samples
+                context.append(self.future[r.request_id])
             held = [b for b in r.block_ids if b != NULL_BLOCK_ID]
             self.max_held = max(self.max_held, len(held))
             for pos in range(seq.start_pos, end):
                 block = r.block_ids[pos // bs]
                 assert block != NULL_BLOCK_ID, "writing a released block"
-                self.kv[block * bs + pos % bs] = tuple(r.token_ids[: pos + 1])
+                self.kv[block * bs + pos % bs] = tuple(context[: pos + 1])
             for pos in range(seq.start_pos, end):  # every query reads its window back
                 for key in range(max(0, pos - WINDOW + 1), pos + 1):
                     block = r.block_ids[key // bs]
                     assert block != NULL_BLOCK_ID, f"position {key} released while in use"
-                    assert self.kv[block * bs + key % bs] == tuple(r.token_ids[: key + 1])
+                    assert self.kv[block * bs + key % bs] == tuple(context[: key + 1])
             if seq.sample:
-                sampled.append(next_token(r.token_ids[:end]))
+                self.future[r.request_id] = next_token(context)
+                sampled.append(self.future[r.request_id])
         return sampled
 
 
@@ -59,14 +68,18 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
+@pytest.mark.parametrize("async_mode", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("num_blocks", [64, 6])  # 6: preemptions
-def test_windowed_requests_hold_bounded_blocks(prefix_caching: bool, num_blocks: int) -> None:
+def test_windowed_requests_hold_bounded_blocks(
+    prefix_caching: bool, num_blocks: int, async_mode: bool
+) -> None:
     s = Scheduler(
         SchedulerConfig(max_num_batched_tokens=10, max_model_len=200),
         CacheConfig(block_size=4, enable_prefix_caching=prefix_caching),
         num_blocks,
         window=WINDOW,
+        async_mode=async_mode,
     )
     shared = list(range(1, 21))
     requests = [
@@ -77,14 +90,17 @@ def test_windowed_requests_hold_bounded_blocks(prefix_caching: bool, num_blocks:
     for r in requests:
         s.add_request(r)
     model = WindowedFakeModel(s)
-    steps = 0
-    while s.has_unfinished_requests():
-        out = s.schedule()
-        assert not out.is_empty, "no progress"
-        s.update(out, model.step(out))
-        s.block_pool.check_invariants()
-        steps += 1
-        assert steps < 1000
+    if async_mode:  # schedule N+1, run it, then apply N
+        run_async(s, model)
+    else:
+        steps = 0
+        while s.has_unfinished_requests():
+            out = s.schedule()
+            assert not out.is_empty, "no progress"
+            s.update(out, model.step(out))
+            s.block_pool.check_invariants()
+            steps += 1
+            assert steps < 1000
     for r in requests:
         assert r.output_token_ids == reference(r.prompt_token_ids, r.params.max_tokens)
     # a chunk of up to 10 tokens plus the window behind it: at most 5 blocks of 4, whatever

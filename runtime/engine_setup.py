@@ -59,6 +59,12 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         if given
     ]
     pool_asked = spec.cpu_experts is not None or spec.gpu_experts is not None
+    if config.moe_bias and (pool_asked or spec.expert_backend == "cpu_pool"):
+        raise ValueError(
+            f"--cpu-experts / --gpu-experts do not apply to {config.architecture}: the CPU "
+            "expert pool's kernels have no expert biases nor the clamped SwiGLU its experts "
+            "need (docs/gpt-oss.md); serve it without them"
+        )
     if pool_options and not config.is_moe:
         raise ValueError(
             f"{'/'.join(pool_options)} only apply to mixture-of-experts models; "

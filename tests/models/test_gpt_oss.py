@@ -387,3 +387,18 @@ def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bo
     assert cfg.attention_sinks and cfg.attention_bias and cfg.o_proj_bias
     model, config = load_model(path, dtype=torch.float32, device="cpu")
     _run_and_check(ref, model, config, paged_runner, 4, seed=9)
+
+
+@pytest.mark.parametrize(
+    "spec", [dict(cpu_experts="all"), dict(gpu_experts=2), dict(expert_backend="cpu_pool")]
+)
+def test_engine_refuses_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
+    """Refused before any weight is read or the pool built, naming what the pool lacks."""
+    from runtime.config import ModelSpec
+    from runtime.engine_setup import check_expert_options
+
+    d = hf.GptOssConfig(**GPT_OSS).to_dict()
+    d["architectures"] = ["GptOssForCausalLM"]
+    with pytest.raises(ValueError, match="expert biases nor the clamped SwiGLU"):
+        check_expert_options(ModelSpec(**spec), torch.device("cpu"), ModelConfig.from_hf_dict(d))
+    check_expert_options(ModelSpec(), torch.device("cpu"), ModelConfig.from_hf_dict(d))

@@ -85,7 +85,10 @@ class DecoderForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
-            config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+            config.rotary_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
         )
 
     def forward(

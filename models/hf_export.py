@@ -20,6 +20,7 @@ _MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 # Families whose code windows every layer or none, whatever layer_types says
 _ALL_LAYERS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -89,6 +90,17 @@ def to_hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         ):
             d.pop(key, None)  # other families' keys; DeepSeek's config derives head_dim itself
         d.update(_deepseek_fields(cfg))
+    if cfg.architecture == "Glm4MoeForCausalLM":
+        d.update(
+            n_routed_experts=cfg.num_experts,
+            n_shared_experts=cfg.n_shared_experts,
+            first_k_dense_replace=cfg.first_k_dense_replace,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            use_qk_norm=cfg.qk_norm,
+            partial_rotary_factor=cfg.partial_rotary_factor,
+        )
     return d
 
 

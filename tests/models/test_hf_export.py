@@ -51,7 +51,16 @@ CASES = {
         **TINY, num_experts=8, clip_qkv=2.5, attention_bias=True, norm_topk_prob=True
     ),
     **{f"deepseek_{name}": make for name, make in DEEPSEEK_CASES.items()},
-}
+    "glm4_moe": lambda: hf.Glm4MoeConfig(
+        **TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+    ),
+    "glm4_moe_quarter_rotary": lambda: hf.Glm4MoeConfig(
+        **TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        partial_rotary_factor=0.25, norm_topk_prob=False,
+    ),
+}  # fmt: skip
 
 
 def _fields(cfg: ModelConfig) -> dict:

@@ -34,6 +34,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "config.json (a directory holding only config.json will do; without tokenizer files "
         "a synthetic byte-level tokenizer stands in)",
     )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "gguf"],
+        help="auto: a checkpoint's quantized weights (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K) are "
+        "served from their packed bytes; none: dequantized to --dtype at load",
+    )
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="dequantize every weight to --dtype at load (same as --quantization none)",
+    )
     parser.add_argument("--max-model-len", type=int, default=sched.max_model_len)
     parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     parser.add_argument(
@@ -129,6 +141,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             cpu_expert_format=args.cpu_expert_format,
             cpu_expert_group_size=args.cpu_expert_group_size,
             gpu_prefill=args.gpu_prefill,
+            quantization=args.quantization,
+            dequantize=args.dequantize,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -107,7 +107,7 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     sc, mn = _k_scale_min(blocks[:, 4:16])
     d_sc = (d * sc.float()).unsqueeze(-1)  # [n, 8, 1]
     d_mn = (dmin * mn.float()).unsqueeze(-1)
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).view(1, 8, 1)
     qh = (blocks[:, 16:48].unsqueeze(1) >> shifts) & 1  # [n, 8, 32]
     ql = _nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
     q = (ql | (qh << 4)).float()
@@ -121,7 +121,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 208)
     d_sc = (d * scales).unsqueeze(-1)  # [n, 16, 1]
     ql = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
     qh = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
     q = ((ql | (qh << 4)).view(torch.int8) - 32).float().reshape(n, 16, 16)
     return (d_sc * q).reshape(n, QK_K)
@@ -167,7 +167,9 @@ def dequantize(
         )
     _, block_size, type_size = GGML_TYPES[ggml_type]
     blocks = raw.view(-1, type_size)  # [n_blocks, type_size] uint8
-    out = torch.empty(blocks.shape[0], block_size, dtype=dtype)  # [n_blocks, block_size]
+    out = torch.empty(
+        blocks.shape[0], block_size, dtype=dtype, device=raw.device
+    )  # [n_blocks, block_size]
     step = max(1, _CHUNK_BYTES // type_size)
     with one_thread():
         for start in range(0, blocks.shape[0], step):  # ~4 MiB chunks, not a loop over blocks

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.config import ModelConfig, UnsupportedModelError
+from models.quant.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
     from models.decoder import DecoderForCausalLM
@@ -78,10 +79,9 @@ def _display(name: str, architecture: str) -> str:
 def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """Canonical HF name -> the parameter view it fills."""
     cfg = model.config
-    t: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": model.embed_tokens.weight,
-        "model.norm.weight": model.norm.weight,
-    }
+    t: dict[str, torch.Tensor] = {"model.norm.weight": model.norm.weight}
+    if model.embed_tokens.weight is not None:  # None: packed (models/quant)
+        t["model.embed_tokens.weight"] = model.embed_tokens.weight
     if model.lm_head is not None:
         t["lm_head.weight"] = model.lm_head.weight
     q, kv = cfg.q_size, cfg.kv_size
@@ -94,12 +94,13 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
             _module_targets(t, p + "self_attn.", attn)
         else:
             params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
-            for kind in params:
+            for kind in _dense(attn.qkv_proj, params):
                 fused = getattr(attn.qkv_proj, kind)
                 t[p + f"self_attn.q_proj.{kind}"] = fused[:q]
                 t[p + f"self_attn.k_proj.{kind}"] = fused[q : q + kv]
                 t[p + f"self_attn.v_proj.{kind}"] = fused[q + kv :]
-            t[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
+            if attn.o_proj.weight is not None:
+                t[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
             if attn.o_proj.bias is not None:
                 t[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
             if attn.sinks is not None:
@@ -162,11 +163,26 @@ def _module_targets(t: dict[str, torch.Tensor], prefix: str, module: torch.nn.Mo
 def _gated_mlp_targets(t: dict[str, torch.Tensor], prefix: str, mlp: torch.nn.Module) -> None:
     inter = mlp.intermediate_size
     params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
-    for kind in params:
+    for kind in _dense(mlp.gate_up_proj, params):
         fused = getattr(mlp.gate_up_proj, kind)
         t[prefix + f"gate_proj.{kind}"] = fused[:inter]
         t[prefix + f"up_proj.{kind}"] = fused[inter:]
+    for kind in _dense(mlp.down_proj, params):
         t[prefix + f"down_proj.{kind}"] = getattr(mlp.down_proj, kind)
+
+
+def _dense(module: torch.nn.Module, params: list[str]) -> list[str]:
+    """The params of a linear that load as dense tensors (a packed one's weight does not)."""
+    return [k for k in params if getattr(module, k) is not None]
+
+
+def _quant_targets(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
+    """HF name -> the packed layers (models/quant) that take it, with the part index."""
+    out: dict[str, list] = {}
+    for module in model.modules():
+        for i, name in enumerate(getattr(module, "source_names", ())):
+            out.setdefault(name, []).append((module, i))
+    return out
 
 
 def _split(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -213,11 +229,22 @@ def load_hf_weights(
     if expected is not None:
         targets = {n: t for n, t in targets.items() if expected(n)}
         discarded = {n: s for n, s in discarded.items() if expected(n)}
+    quant = _quant_targets(model)
+    if expected is not None:
+        quant = {n: m for n, m in quant.items() if expected(n)}
     filled: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
             if _IGNORED.match(name) or is_mtp(name, model.config):
                 continue
+            if isinstance(tensor, QuantizedTensor):
+                canon = _canonical(name)
+                if canon in quant:
+                    for module, index in quant[canon]:  # each copies it into its own buffer
+                        module.set_part(index, tensor)
+                    filled.add(canon)
+                    continue
+                tensor = tensor.dequantize(torch.float32)  # a dense target: as before
             for canon, piece in _split(name, tensor):
                 dst = targets.get(canon)
                 if dst is None and canon in discarded:
@@ -230,7 +257,10 @@ def load_hf_weights(
                 _check_shape(name, piece, tuple(dst.shape), canon, arch)
                 dst.copy_(piece)
                 filled.add(canon)
-    missing = [n for n in targets if n not in filled]
+    for module in model.modules():
+        if hasattr(module, "source_names") and hasattr(module, "finalize"):
+            module.finalize()  # e.g. a tied packed head takes the embedding's table
+    missing = [n for n in list(targets) + list(quant) if n not in filled]
     if missing:
         shown = ", ".join(_display(n, arch) for n in missing[:8])
         more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""

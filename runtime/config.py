@@ -47,6 +47,8 @@ class ModelSpec:
     # (auto: a GGUF's quantized type as int4/int8, bf16 for float checkpoints)
     cpu_expert_group_size: int | None = None  # int4 groups of converted experts (None: 64)
     gpu_prefill: str | None = None  # auto | off | N tokens: CPU-pool layers computed on the GPU
+    quantization: str = "auto"  # auto | none | gguf: which packed weights stay packed
+    dequantize: bool = False  # True: every weight dequantized to dtype at load (quantization none)
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,7 @@ def load_engine_model(
         seed=spec.seed,
         config=model_config,
         expert_options=expert_options,
+        quantization="none" if spec.dequantize else spec.quantization,
     )
     return model, model_config, model_path
 

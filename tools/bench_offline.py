@@ -118,9 +118,18 @@ def bench_llama_cpp(path: Path, prompt_ids: list[int], new: int) -> float | None
     return new / (timed(lambda: gen(new + 1)) - timed(lambda: gen(1)))
 
 
-def make_llm(args: argparse.Namespace, dtype_name: str) -> LLM:
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def make_llm(args: argparse.Namespace, dtype_name: str, quantization: str = "auto") -> LLM:
     if args.cpu_experts is None:
-        return LLM(args.model, dtype=dtype_name, device="cpu")
+        return LLM(args.model, dtype=dtype_name, device="cpu", quantization=quantization)
     from runtime.config import EngineConfig, ModelSpec
 
     spec = ModelSpec(
@@ -152,6 +161,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument(
+        "--quantizations",
+        default="auto",
+        help="comma list: auto (a GGUF's weights served packed) and/or none (dequantized)",
+    )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write results to this file")
     ap.add_argument("--cpu-experts", default=None, help="MoE: experts on the CPU pool (all|N)")
@@ -174,16 +188,25 @@ def main() -> None:
         f"{'engine':<26}{'batch-1 tok/s':>14}{f'{args.concurrency} concurrent':>16}"
         f"{'floor b1':>10}{'b1/floor':>10}"
     )
-    for dtype_name in args.dtypes.split(","):
+    from models.quant.linear import quantized_bytes
+
+    for dtype_name, quant in [
+        (d, q) for d in args.dtypes.split(",") for q in args.quantizations.split(",")
+    ]:
         dtype = getattr(torch, dtype_name)
+        rss0 = rss_bytes()
         t = time.perf_counter()
-        llm = make_llm(args, dtype_name)
+        llm = make_llm(args, dtype_name, quant)
         load_s = time.perf_counter() - t
+        rss_load = rss_bytes() - rss0
         prompt_ids = llm.tokenizer.encode(PROMPT)
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-        weight_bytes += pool_bytes_per_token(llm)
+        weight_bytes += pool_bytes_per_token(llm) + quantized_bytes(llm.engine.model)
         floor = bw * 1e9 / weight_bytes
         run = {"load_s": load_s, "weight_bytes": weight_bytes, "floor_tok_s": floor}
+        run["rss_after_load"], run["rss_load_growth"] = rss_bytes(), rss_load
+        if quant != "auto":
+            dtype_name = f"{dtype_name}-{quant}"
         run["tandem_b1"], run["tandem_agg"] = bench_tandem(
             llm, prompt_ids, args.new_tokens, args.concurrency
         )
@@ -205,7 +228,9 @@ def main() -> None:
             )
         print(
             f"  tandem {dtype_name}: {args.concurrency}-concurrent / batch-1 = "
-            f"{run['tandem_agg'] / run['tandem_b1']:.2f}x; load {load_s:.2f}s"
+            f"{run['tandem_agg'] / run['tandem_b1']:.2f}x; load {load_s:.2f}s; weights "
+            f"{weight_bytes / 1e6:.1f} MB; RSS after load {run['rss_after_load'] / 1e6:.0f} MB "
+            f"(+{rss_load / 1e6:.0f} MB by the load; file {path.stat().st_size / 1e6:.1f} MB)"
         )
         res["runs"][dtype_name] = run
         del llm

@@ -14,6 +14,8 @@ using tandem_cpu::LinearArgs;
 using tandem_cpu::LinearPool;
 using tandem_cpu::StreamJob;
 
+void bind_qlinear(py::module_& m);  // qlinear_bindings.cpp
+
 namespace {
 // A job handle from Python, checked against the pool that made it.
 StreamJob* job_of(const ExpertPool& p, uintptr_t handle) {
@@ -231,4 +233,5 @@ PYBIND11_MODULE(_tandem_cpu, m) {
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("isa", &LinearPool::isa)
       .def_property_readonly("num_threads", &LinearPool::num_threads);
+  bind_qlinear(m);
 }

@@ -48,6 +48,9 @@ CORE_UNITS = [
     ("kernels_scalar.cpp", [], None),
     ("linear.cpp", [], None),
     ("linear_scalar.cpp", [], None),
+    ("qlinear.cpp", [], None),
+    ("qlinear_scalar.cpp", [], None),
+    ("qlinear_bindings.cpp", [], None),
     ("bindings.cpp", [], None),
 ]
 X86_UNITS = [
@@ -64,8 +67,11 @@ UNIT_NEEDS = {
 }
 # Dense-linear kernels of an ISA: built with its flags, only when its expert unit was built.
 LINEAR_UNITS = {
-    "TANDEM_HAVE_AVX2": ("linear_avx2.cpp", AVX2_FLAGS),
-    "TANDEM_HAVE_AVX512": ("linear_avx512.cpp", AVX512_FLAGS),
+    "TANDEM_HAVE_AVX2": [("linear_avx2.cpp", AVX2_FLAGS)],
+    "TANDEM_HAVE_AVX512": [
+        ("linear_avx512.cpp", AVX512_FLAGS),
+        ("qlinear_avx512.cpp", AVX512_FLAGS),
+    ],
 }
 HEADERS = [
     "amx_emulate.h",
@@ -76,6 +82,7 @@ HEADERS = [
     "moe.h",
     "stream.h",
     "linear.h",
+    "qlinear.h",
     "simd_avx512.h",
     "simd_q8.h",
 ]
@@ -135,7 +142,7 @@ def _include_dirs() -> list[str]:
 
 def _build_key(cxx: str) -> str:
     h = hashlib.sha256()
-    linear = [u[0] for u in LINEAR_UNITS.values()]
+    linear = [u[0] for units in LINEAR_UNITS.values() for u in units]
     for name in [u[0] for u in CORE_UNITS + X86_UNITS] + linear + HEADERS + ["build.py"]:
         h.update(name.encode())
         h.update((SRC_DIR / name).read_bytes())
@@ -190,8 +197,7 @@ def _build(cxx: str, target: Path) -> list[str]:
                             obj,
                         ]
                     )
-                    if define in LINEAR_UNITS:
-                        lsrc, lflags = LINEAR_UNITS[define]
+                    for lsrc, lflags in LINEAR_UNITS.get(define, []):
                         lobj = os.path.join(tmp, lsrc + ".o")
                         _run(
                             [cxx, *BASE_FLAGS, *lflags, *common, "-c", str(SRC_DIR / lsrc)]

@@ -95,7 +95,13 @@ def use_cpu_linear(
                     parent, name, CpuDenseLinear(child.weight.data, _b(child), pool, fmt, max_rows)
                 )
                 swapped += 1
-    if hasattr(model, "compute_logits") and hasattr(model, "embed_tokens") and swapped:
+    packed_head = getattr(model, "quant_head", None) is not None  # models/quant owns it
+    if (
+        hasattr(model, "compute_logits")
+        and hasattr(model, "embed_tokens")
+        and swapped
+        and not packed_head
+    ):
         head_w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         head = CpuDenseLinear(head_w.data, None, pool, fmt, max_rows)
         model.cpu_lm_head = head  # registered: shares the tied weight, no copy

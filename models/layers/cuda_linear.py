@@ -164,11 +164,12 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
                 setattr(parent, name, _swap(child, max_rows))
                 swapped += 1
     for module in model.modules():  # same state, another forward
-        if type(module) is GatedMLP:
+        if type(module) is GatedMLP and type(module.gate_up_proj) is SkinnyLinear:
             module.__class__ = SkinnyGatedMLP
             module.max_rows = max_rows
         elif (
             type(module) is Attention
+            and type(module.qkv_proj) is SkinnyLinear
             and module.q_norm is None
             and module.clip_qkv is None
             and module.window is None
@@ -192,7 +193,13 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             and module.rotary_dim == module.head_dim
         ):
             module.__class__ = NormRopeAttention
-    if swapped and hasattr(model, "compute_logits") and hasattr(model, "embed_tokens"):
+    packed_head = getattr(model, "quant_head", None) is not None  # models/quant owns it
+    if (
+        swapped
+        and hasattr(model, "compute_logits")
+        and hasattr(model, "embed_tokens")
+        and not packed_head
+    ):
         lm_head = getattr(model, "lm_head", None)
         weight = model.embed_tokens.weight if lm_head is None else lm_head.weight
         model.compute_logits = _SkinnyLogits(weight, max_rows)

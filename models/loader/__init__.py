@@ -27,6 +27,11 @@ from models.weights import expert_layer, is_mtp
 log = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# "auto": a checkpoint's quantized weights stay packed where Tandem serves their format (GGUF
+# Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K) with a kernel for the device and dtype (CPU bf16, CUDA
+# fp16/bf16); "none": dequantize everything at load to --dtype (the old behaviour); "gguf":
+# packed whatever the dtype (float32: the torch reference), an error for another format.
+QUANTIZATIONS = ("auto", "none", "gguf")
 # Dense linears of bf16 CPU models through ext/cpu's small-M kernel (models/layers/cpu_linear.py):
 # "0" off, or the weight format "bf16" | "int8" | "int4". Read here and nowhere else.
 CPU_LINEAR_ENV = "TANDEM_CPU_LINEAR"
@@ -63,6 +68,31 @@ def _apply_cpu_linear(model: nn.Module, fmt: str) -> None:
         use_cpu_linear(model, "bf16")
     except Exception as exc:  # an optimisation only: serve with torch's linear instead
         log.warning("fast CPU linear unavailable (%s: %s); using torch", type(exc).__name__, exc)
+
+
+def _apply_cpu_quant(model: nn.Module) -> None:
+    from models.quant.linear import quant_modules
+
+    if not quant_modules(model):
+        return
+    try:
+        from models.quant.cpu import use_cpu_quant_kernels
+
+        use_cpu_quant_kernels(model)
+    except Exception as exc:  # the torch reference serves the same packed weights, slower
+        log.warning(
+            "CPU packed-weight kernel unavailable (%s: %s); using torch", type(exc).__name__, exc
+        )
+
+
+def _apply_cuda_quant(model: nn.Module) -> None:
+    from ext.cuda import is_available
+    from models.quant.linear import quant_modules
+
+    if quant_modules(model) and is_available():
+        from models.quant.cuda import use_cuda_quant_kernels
+
+        use_cuda_quant_kernels(model)
 
 
 def _apply_cuda_linear(model: nn.Module) -> None:
@@ -115,17 +145,21 @@ def build_model(
     attn_backend: str = "torch",
     expert_backend: str = "torch",
     expert_options: dict[str, Any] | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """An uninitialized model whose parameters live on `device` in `dtype` (allocated once).
 
     A backend with `host_experts = True` (cpu_pool) gets the MoE expert weights in host memory
-    instead, so they never occupy the device."""
+    instead, so they never occupy the device. `prepare(model)` runs on the meta-device model
+    first (e.g. to swap in packed-weight layers, whose dense weights are then never allocated)."""
     cls = get_model_class(config.architecture)
     experts = (
         get_expert_backend(expert_backend, **(expert_options or {})) if config.is_moe else None
     )
     with torch.device("meta"):
         model = cls(config, get_attention_backend(attn_backend), experts)
+        if prepare is not None:
+            prepare(model)
     host_blocks = []
     if getattr(experts, "host_experts", False):
         for block in model.modules():
@@ -151,6 +185,7 @@ def load_model(
     seed: int = 0,
     config: ModelConfig | None = None,
     expert_options: dict[str, Any] | None = None,
+    quantization: str = "auto",
 ) -> tuple[nn.Module, ModelConfig]:
     """`expert_options` go to the expert backend's factory (cpu_pool: fmt, cpu_experts,
     gpu_experts, num_threads, ...). An expert backend may have, and is then called with:
@@ -161,6 +196,17 @@ def load_model(
     fmt = resolve_load_format(model_path, load_format) if load_format != "dummy" else "dummy"
     path = Path(model_path)
     config = config or read_model_config(path, load_format)
+    packed: set[str] = set()
+    kept = _packed_tensors(path, fmt, quantization)
+    if kept and quantization == "auto" and not _packed_kernels_serve(device, dtype):
+        log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
+        kept = {}
+
+    def prepare(m: nn.Module) -> None:
+        from models.quant.swap import quantize_modules
+
+        packed.update(quantize_modules(m, kept, device, dtype))
+
     model = build_model(
         config,
         dtype=dtype,
@@ -168,6 +214,7 @@ def load_model(
         attn_backend=attn_backend,
         expert_backend=expert_backend,
         expert_options=expert_options,
+        prepare=prepare if kept else None,
     )
     backend = getattr(model, "expert_backend", None)
     read_experts = None
@@ -183,7 +230,8 @@ def load_model(
         # never read: skipped experts, and DeepSeek's multi-token-prediction layers
         has_mtp = is_mtp(f"model.layers.{config.num_hidden_layers}.", config)
         select = wanted if skip or has_mtp else None
-        model.load_weights(_checkpoint_weights(path, fmt, dtype, select), expected=select)
+        weights = _checkpoint_weights(path, fmt, dtype, select, packed)
+        model.load_weights(weights, expected=select)
 
         def read_experts(layer: int) -> None:
             def only(name: str) -> bool:
@@ -234,15 +282,41 @@ def _init_dummy(
     return read_experts
 
 
+def _packed_kernels_serve(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether packed weights have a kernel here (CPU: bf16 models; CUDA: fp16/bf16); elsewhere
+    "auto" dequantizes at load, since the torch reference would dequantize every step."""
+    kind = torch.device(device).type
+    return (kind == "cpu" and dtype == torch.bfloat16) or (
+        kind == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    )
+
+
+def _packed_tensors(path: Path, fmt: str, quantization: str) -> dict[str, str]:
+    """HF name -> packed type of the checkpoint tensors that stay quantized."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
+    if quantization == "gguf" and fmt != "gguf":
+        raise ValueError(f"quantization 'gguf' needs a GGUF checkpoint, got format {fmt!r}")
+    if quantization == "none" or fmt != "gguf":
+        return {}
+    from models.loader.gguf import gguf_packed_tensors
+
+    return gguf_packed_tensors(path)
+
+
 def _checkpoint_weights(
-    path: Path, fmt: str, dtype: torch.dtype, select: Callable[[str], bool] | None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: Path,
+    fmt: str,
+    dtype: torch.dtype,
+    select: Callable[[str], bool] | None,
+    packed: set[str] | frozenset[str] = frozenset(),
+) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) of a "gguf" or "safetensors" checkpoint; `select(name)` False: not
-    read at all."""
+    read at all; names in `packed` come as `models.quant.tensor.QuantizedTensor`s."""
     if fmt == "gguf":
         from models.loader.gguf import load_gguf_weights
 
-        return load_gguf_weights(path, dtype, select)
+        return load_gguf_weights(path, dtype, select, frozenset(packed))
     return iter_safetensors_weights(path, dtype, select)
 
 
@@ -250,8 +324,11 @@ def apply_fast_linears(model: nn.Module, device: torch.device | str, dtype: torc
     """Swap dense linears for the device's small-M kernels where they apply (CPU: ext/cpu's
     GEMV for bf16, `TANDEM_CPU_LINEAR`; CUDA: ext/cuda's skinny GEMM, `TANDEM_CUDA_LINEAR`)."""
     kind = torch.device(device).type
+    if kind == "cpu" and dtype == torch.bfloat16:
+        _apply_cpu_quant(model)
     linear_fmt = cpu_linear_format()
     if linear_fmt is not None and kind == "cpu" and dtype == torch.bfloat16:
         _apply_cpu_linear(model, linear_fmt)
     if kind == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        _apply_cuda_quant(model)
         _apply_cuda_linear(model)

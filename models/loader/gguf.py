@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig, UnsupportedModelError
-from models.gguf_dequant import dequantize_tensor, one_thread
-from models.gguf_reader import GGUFReader
+from models.gguf_dequant import SUPPORTED_TYPES, dequantize_tensor, one_thread
+from models.gguf_reader import GGUFReader, GGUFTensorInfo, ggml_type_name
 from models.loader import gguf_deepseek2
+from models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -240,17 +241,53 @@ def _hf_name(
     return name.replace(".e_score_correction.bias", ".e_score_correction_bias"), None
 
 
+def gguf_packed_tensors(path: str | Path | GGUFReader) -> dict[str, str]:
+    """HF name -> ggml type of the 2-D, non-expert tensors that can stay packed. Raises
+    `UnsupportedModelError` naming a tensor whose type Tandem can neither keep nor decode."""
+    reader = _open(path)
+    config = gguf_model_config(reader)
+    mlp = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    kept: dict[str, str] = {}
+    if reader.architecture == gguf_deepseek2.ARCH:
+        return kept  # MLA's projections are not swapped for packed layers yet: dequantized
+    for info in reader.tensors.values():
+        if info.name in _IGNORED:
+            continue
+        qtype = ggml_type_name(info.ggml_type)
+        if qtype not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"tensor {info.name!r} has ggml type {qtype}, which Tandem can neither serve"
+                f" packed nor dequantize (supported: {', '.join(SUPPORTED_TYPES)}); convert the"
+                f" file to one of those types (e.g. llama-quantize ... Q4_K_M)"
+            )
+        hf_name, stacked = _hf_name(info.name, mlp)
+        if qtype in GGUF_KEPT_TYPES and stacked is None and len(info.torch_shape) == 2:
+            kept[hf_name] = qtype
+    return kept
+
+
+def _packed(reader: GGUFReader, info: GGUFTensorInfo) -> QuantizedTensor:
+    """Tensor `info` still packed: `[rows, row_bytes]` uint8, a view of the file mapping."""
+    rows, cols = info.torch_shape
+    # a view of the (copy-on-write) mapping: the layer it is for copies it into its own buffer
+    data = torch.from_numpy(reader.tensor_data(info.name))
+    return QuantizedTensor(ggml_type_name(info.ggml_type), data.reshape(rows, -1), cols)
+
+
 def load_gguf_weights(
     path: str | Path | GGUFReader,
     dtype: torch.dtype = torch.float32,
     select: Callable[[str], bool] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    packed: frozenset[str] | set[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield `(hf_checkpoint_name, tensor)` for every tensor in the file, dequantized to `dtype`.
 
     q/k of "llama"-architecture files are un-permuted to HF's layout. Stacked expert tensors
     `[num_experts, out, in]` are yielded one expert at a time under HF's per-expert names.
     An unknown tensor name raises `UnsupportedModelError` naming it. `select(hf name)` (a
     stacked tensor's name has `{e}` for the expert) leaves out, undecoded, what it refuses.
+    Tensors named in `packed` (see `gguf_packed_tensors`) come as `QuantizedTensor`s, q/k rows
+    un-permuted likewise.
     """
     reader = _open(path)
     config = gguf_model_config(reader)
@@ -258,7 +295,7 @@ def load_gguf_weights(
         pieces = _gguf_weights(reader, config, dtype, select, gguf_deepseek2.LAYER_NAMES)
         yield from gguf_deepseek2.merge_kv_b(pieces, config)
         return
-    yield from _gguf_weights(reader, config, dtype, select, {})
+    yield from _gguf_weights(reader, config, dtype, select, {}, packed)
 
 
 def _gguf_weights(
@@ -267,7 +304,8 @@ def _gguf_weights(
     dtype: torch.dtype,
     select: Callable[[str], bool] | None,
     layer_names: dict[str, str],
-) -> Iterator[tuple[str, torch.Tensor]]:
+    packed: frozenset[str] | set[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     mlp = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
     permute = reader.architecture == "llama"
     table = {**_LAYER_NAMES, **layer_names}
@@ -282,6 +320,14 @@ def _gguf_weights(
             continue
         hf_name, stacked = names[info.name]
         if select is not None and not select(hf_name):
+            continue
+        if hf_name in packed:
+            qt = _packed(reader, info)
+            if permute and ".self_attn.q_proj." in hf_name:
+                qt.data = unpermute_qk(qt.data, config.num_attention_heads).contiguous()
+            elif permute and ".self_attn.k_proj." in hf_name:
+                qt.data = unpermute_qk(qt.data, config.num_key_value_heads).contiguous()
+            yield hf_name, qt
             continue
         with one_thread():  # memory-bound work; see models.gguf_dequant
             keep32 = hf_name.endswith(".e_score_correction_bias")  # stays float32 (routing)

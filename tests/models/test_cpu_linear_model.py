@@ -29,8 +29,8 @@ def models():
     path = resolve_model(None)
     mp = pytest.MonkeyPatch()
     mp.setenv("TANDEM_CPU_LINEAR", "0")
-    ref, config = load_model(path, dtype=torch.bfloat16, device="cpu")
-    fast, _ = load_model(path, dtype=torch.bfloat16, device="cpu")
+    ref, config = load_model(path, dtype=torch.bfloat16, device="cpu", quantization="none")
+    fast, _ = load_model(path, dtype=torch.bfloat16, device="cpu", quantization="none")
     mp.undo()
     swapped = use_cpu_linear(fast, "bf16", pool=CpuLinearPool(num_threads=1))
     assert swapped == 4 * config.num_hidden_layers + 1
@@ -108,10 +108,10 @@ def test_default_is_auto_and_swaps_bf16_cpu_models_only(monkeypatch) -> None:
     monkeypatch.delenv("TANDEM_CPU_LINEAR", raising=False)
     assert cpu_linear_format() == "auto"
     path = resolve_model(None)
-    bf16, config = load_model(path, dtype=torch.bfloat16, device="cpu")
+    bf16, config = load_model(path, dtype=torch.bfloat16, device="cpu", quantization="none")
     fast_cpu = bool({"avx512", "amx"} & set(supported_isas()))
     assert _num_fast(bf16) == (4 * config.num_hidden_layers + 1 if fast_cpu else 0)  # + lm_head
-    fp32, _ = load_model(path, dtype=torch.float32, device="cpu")
+    fp32, _ = load_model(path, dtype=torch.float32, device="cpu", quantization="none")
     assert _num_fast(fp32) == 0  # float32 stays on torch: exact parity with HF
 
 
@@ -124,6 +124,8 @@ def test_auto_falls_back_to_torch_with_a_warning(monkeypatch, caplog) -> None:
     monkeypatch.delenv("TANDEM_CPU_LINEAR", raising=False)
     monkeypatch.setattr(ext.cpu, "supported_isas", broken)
     with caplog.at_level("WARNING"):
-        model, _ = load_model(resolve_model(None), dtype=torch.bfloat16, device="cpu")
+        model, _ = load_model(
+            resolve_model(None), dtype=torch.bfloat16, device="cpu", quantization="none"
+        )
     assert _num_fast(model) == 0
     assert "fast CPU linear unavailable" in caplog.text and "no compiler" in caplog.text

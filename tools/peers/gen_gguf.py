@@ -10,7 +10,7 @@ moe:   Qwen3-30B-A3B shape (arch qwen3moe): 48 layers, hidden 2048, 32 q / 4 kv 
        Q4_0 (random fp16 scale of small magnitude + random nibbles, written as bytes), the rest
        BF16 (norms F32).
 dense: Llama-3-8B shape (arch llama): 32 layers, hidden 4096, 32/8 heads, intermediate 14336,
-       vocab 128256, BF16 (norms F32).
+       vocab 128256, matrices BF16 or (--dense-type) Q4_0 / Q8_0 (norms F32).
 Tokenizer: gpt2-style BPE with a synthetic vocab: the 256 byte-level symbols first (so any text
 tokenizes, one token per byte), then generated strings, one merge, control tokens at the real
 models' special ids. Random values come from a pool that tensors view at random offsets (fast:
@@ -177,7 +177,7 @@ def write_moe(path: str, layers: int, experts_type: str, scale: int) -> None:
     finish(w, path)
 
 
-def write_dense(path: str, layers: int, scale: int) -> None:
+def write_dense(path: str, layers: int, scale: int, dense_type: str = "bf16") -> None:
     H, FF, NH, NKV, HD, V = (
         4096 // scale,
         14336 // scale,
@@ -206,22 +206,28 @@ def write_dense(path: str, layers: int, scale: int) -> None:
     w.add_bos_token_id(V - 256)
     w.add_eos_token_id(V - 255)
     w.add_add_bos_token(False)
-    P = Pools(128 << 20, 1 << 10)
-    BF = Q.BF16
-    w.add_tensor("token_embd.weight", P.bf16_tensor((V, H)), raw_dtype=BF)
+    P = Pools(128 << 20, 1 << 10 if dense_type == "bf16" else 1 << 24)
+
+    def mat(name: str, shape: tuple[int, int]) -> None:  # every matrix in dense_type
+        if dense_type == "bf16":
+            w.add_tensor(name, P.bf16_tensor(shape), raw_dtype=Q.BF16)
+        else:
+            w.add_tensor(name, P.q_tensor(shape, dense_type), raw_dtype=Q[dense_type.upper()])
+
+    mat("token_embd.weight", (V, H))
     for i in range(layers):
         b = f"blk.{i}."
         w.add_tensor(b + "attn_norm.weight", f32_ones(H))
-        w.add_tensor(b + "attn_q.weight", P.bf16_tensor((NH * HD, H)), raw_dtype=BF)
-        w.add_tensor(b + "attn_k.weight", P.bf16_tensor((NKV * HD, H)), raw_dtype=BF)
-        w.add_tensor(b + "attn_v.weight", P.bf16_tensor((NKV * HD, H)), raw_dtype=BF)
-        w.add_tensor(b + "attn_output.weight", P.bf16_tensor((H, NH * HD)), raw_dtype=BF)
+        mat(b + "attn_q.weight", (NH * HD, H))
+        mat(b + "attn_k.weight", (NKV * HD, H))
+        mat(b + "attn_v.weight", (NKV * HD, H))
+        mat(b + "attn_output.weight", (H, NH * HD))
         w.add_tensor(b + "ffn_norm.weight", f32_ones(H))
-        w.add_tensor(b + "ffn_gate.weight", P.bf16_tensor((FF, H)), raw_dtype=BF)
-        w.add_tensor(b + "ffn_up.weight", P.bf16_tensor((FF, H)), raw_dtype=BF)
-        w.add_tensor(b + "ffn_down.weight", P.bf16_tensor((H, FF)), raw_dtype=BF)
+        mat(b + "ffn_gate.weight", (FF, H))
+        mat(b + "ffn_up.weight", (FF, H))
+        mat(b + "ffn_down.weight", (H, FF))
     w.add_tensor("output_norm.weight", f32_ones(H))
-    w.add_tensor("output.weight", P.bf16_tensor((V, H)), raw_dtype=BF)
+    mat("output.weight", (V, H))
     finish(w, path)
 
 
@@ -242,8 +248,9 @@ if __name__ == "__main__":
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--experts-type", default="q4_0", choices=["q4_0", "q8_0", "bf16"])
     ap.add_argument("--scale", type=int, default=1, help="divide dims by this (local tests)")
+    ap.add_argument("--dense-type", default="bf16", choices=["q4_0", "q8_0", "bf16"])
     a = ap.parse_args()
     if a.kind == "moe":
         write_moe(a.out, a.layers or 48, a.experts_type, a.scale)
     else:
-        write_dense(a.out, a.layers or 32, a.scale)
+        write_dense(a.out, a.layers or 32, a.scale, a.dense_type)

@@ -1,0 +1,87 @@
+#include "qlinear.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "isa.h"
+
+namespace tandem_cpu {
+
+int qtype_block_elems(int qtype) {
+  switch (qtype) {
+    case QT_Q4_0: case QT_Q4_1: case QT_Q8_0: return 32;
+    case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: return 256;
+    default: return 0;
+  }
+}
+
+int qtype_block_bytes(int qtype) {
+  switch (qtype) {
+    case QT_Q4_0: return 18;
+    case QT_Q4_1: return 20;
+    case QT_Q8_0: return 34;
+    case QT_Q4_K: return 144;
+    case QT_Q5_K: return 176;
+    case QT_Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+namespace {
+
+QLinearKernels select_qlinear(const std::string& want) {
+  // Same detection and errors as the expert pool; AVX-512 BF16 (and AMX machines, which have
+  // it) run the vector kernel, everything else the portable one.
+  const std::string name = select_kernels(want).name;
+#ifdef TANDEM_HAVE_AVX512
+  if (name == "avx512" || name == "amx") return qlinear_kernels_avx512();
+#endif
+  return qlinear_kernels_scalar();
+}
+
+}  // namespace
+
+QLinearPool::QLinearPool(int num_threads, const std::string& isa)
+    : kernels_(select_qlinear(isa)) {
+  if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+  if (num_threads > 1) workers_ = std::make_unique<Workers>(num_threads - 1);
+}
+
+QLinearPool::~QLinearPool() {
+  if (workers_) workers_->wait();
+}
+
+void QLinearPool::work(const QLinearArgs& a, const void* xp, int blocks, int block_rows) {
+  for (;;) {
+    const int b = next_.fetch_add(1, std::memory_order_relaxed);
+    if (b >= blocks) return;
+    const int r0 = b * block_rows;
+    kernels_.rows(a, xp, r0, std::min(a.N, r0 + block_rows));
+  }
+}
+
+void QLinearPool::run(const QLinearArgs& a, const void* x, bool x_bf16) {
+  const int be = qtype_block_elems(a.qtype);
+  if (be == 0) throw std::invalid_argument("unsupported packed weight type");
+  if (a.M <= 0 || a.N <= 0 || a.K <= 0) throw std::invalid_argument("M, N and K must be positive");
+  if (a.K % be) throw std::invalid_argument("K must be a multiple of the type's block");
+  if (a.row_bytes != (size_t)(a.K / be) * qtype_block_bytes(a.qtype))
+    throw std::invalid_argument("row_bytes does not match K and the type");
+  std::lock_guard<std::mutex> lk(mu_);
+  const size_t need = kernels_.prep_bytes(a.K, a.M);
+  if (xprep_.size() < need) xprep_.resize(need);
+  kernels_.prep(x, x_bf16, a.M, a.K, xprep_.data());
+  const int block_rows = 16;
+  const int blocks = (a.N + block_rows - 1) / block_rows;
+  const void* xp = xprep_.data();
+  next_.store(0, std::memory_order_relaxed);
+  if (!workers_ || blocks < 2) {
+    work(a, xp, blocks, block_rows);
+    return;
+  }
+  workers_->start([this, &a, xp, blocks](int) { work(a, xp, blocks, block_rows); });
+  work(a, xp, blocks, block_rows);
+  workers_->wait();
+}
+
+}  // namespace tandem_cpu

@@ -1,0 +1,74 @@
+// Dense linear over GGUF-packed weights for the CPU: y[M, N] = x[M, K] @ W[N, K]^T, W read in
+// its own block layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), dequantized in registers. Each
+// (row, token) sum is taken in one fixed order whatever M is, so a row's result does not depend
+// on the batch it was computed in. Plain C++; knows nothing of Python, torch or models.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "workers.h"
+
+namespace tandem_cpu {
+
+// ggml type ids (the GGUF file's own numbers).
+enum QType : int { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
+
+// Bytes and elements of one block of a type; 0 for a type this unit does not serve.
+int qtype_block_elems(int qtype);
+int qtype_block_bytes(int qtype);
+
+struct QLinearArgs {
+  int qtype = 0;
+  const uint8_t* w = nullptr;  // [N][row_bytes], row_bytes = K / block_elems * block_bytes
+  size_t row_bytes = 0;
+  int N = 0, K = 0, M = 0;     // K: a multiple of the type's block
+  void* y = nullptr;           // [M][N] fp32 or bf16
+  bool y_bf16 = false;
+};
+
+// prep: x [M][K] (fp32 or bf16) into the ISA's activation layout followed by fp32 sums of
+// every 32 consecutive (converted) activations [M][K / 32] (the min terms of Q4_1 / k-quants).
+struct QLinearKernels {
+  const char* name;
+  size_t (*prep_bytes)(int K, int M);
+  void (*prep)(const void* x, bool x_bf16, int M, int K, void* dst);
+  void (*rows)(const QLinearArgs& a, const void* xp, int r0, int r1);
+};
+
+static inline void qlinear_store(const QLinearArgs& a, int t, int r, float v) {
+  if (a.y_bf16) ((uint16_t*)a.y)[(size_t)t * a.N + r] = f32_to_bf16(v);
+  else ((float*)a.y)[(size_t)t * a.N + r] = v;
+}
+
+QLinearKernels qlinear_kernels_scalar();
+#ifdef TANDEM_HAVE_AVX512
+QLinearKernels qlinear_kernels_avx512();
+#endif
+
+class QLinearPool {
+ public:
+  // num_threads: threads computing a call, the caller included (>= 1).
+  QLinearPool(int num_threads, const std::string& isa);
+  ~QLinearPool();
+  void run(const QLinearArgs& a, const void* x, bool x_bf16);  // synchronous, serialized
+  std::string isa() const { return kernels_.name; }
+  int num_threads() const { return workers_ ? workers_->size() + 1 : 1; }
+
+ private:
+  void work(const QLinearArgs& a, const void* xp, int blocks, int block_rows);
+
+  QLinearKernels kernels_;
+  std::unique_ptr<Workers> workers_;
+  std::mutex mu_;
+  std::vector<uint8_t> xprep_;
+  std::atomic<int> next_{0};
+};
+
+}  // namespace tandem_cpu

@@ -1,0 +1,33 @@
+// pybind11 face of QLinearPool (ext/cpu/qlinear.py validates every tensor before its address
+// reaches here). Registered from bindings.cpp's module.
+#include <pybind11/pybind11.h>
+
+#include "qlinear.h"
+
+namespace py = pybind11;
+using tandem_cpu::QLinearArgs;
+using tandem_cpu::QLinearPool;
+
+void bind_qlinear(py::module_& m) {
+  py::class_<QLinearPool>(m, "QLinearPool")
+      .def(py::init<int, const std::string&>(), py::arg("num_threads"), py::arg("isa"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run",
+          [](QLinearPool& p, int qtype, uintptr_t w, size_t row_bytes, int N, int K, uintptr_t x,
+             bool x_bf16, int M, uintptr_t y, bool y_bf16) {
+            QLinearArgs a;
+            a.qtype = qtype;
+            a.w = (const uint8_t*)w;
+            a.row_bytes = row_bytes;
+            a.N = N;
+            a.K = K;
+            a.M = M;
+            a.y = (void*)y;
+            a.y_bf16 = y_bf16;
+            p.run(a, (const void*)x, x_bf16);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("isa", &QLinearPool::isa)
+      .def_property_readonly("num_threads", &QLinearPool::num_threads);
+}

@@ -119,6 +119,10 @@ class Generation:
         self.stream.close()
 
     def _absorb(self, c: ChoiceState, d: RequestDelta) -> None:
+        if d.finish_reason == "error":  # this request alone failed in the engine
+            raise APIError(
+                500, d.error or "this request failed in the engine", code="request_failed"
+            )
         c.text += d.new_text
         c.token_ids.extend(d.new_token_ids)
         c.logprobs.extend(d.logprobs)

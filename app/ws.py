@@ -125,14 +125,14 @@ class WSSession:
             await self.send_error(client_id, APIError(503, str(exc), code="engine_dead"))
         except (ConnectionResetError, OSError):
             pass  # socket gone; close() below aborts
-        except Exception as exc:
+        except Exception:
             logger.exception("websocket request %s failed", client_id)
             with contextlib.suppress(ConnectionResetError, OSError):
                 await self.send(
                     {
                         "type": "error",
                         "id": client_id,
-                        "error": error_dict(str(exc), "internal_server_error")["error"],
+                        "error": error_dict("internal error", "internal_server_error")["error"],
                     }
                 )
         finally:

@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request alone failed inside a step (Request.error says why)
 
     @property
     def finished(self) -> bool:
@@ -34,7 +35,12 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = frozenset(
-    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+    (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
 )
 
 
@@ -55,6 +61,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     grammar: GrammarMatcher | None = None  # advanced by every token appended
+    error: str | None = None  # FINISHED_ERROR: what failed, safe to show the client
 
     def __post_init__(self) -> None:
         if not self.token_ids:

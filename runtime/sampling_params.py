@@ -230,13 +230,18 @@ class SamplingParams:
 def expand_n(params: SamplingParams) -> list[SamplingParams]:
     """Split a request with n > 1 into n single-choice parameter sets.
 
-    With a seed, choice i uses seed + i so the choices differ but the whole set reproduces.
+    With a seed, choice i uses seed + i (wrapping past 2**64 - 1, the largest seed accepted) so
+    the choices differ but the whole set reproduces.
     """
     from dataclasses import replace
 
     if params.n == 1:
         return [params]
-    return [
-        replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-        for i in range(params.n)
-    ]
+
+    def seed(i: int) -> int | None:
+        if params.seed is None:
+            return None
+        s = params.seed + i
+        return s - 2**64 if s >= 2**64 else s
+
+    return [replace(params, n=1, seed=seed(i)) for i in range(params.n)]

@@ -65,6 +65,11 @@ class WSSession:
             await self.send_error(
                 client_id, APIError(400, "'id' must be a non-empty string", param="id")
             )
+        elif not isinstance(kind, str):
+            await self.send_error(
+                client_id,
+                APIError(400, f"'type' must be a string, got {type(kind).__name__}", param="type"),
+            )
         elif kind == "cancel":
             gen = self.generations.get(client_id)
             if gen is not None:
@@ -160,10 +165,17 @@ async def ws_handler(request: web.Request) -> web.WebSocketResponse:
     session = WSSession(ws, state)
     try:
         async for msg in ws:
-            if msg.type == WSMsgType.TEXT:
-                await session.handle(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                await session.handle(msg.data.decode("utf-8", "replace"))
+            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                data = (
+                    msg.data if msg.type == WSMsgType.TEXT else msg.data.decode("utf-8", "replace")
+                )
+                try:
+                    await session.handle(data)
+                except (ConnectionResetError, OSError):
+                    break
+                except Exception:  # one bad message must not end the socket's other requests
+                    logger.exception("websocket message failed")
+                    await session.send_error(None, APIError(500, "internal error"))
             elif msg.type == WSMsgType.ERROR:
                 break
     finally:

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_TOP_LOGPROBS = 20
-MAX_N = 16
-MAX_STOP_STRINGS = 16
-MAX_LOGIT_BIAS = 300  # entries in one logit_bias map (OpenAI's limit)
+from runtime.limits import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
+
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
@@ -162,6 +167,18 @@ class SamplingParams:
             len(self.stop) <= MAX_STOP_STRINGS,
             "stop",
             f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+        )
+        need(
+            sum(len(s) for s in self.stop) <= MAX_STOP_CHARS,
+            "stop",
+            f"the stop strings may hold at most {MAX_STOP_CHARS} characters in all, got "
+            f"{sum(len(s) for s in self.stop)}",
+        )
+        need(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+            f"{len(self.stop_token_ids)}",
         )
         need(
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),

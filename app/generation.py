@@ -8,6 +8,7 @@ request.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from app.responses import (
     usage_chunk,
     usage_dict,
 )
-from app.state import ServerState
+from app.state import PARSE_OFF_LOOP_BYTES, ServerState
 from runtime.grammar import GrammarError
 from runtime.loop import EngineDeadError, LoopClosedError, QueueFullError
 from runtime.sampling_params import SamplingParamsError
@@ -42,10 +43,22 @@ def check_admitting(state: ServerState) -> None:
         raise APIError(503, "The server is shutting down", code="server_draining")
 
 
-async def start_generation(state: ServerState, kind: Kind, body: dict[str, Any]) -> Generation:
+async def start_generation(
+    state: ServerState, kind: Kind, body: dict[str, Any], body_bytes: int = 0
+) -> Generation:
+    """`body_bytes`: the size of the raw body; a large one is validated and tokenized (chat
+    template included) on one of PARSE_THREADS worker threads, so the event loop
+    keeps serving the streams in flight meanwhile."""
     check_admitting(state)
     loop = state.engine_loop
-    req = parse_generation(kind, body, loop.tokenizer, loop.max_model_len, state.model_names)
+    args = (kind, body, loop.tokenizer, loop.max_model_len, state.model_names)
+    if body_bytes < PARSE_OFF_LOOP_BYTES:
+        req = parse_generation(*args)
+    else:
+        req = await asyncio.get_running_loop().run_in_executor(
+            state.parse_pool, parse_generation, *args
+        )
+        check_admitting(state)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     if req.params.grammar is not None:
         try:

@@ -26,8 +26,9 @@ from runtime.loop import EngineDeadError, EngineLoop
 
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    body = parse_json_body(await request.read())
-    generation = await start_generation(state, kind, body)
+    raw = await request.read()
+    body = parse_json_body(raw)
+    generation = await start_generation(state, kind, body, len(raw))
     if generation.request.stream:
         return await stream_sse(request, generation)
     try:

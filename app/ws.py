@@ -101,7 +101,7 @@ class WSSession:
                     client_id, APIError(400, "'body' must be an object", param="body")
                 )
                 return
-            task = asyncio.create_task(self._run(client_id, _KINDS[kind], body))
+            task = asyncio.create_task(self._run(client_id, _KINDS[kind], body, len(raw)))
             self.tasks[client_id] = task
         else:
             await self.send_error(
@@ -114,10 +114,10 @@ class WSSession:
                 ),
             )
 
-    async def _run(self, client_id: str, kind: Kind, body: dict[str, Any]) -> None:
+    async def _run(self, client_id: str, kind: Kind, body: dict[str, Any], size: int) -> None:
         gen: Generation | None = None
         try:
-            gen = await start_generation(self.state, kind, body)
+            gen = await start_generation(self.state, kind, body, size)
             self.generations[client_id] = gen
             if client_id in self.pending_cancel:
                 self.state.engine_loop.abort(gen.id)

@@ -211,7 +211,10 @@ class Engine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        group: str | None = None,
     ) -> None:
+        """`group`: the client request this sequence is one of (its prompts x n), which the
+        scheduler's fair share of running slots counts as one; None: a group of its own."""
         if params.n != 1:
             raise SamplingParamsError("n", "Engine.add_request takes n=1; expand n with expand_n")
         if request_id in self._tracked:
@@ -255,6 +258,7 @@ class Engine:
             priority=priority,
             eos_token_ids=self.eos_token_ids,
             grammar=grammar,
+            group=group,
         )
         self.scheduler.add_request(req)  # raises RequestTooLongError
         detok = None

@@ -41,6 +41,8 @@ class EngineProtocol(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        *,
+        group: str | None = None,
     ) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestDelta]: ...
@@ -341,7 +343,13 @@ class EngineLoop:
                 for prompt in add.prompts:
                     for child_params in expand_n(add.params):
                         child_id = next(child_ids)
-                        self.engine.add_request(child_id, prompt, child_params, add.priority)
+                        self.engine.add_request(
+                            child_id,
+                            prompt,
+                            child_params,
+                            add.priority,
+                            group=add.stream.request_id,
+                        )
                         added.append(child_id)
             except Exception as exc:
                 for child_id in added:

@@ -51,6 +51,7 @@ class Request:
     params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0  # lower value is served first; FCFS within a class
+    group: str | None = None  # the client request this sequence belongs to (None: itself)
     eos_token_ids: tuple[int, ...] = ()
     # Mutable state
     token_ids: list[int] = field(default_factory=list)  # prompt + output, grows by one per decode
@@ -67,6 +68,8 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self._num_prompt = len(self.prompt_token_ids)  # the prompt never changes
+        if self.group is None:
+            self.group = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -39,8 +39,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -99,7 +101,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except APIError as err:
-        return error_response(err)
+        return error_response(err, err.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

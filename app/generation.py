@@ -34,6 +34,8 @@ from runtime.sampling_params import SamplingParamsError
 from runtime.stream import RequestStream
 from runtime.types import RequestDelta
 
+RETRY_AFTER_S = 1  # what a 429 (queue full) tells the client to wait before retrying
+
 
 def check_admitting(state: ServerState) -> None:
     loop = state.engine_loop
@@ -71,7 +73,9 @@ async def start_generation(
     try:
         stream = await loop.submit(request_id, req.prompts, req.params, req.priority)
     except QueueFullError as exc:
-        raise APIError(429, str(exc), code="queue_full") from None
+        raise APIError(
+            429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}
+        ) from None
     except (LoopClosedError, EngineDeadError):
         check_admitting(state)
         raise

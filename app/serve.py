@@ -22,6 +22,7 @@ from aiohttp import web
 
 from app.config import ServerConfig
 from app.engine_args import add_engine_arguments, engine_config_from_args
+from app.http_guard import GuardedAppRunner
 from app.server import create_app
 from runtime.loop import EngineLoop
 
@@ -104,8 +105,9 @@ async def start_server(config: ServerConfig, engine: Any) -> RunningServer:
     engine_loop = EngineLoop(
         engine, max_queue=config.max_queue, max_running=config.engine.scheduler.max_num_seqs
     )
-    runner = web.AppRunner(
+    runner = GuardedAppRunner(
         create_app(config, engine_loop),
+        idle_timeout=config.idle_timeout_s,
         handler_cancellation=True,
         shutdown_timeout=5.0,
         access_log=None,

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 
 from app.config import ServerConfig
@@ -34,9 +35,11 @@ async def tiny_client(
     return client
 
 
-async def _watch(client: TestClient, stop: asyncio.Event, gaps: list[float]) -> None:
+async def _watch(
+    http: aiohttp.ClientSession, base: str, stop: asyncio.Event, gaps: list[float]
+) -> None:
     while not stop.is_set():
-        async with client.post("/v1/completions", json=STREAM) as resp:
+        async with http.post(f"{base}/v1/completions", json=STREAM) as resp:
             assert resp.status == 200, await resp.text()
             last = time.perf_counter()
             async for line in resp.content:
@@ -48,12 +51,19 @@ async def _watch(client: TestClient, stop: asyncio.Event, gaps: list[float]) -> 
                     break
 
 
-async def largest_gap_during(client: TestClient, attack: Callable[[], Awaitable[None]]) -> float:
+async def largest_gap_during(
+    client: TestClient | tuple[aiohttp.ClientSession, str], attack: Callable[[], Awaitable[None]]
+) -> float:
     """Seconds of the largest gap between SSE events of an unrelated stream while `attack`
-    runs (the stream is running before the attack starts)."""
+    runs (the stream is running before the attack starts). `client`: a test client, or a
+    session and the base URL of a listening server."""
+    if isinstance(client, TestClient):
+        http, base = client.session, str(client.make_url("")).rstrip("/")
+    else:
+        http, base = client
     stop = asyncio.Event()
     gaps: list[float] = []
-    watcher = asyncio.create_task(_watch(client, stop, gaps))
+    watcher = asyncio.create_task(_watch(http, base, stop, gaps))
     while not gaps:  # the stream runs
         await asyncio.sleep(0.01)
     try:

@@ -9,6 +9,7 @@ request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from runtime.sampling_params import SamplingParamsError
 from runtime.stream import RequestStream
 from runtime.types import RequestDelta
 
+logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # what a 429 (queue full) tells the client to wait before retrying
 
 
@@ -133,6 +135,8 @@ class Generation:
         return usage_chunk(self.meta, self.usage())
 
     def close(self) -> None:
+        if not self.stream.finished:
+            logger.info("request %s: its reader is gone before the end; aborting it", self.id)
         self.stream.close()
 
     def _absorb(self, c: ChoiceState, d: RequestDelta) -> None:

@@ -39,19 +39,12 @@ from runtime.engine_setup import (
     resolve_dtype,
     size_kv_cache,
 )
+from runtime.isolation import execute_isolated, sub_step
 from runtime.model_runner import ModelRunner
 from runtime.request import Request, RequestStatus
-from runtime.sampler import FAILED_ROW
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.scheduler import Scheduler
-from runtime.types import (
-    EngineStats,
-    RequestDelta,
-    SamplerOutput,
-    ScheduledSeq,
-    SchedulerOutput,
-    TokenLogprob,
-)
+from runtime.types import EngineStats, RequestDelta, SamplerOutput, SchedulerOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from runtime.grammar import GrammarCompiler
@@ -94,8 +87,8 @@ def _abort_delta(req: Request, error: str | None = None) -> RequestDelta:
     )
 
 
-def _sub_step(seqs: tuple[ScheduledSeq, ...]) -> SchedulerOutput:
-    return SchedulerOutput(seqs=seqs, num_batched_tokens=sum(s.num_tokens for s in seqs))
+class EngineStepError(RuntimeError):
+    """A failure inside a step that no request can be blamed for: the engine is broken."""
 
 
 class Engine:
@@ -334,7 +327,7 @@ class Engine:
                     prev = None
                 live = tuple(s for s in sched.seqs if not s.request.is_finished)
                 if live:
-                    sched = _sub_step(live)
+                    sched = sub_step(live)
                     self._in_flight = _InFlight(sched, None, self._execute(sched))
         if prev is not None:
             deltas += self._apply(prev)
@@ -343,51 +336,18 @@ class Engine:
     # -- failure isolation ----------------------------------------------------------------------
 
     def _execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        """`runner.execute`, but a forward that raises is retried on halves of the batch: the
-        sequences that fail alone get `FAILED_ROW` (and an entry in `_step_errors`)."""
-        try:
-            out = self.runner.execute(sched)
-        except Exception as exc:
-            out, num_ok = self._bisect(sched, exc)
-            if num_ok == 0:
-                self._num_failed_steps += 1
-                if self._num_failed_steps >= MAX_FAILED_STEPS:
-                    raise
-            else:
-                self._num_failed_steps = 0
+        """`runner.execute`, isolating the sequences that fail alone (runtime/isolation.py);
+        raises once every sequence has failed on MAX_FAILED_STEPS steps in a row."""
+        out, num_ok = execute_isolated(self.runner.execute, sched, self._step_errors)
+        if num_ok:
+            self._num_failed_steps = 0
             return out
-        self._num_failed_steps = 0
-        return out
-
-    def _bisect(self, sched: SchedulerOutput, exc: Exception) -> tuple[SamplerOutput, int]:
-        """-> the merged output of `sched` run in parts, and how many sequences succeeded."""
-        seqs = sched.seqs
-        if len(seqs) == 1:
-            rid = seqs[0].request.request_id
-            log.error("request %s failed in the forward pass", rid, exc_info=exc)
-            self._step_errors[rid] = (
-                f"this request failed inside the model's forward pass ({type(exc).__name__})"
+        self._num_failed_steps += 1
+        if self._num_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineStepError(
+                f"the forward failed for every sequence on {MAX_FAILED_STEPS} steps in a row"
             )
-            return SamplerOutput([FAILED_ROW] if seqs[0].sample else []), 0
-        outs: list[tuple[SchedulerOutput, SamplerOutput]] = []
-        num_ok = 0
-        mid = len(seqs) // 2
-        for part in (_sub_step(seqs[:mid]), _sub_step(seqs[mid:])):
-            try:
-                out, ok = self.runner.execute(part), len(part.seqs)
-            except Exception as part_exc:
-                out, ok = self._bisect(part, part_exc)
-            outs.append((part, out))
-            num_ok += ok
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = None
-        if any(out.logprobs is not None for _, out in outs):
-            logprobs = []
-        for _, out in outs:
-            token_ids += out.token_ids
-            if logprobs is not None:
-                logprobs += out.logprobs or [TokenLogprob(t, float("nan")) for t in out.token_ids]
-        return SamplerOutput(token_ids, logprobs), num_ok
+        return out
 
     def _fail_bad_rows(self, sched: SchedulerOutput, out: SamplerOutput) -> list[RequestDelta]:
         """Fail, before `scheduler.update`, each request of `sched` that failed alone in it:

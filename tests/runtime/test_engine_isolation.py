@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import MAX_FAILED_STEPS, Engine
+from runtime.engine import MAX_FAILED_STEPS, Engine, EngineStepError
 from runtime.sampling_params import SamplingParams
 from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine
 
@@ -100,7 +100,7 @@ def test_a_forward_that_always_fails_is_an_engine_failure(tokenizer) -> None:
         engine.add_request(f"r{i}", [10, 11], SamplingParams(max_tokens=3))
         assert run(engine)[f"r{i}"][0] == "error"
     engine.add_request("last", [10, 11], SamplingParams(max_tokens=3))
-    with pytest.raises(RuntimeError, match="device lost"):
+    with pytest.raises(EngineStepError, match="every sequence"):
         engine.step()
 
 

@@ -256,14 +256,9 @@ def _messages_to_prompt(
             raise _bad(where, f"'{where}' must be an object")
         role = m.get("role")
         if not isinstance(role, str) or role not in _CHAT_ROLES:
-            shown = (
-                role
-                if isinstance(role, (str, int, float, bool, type(None)))
-                else type(role).__name__
-            )
+            got = repr(role)[:64] if isinstance(role, str) else f"a {type(role).__name__}"
             raise _bad(
-                f"{where}.role",
-                f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {shown!r}",
+                f"{where}.role", f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {got}"
             )
         name = m.get("name")
         if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):

@@ -334,7 +334,16 @@ def _post(summary: str, schema_ref: str) -> dict[str, Any]:
                 },
             },
             "responses": _responses(
-                "a response, or an SSE stream when stream is true", 400, 401, 404, 413, 429, 503
+                "a response, or an SSE stream when stream is true",
+                400,
+                401,
+                404,
+                408,
+                413,
+                415,
+                429,
+                500,
+                503,
             ),
         }
     }

@@ -109,7 +109,7 @@ def _unread_body_closes(request: web.Request, response: web.Response) -> web.Res
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turns APIError, aiohttp HTTP errors and unexpected exceptions into OpenAI errors."""
     try:
-        return await handler(request)
+        response = await handler(request)
     except APIError as err:
         return _unread_body_closes(request, error_response(err, err.headers))
     except web.HTTPException as exc:
@@ -121,3 +121,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(APIError(500, "Internal server error", code="internal_error"))
+    if isinstance(response, web.Response) and response.status >= 400:  # e.g. auth's 401
+        _unread_body_closes(request, response)
+    return response

@@ -138,3 +138,16 @@ async def test_a_huge_stop_token_ids_list_is_refused_without_stalling(tiny_serve
 
     async with aiohttp.ClientSession() as http:
         assert await largest_gap_during((http, base), attack) < 0.5
+
+
+async def test_a_refusal_before_the_body_is_read_closes_the_connection_cleanly() -> None:
+    running = await start_server(ServerConfig(port=0, api_keys=("k",)), FakeEngine())
+    try:
+        url = f"http://127.0.0.1:{running.port}/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):  # a reused connection would be reset by the server's close
+                async with http.post(url, json={"prompt": "a" * 2_000_000}) as resp:
+                    assert resp.status == 401
+                    assert resp.headers.get("Connection", "").lower() == "close"
+    finally:
+        await running.shutdown(timeout=2)

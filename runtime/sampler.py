@@ -194,8 +194,9 @@ class Sampler:
             logits.masked_fill_(probs < threshold, float("-inf"))
 
     def _exponential_noise(
-        self, rows: list[SampleRow], vocab: int, failed: set[int]
+        self, rows: list[SampleRow], vocab: int, failed: set[int] | None = None
     ) -> torch.Tensor:
+        """`failed`: where a row's own generator raises, its index is added (None: raise)."""
         noise = torch.empty(len(rows), vocab, dtype=torch.float32, device=self.device)
         noise.exponential_()
         for i, r in enumerate(rows):
@@ -203,6 +204,8 @@ class Sampler:
                 try:
                     noise[i].exponential_(generator=r.generator)
                 except Exception:
+                    if failed is None:
+                        raise
                     failed.add(i)
         return noise.clamp_(min=1e-10)
 

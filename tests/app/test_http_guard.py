@@ -137,7 +137,7 @@ async def test_a_huge_stop_token_ids_list_is_refused_without_stalling(tiny_serve
                 assert (await r.json())["error"]["param"] == "stop_token_ids"
 
     async with aiohttp.ClientSession() as http:
-        assert await largest_gap_during((http, base), attack) < 0.5
+        assert await largest_gap_during((http, base), attack) < 0.75  # its 6 MB body is parsed
 
 
 async def test_a_refusal_before_the_body_is_read_closes_the_connection_cleanly() -> None:

@@ -179,6 +179,8 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        self._step_errors: dict[str, str] = {}  # request id -> why it failed in this step
+        self._num_failed_steps = 0  # in a row, whose forward failed for every sequence
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -192,8 +194,6 @@ class Engine:
                     self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
                 )
             return self._grammar_compiler
-        self._step_errors: dict[str, str] = {}  # request id -> why it failed in this step
-        self._num_failed_steps = 0  # in a row, whose forward failed for every sequence
 
     # -- requests -----------------------------------------------------------------------------
 

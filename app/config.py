@@ -22,3 +22,5 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     ws_heartbeat_s: float = 30.0
     web_ui: bool = True  # the chat page at / (app/webui)
+    idle_timeout_s: float = 15.0  # a connection without a complete request for this long closes
+    body_timeout_s: float = 60.0  # to receive a request body once its headers are in (else 408)

@@ -21,7 +21,9 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -39,8 +41,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -93,19 +97,30 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request) -> web.Re
     return error_response(err, headers)
 
 
+def _unread_body_closes(request: web.Request, response: web.Response) -> web.Response:
+    """A refusal before the body was read in full (413, 401, 408) ends the connection: the
+    rest of the body is neither read nor inflated, and the client must not reuse it."""
+    if request.body_exists and not request.content.is_eof():
+        response.force_close()
+    return response
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turns APIError, aiohttp HTTP errors and unexpected exceptions into OpenAI errors."""
     try:
-        return await handler(request)
+        response = await handler(request)
     except APIError as err:
-        return error_response(err)
+        return _unread_body_closes(request, error_response(err, err.headers))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _from_http_exception(exc, request)
+        return _unread_body_closes(request, _from_http_exception(exc, request))
     except (ConnectionResetError, OSError):
         raise  # the client is gone; nothing to answer
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(APIError(500, "Internal server error", code="internal_error"))
+    if isinstance(response, web.Response) and response.status >= 400:  # e.g. auth's 401
+        _unread_body_closes(request, response)
+    return response

@@ -8,6 +8,8 @@ request.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,12 +28,15 @@ from app.responses import (
     usage_chunk,
     usage_dict,
 )
-from app.state import ServerState
+from app.state import PARSE_OFF_LOOP_BYTES, ServerState
 from runtime.grammar import GrammarError
 from runtime.loop import EngineDeadError, LoopClosedError, QueueFullError
 from runtime.sampling_params import SamplingParamsError
 from runtime.stream import RequestStream
 from runtime.types import RequestDelta
+
+logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # what a 429 (queue full) tells the client to wait before retrying
 
 
 def check_admitting(state: ServerState) -> None:
@@ -42,10 +47,22 @@ def check_admitting(state: ServerState) -> None:
         raise APIError(503, "The server is shutting down", code="server_draining")
 
 
-async def start_generation(state: ServerState, kind: Kind, body: dict[str, Any]) -> Generation:
+async def start_generation(
+    state: ServerState, kind: Kind, body: dict[str, Any], body_bytes: int = 0
+) -> Generation:
+    """`body_bytes`: the size of the raw body; a large one is validated and tokenized (chat
+    template included) on one of PARSE_THREADS worker threads, so the event loop
+    keeps serving the streams in flight meanwhile."""
     check_admitting(state)
     loop = state.engine_loop
-    req = parse_generation(kind, body, loop.tokenizer, loop.max_model_len, state.model_names)
+    args = (kind, body, loop.tokenizer, loop.max_model_len, state.model_names)
+    if body_bytes < PARSE_OFF_LOOP_BYTES:
+        req = parse_generation(*args)
+    else:
+        req = await asyncio.get_running_loop().run_in_executor(
+            state.parse_pool, parse_generation, *args
+        )
+        check_admitting(state)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     if req.params.grammar is not None:
         try:
@@ -58,7 +75,9 @@ async def start_generation(state: ServerState, kind: Kind, body: dict[str, Any])
     try:
         stream = await loop.submit(request_id, req.prompts, req.params, req.priority)
     except QueueFullError as exc:
-        raise APIError(429, str(exc), code="queue_full") from None
+        raise APIError(
+            429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}
+        ) from None
     except (LoopClosedError, EngineDeadError):
         check_admitting(state)
         raise
@@ -116,9 +135,15 @@ class Generation:
         return usage_chunk(self.meta, self.usage())
 
     def close(self) -> None:
+        if not self.stream.finished:
+            logger.info("request %s: its reader is gone before the end; aborting it", self.id)
         self.stream.close()
 
     def _absorb(self, c: ChoiceState, d: RequestDelta) -> None:
+        if d.finish_reason == "error":  # this request alone failed in the engine
+            raise APIError(
+                500, d.error or "this request failed in the engine", code="request_failed"
+            )
         c.text += d.new_text
         c.token_ids.extend(d.new_token_ids)
         c.logprobs.extend(d.logprobs)

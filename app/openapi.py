@@ -8,7 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from runtime.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS,
+    MAX_N,
+    MAX_NAME_CHARS,
+    MAX_PROMPTS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
 
 
 def _num(lo: float, hi: float, **extra: Any) -> dict[str, Any]:
@@ -26,11 +39,12 @@ def _int(lo: int | None = None, hi: int | None = None) -> dict[str, Any]:
 
 _STOP = {
     "nullable": True,
+    "description": f"at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all",
     "oneOf": [
-        {"type": "string", "minLength": 1},
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
         {
             "type": "array",
-            "items": {"type": "string", "minLength": 1},
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
             "maxItems": MAX_STOP_STRINGS,
         },
     ],
@@ -55,15 +69,28 @@ _COMMON: dict[str, Any] = {
     "seed": _int(-(2**63), 2**64 - 1),  # the range SamplingParams accepts
     "presence_penalty": _num(-2, 2),
     "frequency_penalty": _num(-2, 2),
-    "repetition_penalty": _num(0, 10, exclusiveMinimum=True),
+    "repetition_penalty": _num(1e-6, 10),  # smaller ones are 0 in float32
     "ignore_eos": {"type": "boolean", "nullable": True},
     "min_tokens": _int(0),
     "stop_token_ids": {
         "type": "array",
         "items": {"type": "integer", "minimum": 0},
+        "maxItems": MAX_STOP_TOKEN_IDS,
         "nullable": True,
+        "description": "token ids in the model's vocabulary",
     },
     "user": {"type": "string", "nullable": True},
+    # accepted and checked, but they change nothing here
+    "store": {"type": "boolean", "nullable": True},
+    "service_tier": {"type": "string", "nullable": True},
+    "parallel_tool_calls": {"type": "boolean", "nullable": True},
+    "metadata": {
+        "type": "object",
+        "nullable": True,
+        "maxProperties": MAX_METADATA_PAIRS,
+        "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
+        "description": "string keys of at most 64 characters to strings",
+    },
 }
 
 _LOGIT_BIAS = {
@@ -175,6 +202,7 @@ _MESSAGE = {
                 {"type": "string"},
                 {
                     "type": "array",
+                    "maxItems": MAX_CONTENT_PARTS,
                     "items": {
                         "type": "object",
                         "required": ["type", "text"],
@@ -186,7 +214,7 @@ _MESSAGE = {
                 },
             ]
         },
-        "name": {"type": "string"},
+        "name": {"type": "string", "maxLength": MAX_NAME_CHARS},
         "tool_call_id": {"type": "string"},
     },
 }
@@ -197,7 +225,7 @@ CHAT_REQUEST = {
     "additionalProperties": False,
     "properties": {
         **_COMMON,
-        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": _MESSAGE},
         "max_completion_tokens": _int(1),
         "logprobs": {"type": "boolean", "nullable": True},
         "top_logprobs": _int(0, MAX_TOP_LOGPROBS),
@@ -225,11 +253,17 @@ COMPLETION_REQUEST = {
         "prompt": {
             "oneOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": MAX_PROMPTS,
+                    "items": {"type": "string", "minLength": 1},
+                },
                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
                 {
                     "type": "array",
                     "minItems": 1,
+                    "maxItems": MAX_PROMPTS,
                     "items": {
                         "type": "array",
                         "minItems": 1,
@@ -300,7 +334,16 @@ def _post(summary: str, schema_ref: str) -> dict[str, Any]:
                 },
             },
             "responses": _responses(
-                "a response, or an SSE stream when stream is true", 400, 401, 404, 413, 429, 503
+                "a response, or an SSE stream when stream is true",
+                400,
+                401,
+                404,
+                408,
+                413,
+                415,
+                429,
+                500,
+                503,
             ),
         }
     }

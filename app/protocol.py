@@ -25,11 +25,19 @@ from app.structured import (
     tool_grammar,
 )
 from app.tool_parsers import parser_for_template
+from runtime.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS,
+    MAX_NAME_CHARS,
+    MAX_PROMPTS,
+    MAX_SEQUENCES,
+)
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 
 Kind = Literal["chat", "completion"]
-MAX_PROMPTS = 64  # prompts in one completions request
-MAX_SEQUENCES = 128  # prompts x n
 
 _SAMPLING_FIELDS = (
     "temperature",
@@ -138,6 +146,25 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
             )
         elif name in _IGNORED:
             _opt(body, name, *_IGNORED[name])
+    _check_metadata(body.get("metadata"))
+
+
+def _check_metadata(metadata: Any) -> None:
+    """OpenAI's shape: at most 16 string keys (64 characters) to strings (512 characters)."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise _bad("metadata", f"'metadata' may hold at most {MAX_METADATA_PAIRS} pairs")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise _bad(
+                "metadata", f"metadata keys may hold at most {MAX_METADATA_KEY_CHARS} characters"
+            )
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise _bad(
+                f"metadata.{key}",
+                f"metadata values must be strings of at most {MAX_METADATA_VALUE_CHARS} characters",
+            )
 
 
 def _opt(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> Any:
@@ -220,16 +247,24 @@ def _messages_to_prompt(
     """-> the prompt's token ids and its text."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise _bad("messages", f"at most {MAX_MESSAGES} messages per request, got {len(messages)}")
     norm: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(where, f"'{where}' must be an object")
         role = m.get("role")
-        if role not in _CHAT_ROLES:
+        if not isinstance(role, str) or role not in _CHAT_ROLES:
+            got = repr(role)[:64] if isinstance(role, str) else f"a {type(role).__name__}"
             raise _bad(
-                f"{where}.role",
-                f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
+                f"{where}.role", f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {got}"
+            )
+        name = m.get("name")
+        if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
+            raise _bad(
+                f"{where}.name",
+                f"'{where}.name' must be a string of at most {MAX_NAME_CHARS} characters",
             )
         if m.get("function_call"):
             raise APIError(
@@ -247,6 +282,10 @@ def _messages_to_prompt(
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, list):
+            if len(content) > MAX_CONTENT_PARTS:
+                raise _bad(
+                    f"{where}.content", f"at most {MAX_CONTENT_PARTS} content parts per message"
+                )
             texts = []
             for j, part in enumerate(content):
                 if (

@@ -2,7 +2,8 @@
 
 `app/cli.py` parses argv and calls `run_server(args)`. This module reads the environment
 (TANDEM_API_KEY) in one place, loads the engine, runs aiohttp on uvloop, and on SIGTERM or
-SIGINT stops admitting (503), drains up to --shutdown-timeout, aborts the rest, and returns 0.
+SIGINT stops admitting (503), drains up to --shutdown-timeout, aborts the rest, and returns 0;
+if the engine fails, it ends the streams in flight and returns ENGINE_DEAD_EXIT.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from aiohttp import web
 
 from app.config import ServerConfig
 from app.engine_args import add_engine_arguments, engine_config_from_args
+from app.http_guard import GuardedAppRunner
 from app.server import create_app
 from runtime.loop import EngineLoop
 
 logger = logging.getLogger("app.serve")
 
 API_KEY_ENV = "TANDEM_API_KEY"
+ENGINE_DEAD_EXIT = 3  # the exit status after an engine failure
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,8 +105,9 @@ async def start_server(config: ServerConfig, engine: Any) -> RunningServer:
     engine_loop = EngineLoop(
         engine, max_queue=config.max_queue, max_running=config.engine.scheduler.max_num_seqs
     )
-    runner = web.AppRunner(
+    runner = GuardedAppRunner(
         create_app(config, engine_loop),
+        idle_timeout=config.idle_timeout_s,
         handler_cancellation=True,
         shutdown_timeout=5.0,
         access_log=None,
@@ -128,7 +132,17 @@ async def serve_until_signal(config: ServerConfig, engine: Any) -> int:
         server.port,
         "on" if config.api_keys else "off",
     )
-    await stop.wait()
+    dead = asyncio.ensure_future(server.engine_loop.wait_dead())
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((dead, signalled), return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if dead.done():
+        # In-flight streams have ended with a generic error and nothing is admitted; exit
+        # non-zero so that a supervisor (Docker's restart policy, Kubernetes) restarts us.
+        logger.error("the engine failed (see above); exiting with status %d", ENGINE_DEAD_EXIT)
+        await server.runner.cleanup()
+        return ENGINE_DEAD_EXIT
+    dead.cancel()
     stop.clear()
     logger.warning(
         "shutting down: draining for up to %.1fs (signal again to abort now)",

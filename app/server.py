@@ -6,6 +6,7 @@ loop's lifetime (cleanup_ctx) and shutdown (close websockets, abort what still r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import orjson
@@ -15,6 +16,7 @@ from app.auth import make_auth_middleware
 from app.config import ServerConfig
 from app.errors import APIError, error_middleware, json_response
 from app.generation import start_generation
+from app.http_guard import refuse_encoded_bodies
 from app.openapi import build_openapi
 from app.protocol import Kind, parse_json_body
 from app.sse import stream_sse
@@ -26,8 +28,14 @@ from runtime.loop import EngineDeadError, EngineLoop
 
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    body = parse_json_body(await request.read())
-    generation = await start_generation(state, kind, body)
+    try:
+        raw = await asyncio.wait_for(request.read(), state.config.body_timeout_s)
+    except asyncio.TimeoutError:  # noqa: UP041 (py3.10: not the builtin)
+        raise APIError(
+            408, "The request body did not arrive in time", code="request_timeout"
+        ) from None
+    body = parse_json_body(raw)
+    generation = await start_generation(state, kind, body, len(raw))
     if generation.request.stream:
         return await stream_sse(request, generation)
     try:
@@ -118,7 +126,7 @@ async def _on_shutdown(app: web.Application) -> None:
 
 
 def create_app(config: ServerConfig, engine_loop: EngineLoop) -> web.Application:
-    middlewares = [error_middleware]
+    middlewares = [error_middleware, refuse_encoded_bodies]
     if config.api_keys:
         middlewares.append(make_auth_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)

@@ -43,13 +43,13 @@ async def stream_sse(request: web.Request, generation: Generation) -> web.Stream
                 await response.write(sse_frame(generation.usage_chunk()))
         except EngineDeadError as exc:
             await response.write(sse_frame(APIError(503, str(exc), code="engine_dead").to_dict()))
+        except APIError as err:  # this request alone failed
+            await response.write(sse_frame(err.to_dict()))
         except (ConnectionResetError, OSError):
             raise
-        except Exception as exc:  # headers are gone: report in-band
+        except Exception:  # headers are gone: report in-band (details in the log only)
             logger.exception("error while streaming %s", generation.id)
-            await response.write(
-                sse_frame(error_dict(f"internal error: {exc}", "internal_server_error"))
-            )
+            await response.write(sse_frame(error_dict("internal error", "internal_server_error")))
         await response.write(DONE_FRAME)
         await response.write_eof()
     except (ConnectionResetError, OSError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -26,6 +27,11 @@ class TokenText:
         return text, list(text.encode("utf-8"))
 
 
+# Request bodies of at least this many bytes are validated and tokenized on a worker thread.
+PARSE_OFF_LOOP_BYTES = 16 * 1024
+PARSE_THREADS = 2  # at most this many such bodies at once; the others wait their turn
+
+
 @dataclass
 class ServerState:
     config: ServerConfig
@@ -33,6 +39,10 @@ class ServerState:
     token_text: TokenText
     created: int = field(default_factory=lambda: int(time.time()))
     websockets: weakref.WeakSet[web.WebSocketResponse] = field(default_factory=weakref.WeakSet)
+    # threads are started on first use; a cancelled request's parse still holds its thread
+    parse_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="parse")
+    )
 
     @property
     def model_name(self) -> str:

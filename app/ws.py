@@ -65,6 +65,11 @@ class WSSession:
             await self.send_error(
                 client_id, APIError(400, "'id' must be a non-empty string", param="id")
             )
+        elif not isinstance(kind, str):
+            await self.send_error(
+                client_id,
+                APIError(400, f"'type' must be a string, got {type(kind).__name__}", param="type"),
+            )
         elif kind == "cancel":
             gen = self.generations.get(client_id)
             if gen is not None:
@@ -96,7 +101,7 @@ class WSSession:
                     client_id, APIError(400, "'body' must be an object", param="body")
                 )
                 return
-            task = asyncio.create_task(self._run(client_id, _KINDS[kind], body))
+            task = asyncio.create_task(self._run(client_id, _KINDS[kind], body, len(raw)))
             self.tasks[client_id] = task
         else:
             await self.send_error(
@@ -109,10 +114,10 @@ class WSSession:
                 ),
             )
 
-    async def _run(self, client_id: str, kind: Kind, body: dict[str, Any]) -> None:
+    async def _run(self, client_id: str, kind: Kind, body: dict[str, Any], size: int) -> None:
         gen: Generation | None = None
         try:
-            gen = await start_generation(self.state, kind, body)
+            gen = await start_generation(self.state, kind, body, size)
             self.generations[client_id] = gen
             if client_id in self.pending_cancel:
                 self.state.engine_loop.abort(gen.id)
@@ -125,14 +130,14 @@ class WSSession:
             await self.send_error(client_id, APIError(503, str(exc), code="engine_dead"))
         except (ConnectionResetError, OSError):
             pass  # socket gone; close() below aborts
-        except Exception as exc:
+        except Exception:
             logger.exception("websocket request %s failed", client_id)
             with contextlib.suppress(ConnectionResetError, OSError):
                 await self.send(
                     {
                         "type": "error",
                         "id": client_id,
-                        "error": error_dict(str(exc), "internal_server_error")["error"],
+                        "error": error_dict("internal error", "internal_server_error")["error"],
                     }
                 )
         finally:
@@ -160,10 +165,17 @@ async def ws_handler(request: web.Request) -> web.WebSocketResponse:
     session = WSSession(ws, state)
     try:
         async for msg in ws:
-            if msg.type == WSMsgType.TEXT:
-                await session.handle(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                await session.handle(msg.data.decode("utf-8", "replace"))
+            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                data = (
+                    msg.data if msg.type == WSMsgType.TEXT else msg.data.decode("utf-8", "replace")
+                )
+                try:
+                    await session.handle(data)
+                except (ConnectionResetError, OSError):
+                    break
+                except Exception:  # one bad message must not end the socket's other requests
+                    logger.exception("websocket message failed")
+                    await session.send_error(None, APIError(500, "internal error"))
             elif msg.type == WSMsgType.ERROR:
                 break
     finally:

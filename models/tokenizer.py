@@ -254,7 +254,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text map to their ids.
         `add_special_tokens` prepends BOS when the model asks for it (add_bos_token)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not): a long text tokenized on a worker
+        # thread then leaves the server's event loop running
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None:
             ids = [bos, *ids]

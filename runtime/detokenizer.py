@@ -20,6 +20,33 @@ class _Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
+class _StopPrefix:
+    """The longest tail of a growing text that is a prefix of one stop string, kept by a KMP
+    automaton fed only the new characters: linear in the text, whatever the string's length."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        fail = [0] * len(stop)  # fail[i]: longest proper border of stop[: i + 1]
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
+        self.length = 0  # of the tail matched so far
+
+    def feed(self, text: str) -> None:
+        stop, fail, k = self.stop, self._fail, self.length
+        for ch in text:
+            while k and (k == len(stop) or stop[k] != ch):
+                k = fail[k - 1]
+            if stop[k] == ch:
+                k += 1
+        self.length = k
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -35,6 +62,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._prefixes = [_StopPrefix(s) for s in self._stop]
         # With stop strings: all output text decoded so far (stop string excluded once
         # matched); without, text is emitted as decoded and not kept.
         self.text = ""
@@ -57,7 +85,7 @@ class IncrementalDetokenizer:
             self._ids.append(tid)
             piece = self._decode_step()
             if piece:
-                self.text += piece
+                self._append(piece)
                 if self._check_stop():
                     break
         return self._take(final=self.stop_matched is not None)
@@ -77,8 +105,13 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset = len(self._ids)
         if not self._stop:
             return piece
-        self.text += piece
+        self._append(piece)
         return self._take(final=True)
+
+    def _append(self, piece: str) -> None:
+        self.text += piece
+        for p in self._prefixes:
+            p.feed(piece)
 
     def _decode_step(self) -> str:
         """Decode the newest token in context; return the text it completes ("" while a
@@ -117,11 +150,7 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that could still grow into a stop string."""
-        for n in range(min(self._hold, len(self.text)), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self._stop):
-                return n
-        return 0
+        return max(min(p.length, len(p.stop) - 1) for p in self._prefixes)
 
     def _take(self, final: bool) -> str:
         end = len(self.text) if final else max(self._emitted, len(self.text) - self._held_back())

@@ -9,6 +9,14 @@ queued while the host applies the last. The scheduler runs in async mode (see it
 tokens step N+1 consumes before step N is applied are resolved on the device by the runner.
 A step whose sampling reads the output history (penalties, min_tokens, logprobs) waits for
 the step in flight first. `has_unfinished_requests` stays true while a step is in flight.
+
+Failure isolation: what one request can cause inside a step fails that request alone, with
+finish_reason "error" and a message (`Request.error`). A forward that raises is retried on
+halves of the batch until the sequences that fail alone are found; a row the sampler could
+not sample (`FAILED_ROW`: NaN logits, a per-row error) and a detokenizer error fail their
+request. Only a failure no request can be blamed for (every part of the batch fails, for
+`MAX_FAILED_STEPS` steps in a row, or a launched step fails when collected) leaves `step()`:
+the loop treats that as a dead engine.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from runtime.engine_setup import (
     resolve_dtype,
     size_kv_cache,
 )
+from runtime.isolation import execute_isolated, sub_step
 from runtime.model_runner import ModelRunner
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams, SamplingParamsError
@@ -41,6 +50,9 @@ if TYPE_CHECKING:
     from runtime.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
+
+# Steps in a row whose forward failed for every sequence before the engine counts as broken.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -57,19 +69,26 @@ class _InFlight:
 
     sched: SchedulerOutput
     handle: object  # the runner's launch handle
+    result: SamplerOutput | None = None  # run synchronously instead (a failed launch's retry)
 
 
-def _abort_delta(req: Request) -> RequestDelta:
-    """The last delta of an aborted request: no new tokens, finish_reason "abort"."""
+def _abort_delta(req: Request, error: str | None = None) -> RequestDelta:
+    """The last delta of an aborted request (finish_reason "abort"), or of one that failed
+    alone (finish_reason "error", with `error`): no new tokens."""
     return RequestDelta(
         request_id=req.request_id,
         new_token_ids=(),
         new_text="",
-        finish_reason="abort",
+        finish_reason="abort" if error is None else "error",
         num_prompt_tokens=req.num_prompt_tokens,
         num_output_tokens=req.num_output_tokens,
         num_cached_tokens=req.num_cached_tokens,
+        error=error,
     )
+
+
+class EngineStepError(RuntimeError):
+    """A failure inside a step that no request can be blamed for: the engine is broken."""
 
 
 class Engine:
@@ -160,6 +179,8 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        self._step_errors: dict[str, str] = {}  # request id -> why it failed in this step
+        self._num_failed_steps = 0  # in a row, whose forward failed for every sequence
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -183,7 +204,10 @@ class Engine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        group: str | None = None,
     ) -> None:
+        """`group`: the client request this sequence is one of (its prompts x n), which the
+        scheduler's fair share of running slots counts as one; None: a group of its own."""
         if params.n != 1:
             raise SamplingParamsError("n", "Engine.add_request takes n=1; expand n with expand_n")
         if request_id in self._tracked:
@@ -209,6 +233,16 @@ class Engine:
                 grammar = self.grammar_compiler.compile(params.grammar).new_matcher()
             except GrammarError as exc:
                 raise SamplingParamsError("response_format", str(exc)) from None
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise SamplingParamsError(
+                "stop_token_ids", f"stop token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        if params.num_logprobs > vocab:
+            raise SamplingParamsError(
+                "top_logprobs", f"top_logprobs ({params.num_logprobs}) exceeds the vocabulary "
+                f"size ({vocab})"
+            )  # fmt: skip
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -217,6 +251,7 @@ class Engine:
             priority=priority,
             eos_token_ids=self.eos_token_ids,
             grammar=grammar,
+            group=group,
         )
         self.scheduler.add_request(req)  # raises RequestTooLongError
         detok = None
@@ -247,7 +282,8 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return deltas
-        out = self.runner.execute(sched)
+        out = self._execute(sched)
+        deltas += self._fail_bad_rows(sched, out)
         self.scheduler.update(sched, out.token_ids)
         self._num_steps += 1
         self._generation_tokens_total += len(out.token_ids)
@@ -280,13 +316,74 @@ class Engine:
                     preempted_ids=sched.preempted_ids,
                 )
         if not sched.is_empty:
-            self._in_flight = _InFlight(sched, self.runner.launch(sched))
+            try:
+                self._in_flight = _InFlight(sched, self.runner.launch(sched))
+            except Exception:
+                # Collect the step in flight, then run this one synchronously, isolating
+                # whichever of its sequences fail.
+                log.warning("launching a step failed; retrying it without overlap", exc_info=True)
+                if prev is not None:
+                    deltas += self._apply(prev)
+                    prev = None
+                live = tuple(s for s in sched.seqs if not s.request.is_finished)
+                if live:
+                    sched = sub_step(live)
+                    self._in_flight = _InFlight(sched, None, self._execute(sched))
         if prev is not None:
             deltas += self._apply(prev)
         return deltas
 
+    # -- failure isolation ----------------------------------------------------------------------
+
+    def _execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """`runner.execute`, isolating the sequences that fail alone (runtime/isolation.py);
+        raises once every sequence has failed on MAX_FAILED_STEPS steps in a row."""
+        out, num_ok = execute_isolated(self.runner.execute, sched, self._step_errors)
+        if num_ok:
+            self._num_failed_steps = 0
+            return out
+        self._num_failed_steps += 1
+        if self._num_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineStepError(
+                f"the forward failed for every sequence on {MAX_FAILED_STEPS} steps in a row"
+            )
+        return out
+
+    def _fail_bad_rows(self, sched: SchedulerOutput, out: SamplerOutput) -> list[RequestDelta]:
+        """Fail, before `scheduler.update`, each request of `sched` that failed alone in it:
+        its forward raised (`_step_errors`) or its row could not be sampled."""
+        deltas: list[RequestDelta] = []
+        errors, self._step_errors = self._step_errors, {}
+        vocab = self.model_config.vocab_size
+        token_ids = iter(out.token_ids)
+        for s in sched.seqs:
+            rid = s.request.request_id
+            token_id = next(token_ids) if s.sample else 0
+            if rid in errors:
+                error = errors[rid]
+            elif not 0 <= token_id < vocab:
+                error = "the model produced non-finite logits for this request"
+                log.error("request %s: sampled token %d (non-finite logits?)", rid, token_id)
+            else:
+                continue
+            delta = self._fail_request(s.request, error)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _fail_request(self, req: Request, error: str) -> RequestDelta | None:
+        """End one request with finish_reason "error"; the others carry on."""
+        rid = req.request_id
+        tracked = self._tracked.pop(rid, None)
+        if not req.is_finished:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+        req.error = error
+        self.runner.release(rid)
+        return None if tracked is None else _abort_delta(req, error)
+
     def _apply(self, step: _InFlight) -> list[RequestDelta]:
-        out: SamplerOutput = self.runner.finish(step.handle)
+        out = step.result if step.result is not None else self.runner.finish(step.handle)
+        failed = self._fail_bad_rows(step.sched, out)
         sampled = [s.request for s in step.sched.seqs if s.sample]
         before = [r.num_output_tokens for r in sampled]
         self.scheduler.update(step.sched, out.token_ids)
@@ -300,7 +397,7 @@ class Engine:
                 tracked = self._tracked.get(req.request_id)
                 if ok and tracked is not None and req.params.logprobs:
                     tracked.pending_logprobs.append(lp)
-        deltas = []
+        deltas = failed
         for req, ok in zip(sampled, taken, strict=True):
             if not ok and not req.is_finished:
                 continue
@@ -311,18 +408,15 @@ class Engine:
 
     def _safe_delta(self, req: Request) -> RequestDelta | None:
         """`_make_delta`, but a failure of one request's own post-processing (detokenizer, stop
-        strings) ends that request with "abort" instead of raising out of step(), which the
-        loop treats as a dead engine: every later request would get 503."""
+        strings) fails that request alone instead of raising out of step(), which the loop
+        treats as a dead engine."""
         try:
             return self._make_delta(req)
-        except Exception:
-            rid = req.request_id
-            log.exception("request %s failed after its step; aborting it", rid)
-            tracked = self._tracked.pop(rid, None)
-            if not req.is_finished:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            self.runner.release(rid)
-            return None if tracked is None else _abort_delta(req)
+        except Exception as exc:
+            log.exception("request %s failed after its step", req.request_id)
+            return self._fail_request(
+                req, f"this request failed while detokenizing its output ({type(exc).__name__})"
+            )
 
     def _make_delta(self, req: Request) -> RequestDelta | None:
         tracked = self._tracked.get(req.request_id)

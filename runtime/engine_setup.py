@@ -117,6 +117,29 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         )
 
 
+def clamp_pool_threads(
+    requested: int | None, device: torch.device, cpus: int | None = None
+) -> int | None:
+    """The CPU expert pool's thread count for `--cpu-threads requested` (None: the pool's
+    default). Pool workers spin on their cores, so every core given to them is taken from the
+    engine's thread (and, on CUDA, the thread that starts the pool's jobs): a request for more
+    than the cores left over (cpus - 1, on CUDA cpus - 2) is clamped with a warning (16 of 16
+    cores once made hybrid decode 17x slower)."""
+    if requested is None:
+        return None
+    cpus = allowed_cpu_count() if cpus is None else cpus
+    usable = max(1, cpus - (2 if device.type == "cuda" else 1))
+    if requested > usable:
+        log.warning(
+            "--cpu-threads %d would leave the engine no core of its own: using %d (of the %d "
+            "cpus this process may use, %d stay for the engine%s)",
+            requested, usable, cpus, cpus - usable,
+            " and the pool's job thread" if device.type == "cuda" else "",
+        )  # fmt: skip
+        return usable
+    return requested
+
+
 def allowed_cpu_count() -> int:
     """The cpus this process may run on (its affinity mask, as the CPU expert pool counts them)."""
     if hasattr(os, "sched_getaffinity"):
@@ -187,7 +210,7 @@ def load_engine_model(
         expert_options = {
             "fmt": spec.cpu_expert_format,
             "group_size": spec.cpu_expert_group_size,
-            "num_threads": spec.cpu_threads,
+            "num_threads": clamp_pool_threads(spec.cpu_threads, device),
             "cpu_experts": "all" if spec.cpu_experts is None else spec.cpu_experts,
             "gpu_experts": spec.gpu_experts,
             "gpu_prefill": spec.gpu_prefill,

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from runtime.metrics import ServingMetrics, render_metrics
@@ -41,6 +41,8 @@ class EngineProtocol(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        *,
+        group: str | None = None,
     ) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestDelta]: ...
@@ -57,7 +59,8 @@ class LoopClosedError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine raised inside `step()`; every stream fails and nothing more is admitted."""
+    """The engine raised inside `step()`; every stream fails and nothing more is admitted.
+    Its message is generic: the engine's own exception goes to the log only."""
 
 
 @dataclass
@@ -110,6 +113,7 @@ class EngineLoop:
         self._num_admitted = 0
         self._stats = EngineStats()
         self._dead: BaseException | None = None
+        self._dead_event = asyncio.Event()  # set once the engine has failed
         self._draining = False
         self._stopping = False
         self._idle = asyncio.Event()
@@ -182,6 +186,10 @@ class EngineLoop:
             thread.start()
             self._task = asyncio.create_task(self._watch(done), name="engine-loop")
 
+    async def wait_dead(self) -> None:
+        """Return once the engine has failed (the server should then exit non-zero)."""
+        await self._dead_event.wait()
+
     async def wait_idle(self) -> None:
         """Return once no admitted request remains (aborts applied, streams finished)."""
         await self._idle.wait()
@@ -241,7 +249,7 @@ class EngineLoop:
         (SamplingParamsError, ValueError) for any of its sequences (then none is added).
         """
         if self._dead is not None:
-            raise EngineDeadError(f"engine is dead: {self._dead}")
+            raise EngineDeadError("the engine has failed")
         if self.draining:
             raise LoopClosedError("server is shutting down")
         if request_id in self._streams:
@@ -312,8 +320,8 @@ class EngineLoop:
                 self._steps_ahead.acquire()  # released once the loop has dispatched a step
                 deltas = engine.step()
                 self._post(self._on_step, deltas, engine.stats())
-        except Exception as exc:  # the engine is broken: fail everyone, stay up for /health
-            logger.exception("engine step failed")
+        except Exception as exc:  # the engine is broken: fail everyone; the server exits
+            logger.exception("engine step failed; the engine is dead")
             self._post(self._die, exc)
         finally:
             self._post(lambda: done.done() or done.set_result(None))
@@ -335,7 +343,13 @@ class EngineLoop:
                 for prompt in add.prompts:
                     for child_params in expand_n(add.params):
                         child_id = next(child_ids)
-                        self.engine.add_request(child_id, prompt, child_params, add.priority)
+                        self.engine.add_request(
+                            child_id,
+                            prompt,
+                            child_params,
+                            add.priority,
+                            group=add.stream.request_id,
+                        )
                         added.append(child_id)
             except Exception as exc:
                 for child_id in added:
@@ -415,7 +429,8 @@ class EngineLoop:
 
     def _die(self, exc: BaseException) -> None:
         self._dead = exc
-        error = EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}")
+        self._dead_event.set()
+        error = EngineDeadError("the engine has failed; the server is restarting")
         with self._work:
             adds, self._pending_adds = self._pending_adds, []
             self._pending_aborts.clear()
@@ -429,4 +444,12 @@ class EngineLoop:
         self._streams.clear()
         self._children.clear()
         self._num_admitted = 0
+        # nothing runs or waits any more: the gauges say so (the counters keep their totals)
+        self._stats = replace(
+            self._stats,
+            num_running=0,
+            num_waiting=0,
+            kv_cache_usage=0.0,
+            num_free_blocks=self._stats.num_blocks,
+        )
         self._idle.set()

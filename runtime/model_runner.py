@@ -158,7 +158,8 @@ class ModelRunner:
         out = self.execute(sched)
         sampling = [s for s in sched.seqs if s.sample]
         for s, token_id in zip(sampling, out.token_ids, strict=True):
-            self._future_tokens[s.request.request_id] = token_id
+            # a failed row's request ends when this step is applied; feed a valid id meanwhile
+            self._future_tokens[s.request.request_id] = max(token_id, 0)
         return out
 
     def finish(self, handle: SamplerOutput) -> SamplerOutput:

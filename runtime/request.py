@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request alone failed inside a step (Request.error says why)
 
     @property
     def finished(self) -> bool:
@@ -34,7 +35,12 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = frozenset(
-    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+    (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
 )
 
 
@@ -45,6 +51,7 @@ class Request:
     params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0  # lower value is served first; FCFS within a class
+    group: str | None = None  # the client request this sequence belongs to (None: itself)
     eos_token_ids: tuple[int, ...] = ()
     # Mutable state
     token_ids: list[int] = field(default_factory=list)  # prompt + output, grows by one per decode
@@ -55,11 +62,14 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     grammar: GrammarMatcher | None = None  # advanced by every token appended
+    error: str | None = None  # FINISHED_ERROR: what failed, safe to show the client
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self._num_prompt = len(self.prompt_token_ids)  # the prompt never changes
+        if self.group is None:
+            self.group = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

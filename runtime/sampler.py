@@ -4,6 +4,10 @@ Vectorized over the batch; the only per-row work is drawing noise for rows that 
 own seed (each seeded request owns a `torch.Generator`, so its samples do not depend on what
 else is in the batch). Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws
 a token with probability p, which lets seeded and unseeded rows share one code path.
+
+A row whose own work fails (its logits are NaN or +inf, or every token is banned, or its
+per-row processing raises) gets the id `FAILED_ROW` and the others sample as usual: the engine
+then fails that request alone.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from runtime.types import SamplerOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from runtime.grammar import GrammarMatcher
+
+FAILED_ROW = -1  # the id of a row that could not be sampled
 
 
 @dataclass
@@ -41,12 +47,45 @@ class Sampler:
         # logits: [N, V] float32 on self.device, one row per entry of `rows`
         n, vocab = logits.shape
         assert n == len(rows), (n, len(rows))
+        try:
+            return self._sample(logits, rows)
+        except Exception:
+            if n == 1:
+                raise
+        # Something in the batched work failed: sample each row alone, so that only the rows
+        # that fail by themselves fail.
+        outs = []
+        for i, row in enumerate(rows):
+            try:
+                outs.append(self._sample(logits[i : i + 1], [row]))
+            except Exception:
+                outs.append(None)
+        ids = [FAILED_ROW if o is None else o.token_ids[0] for o in outs]
+        logprobs = None
+        if any(r.params.logprobs for r in rows):
+            logprobs = [
+                TokenLogprob(FAILED_ROW, float("nan"))
+                if o is None or o.logprobs is None
+                else o.logprobs[0]
+                for o in outs
+            ]
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        n, vocab = logits.shape
         raw_logits = logits
         logits = logits.clone()
-        self._apply_penalties(logits, rows)
+        failed: set[int] = set()
+        self._apply_penalties(logits, rows, failed)
         self._apply_min_tokens(logits, rows)
         self._apply_logit_bias(logits, rows)
         self._apply_grammar(logits, rows)
+        # NaN or +inf anywhere, or no token left: nothing this row could sample is meaningful
+        bad = (
+            torch.isnan(logits).any(dim=-1)
+            | torch.isposinf(logits).any(dim=-1)
+            | torch.isneginf(logits).all(dim=-1)
+        )
 
         greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
         temps = torch.tensor(
@@ -60,11 +99,13 @@ class Sampler:
             scaled = logits / temps.unsqueeze(1)
             self._apply_top_k_top_p_min_p(scaled, rows)
             probs = torch.softmax(scaled, dim=-1)
-            noise = self._exponential_noise(rows, vocab)
+            noise = self._exponential_noise(rows, vocab, failed)
             sampled = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled)
 
         ids = token_ids.tolist()
+        for i in failed.union(bad.nonzero().flatten().tolist()):
+            ids[i] = FAILED_ROW
         logprobs = None
         if any(r.params.logprobs for r in rows):
             logprobs = self._logprobs(raw_logits, ids, rows)
@@ -72,35 +113,39 @@ class Sampler:
 
     # -- logits processors (in place) ------------------------------------------------------
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
-        idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
-        if not idx:
-            return
-        vocab = logits.shape[1]
-        for i in idx:  # rows with penalties are few; each is vectorized over the vocabulary
-            p = rows[i].params
-            row = logits[i]
-            out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=self.device)
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(
-                    rows[i].prompt_token_ids + rows[i].output_token_ids,
-                    dtype=torch.long,
-                    device=self.device,
-                ).unique()
-                vals = row[seen]
-                row[seen] = torch.where(
-                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-                )
-            if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
-                counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
-                counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    def _apply_penalties(
+        self, logits: torch.Tensor, rows: list[SampleRow], failed: set[int]
+    ) -> None:
+        for i, r in enumerate(rows):
+            if r.params.has_penalties:
+                try:
+                    self._penalize_row(logits, i, r)
+                except Exception:
+                    failed.add(i)
+
+    def _penalize_row(self, logits: torch.Tensor, i: int, r: SampleRow) -> None:
+        # rows with penalties are few; each is vectorized over the vocabulary
+        p, row, vocab = r.params, logits[i], logits.shape[1]
+        out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=self.device)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                r.prompt_token_ids + r.output_token_ids, dtype=torch.long, device=self.device
+            ).unique()
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
+            counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
         for i, r in enumerate(rows):
             p = r.params
             if len(r.output_token_ids) < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                banned = [t for t in banned if 0 <= t < logits.shape[1]]
                 if banned:
                     logits[i, banned] = float("-inf")
 
@@ -148,20 +193,29 @@ class Sampler:
             threshold = probs.max(dim=-1, keepdim=True).values * m_t
             logits.masked_fill_(probs < threshold, float("-inf"))
 
-    def _exponential_noise(self, rows: list[SampleRow], vocab: int) -> torch.Tensor:
+    def _exponential_noise(
+        self, rows: list[SampleRow], vocab: int, failed: set[int] | None = None
+    ) -> torch.Tensor:
+        """`failed`: where a row's own generator raises, its index is added (None: raise)."""
         noise = torch.empty(len(rows), vocab, dtype=torch.float32, device=self.device)
         noise.exponential_()
         for i, r in enumerate(rows):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+                try:
+                    noise[i].exponential_(generator=r.generator)
+                except Exception:
+                    if failed is None:
+                        raise
+                    failed.add(i)
         return noise.clamp_(min=1e-10)
 
     def _logprobs(
         self, raw_logits: torch.Tensor, ids: list[int], rows: list[SampleRow]
     ) -> list[TokenLogprob]:
         logp = torch.log_softmax(raw_logits.float(), dim=-1)
-        chosen = logp.gather(1, torch.tensor(ids, device=self.device).unsqueeze(1)).squeeze(1)
-        k_max = max(r.params.num_logprobs for r in rows)
+        index = torch.tensor(ids, device=self.device).clamp_(min=0).unsqueeze(1)
+        chosen = logp.gather(1, index).squeeze(1)
+        k_max = min(max(r.params.num_logprobs for r in rows), logp.shape[1])
         top_vals = top_ids = None
         if k_max > 0:
             top_vals, top_ids = logp.topk(k_max, dim=-1)

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_TOP_LOGPROBS = 20
-MAX_N = 16
-MAX_STOP_STRINGS = 16
-MAX_LOGIT_BIAS = 300  # entries in one logit_bias map (OpenAI's limit)
+from runtime.limits import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
+
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
@@ -164,6 +169,18 @@ class SamplingParams:
             f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
         )
         need(
+            sum(len(s) for s in self.stop) <= MAX_STOP_CHARS,
+            "stop",
+            f"the stop strings may hold at most {MAX_STOP_CHARS} characters in all, got "
+            f"{sum(len(s) for s in self.stop)}",
+        )
+        need(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+            f"{len(self.stop_token_ids)}",
+        )
+        need(
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "stop_token_ids must be non-negative integers",
@@ -230,13 +247,18 @@ class SamplingParams:
 def expand_n(params: SamplingParams) -> list[SamplingParams]:
     """Split a request with n > 1 into n single-choice parameter sets.
 
-    With a seed, choice i uses seed + i so the choices differ but the whole set reproduces.
+    With a seed, choice i uses seed + i (wrapping past 2**64 - 1, the largest seed accepted) so
+    the choices differ but the whole set reproduces.
     """
     from dataclasses import replace
 
     if params.n == 1:
         return [params]
-    return [
-        replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-        for i in range(params.n)
-    ]
+
+    def seed(i: int) -> int | None:
+        if params.seed is None:
+            return None
+        s = params.seed + i
+        return s - 2**64 if s >= 2**64 else s
+
+    return [replace(params, n=1, seed=seed(i)) for i in range(params.n)]

@@ -11,6 +11,12 @@ request when KV blocks run out, then admits waiting requests by policy while the
 `max_num_seqs` and blocks last. `update()` applies that step's results. A request finished or
 aborted between the two has its results ignored.
 
+Fair share: sequences of one client request (its prompts x n) form a `group`. While a group
+waits below its share of the running slots (`max_num_seqs` // groups running or waiting), no
+group holds more than its share: admission skips the waiting sequences of groups at their
+share, and where slots are short the newest sequences of the groups most over theirs are
+preempted to make room.
+
 Async (overlap) mode, opt-in with `async_mode=True`: the engine schedules step N+1 before it
 has applied step N. `schedule()` then advances `num_computed_tokens` at once, and a request
 whose step-N token is still in flight is scheduled to decode it as a placeholder (position
@@ -201,11 +207,50 @@ class Scheduler:
         else:
             self.running.append(request)
 
+    def _fair_share(self) -> tuple[int, dict[str, int], int] | None:
+        """-> (running slots per group, running sequences per group, slots that waiting groups
+        below their share could still take), or None when no group waits below its share."""
+        if not self._waiting:
+            return None
+        running: dict[str, int] = {}
+        for r in self.running:
+            running[r.group] = running.get(r.group, 0) + 1
+        waiting: dict[str, int] = {}
+        for _, rid in self._waiting:
+            g = self._requests[rid].group
+            waiting[g] = waiting.get(g, 0) + 1
+        num_groups = len(running.keys() | waiting.keys())
+        if num_groups < 2:
+            return None
+        share = max(1, self.config.max_num_seqs // num_groups)
+        wanted = sum(min(share - running.get(g, 0), n) for g, n in waiting.items()
+                     if running.get(g, 0) < share)  # fmt: skip
+        return (share, running, wanted) if wanted else None
+
+    def _make_room(self, fair: tuple[int, dict[str, int], int]) -> list[str]:
+        """Slots are short for the groups below their share: preempt the newest sequences of
+        the groups most over theirs."""
+        share, running, wanted = fair
+        room = len(self.running) + wanted - self.config.max_num_seqs
+        preempted: list[str] = []
+        while room > 0 and running:
+            group, held = max(running.items(), key=lambda kv: kv[1])
+            if held <= share:
+                break
+            victim = next(r for r in reversed(self.running) if r.group == group)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            running[group] -= 1
+            room -= 1
+        return preempted
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
-        preempted: list[str] = []
         pool = self.block_pool
+        fair = self._fair_share()
+        made_room = self._make_room(fair) if fair is not None else []
+        preempted: list[str] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -228,10 +273,14 @@ class Scheduler:
                 i += 1
 
         # Admitting while preempting would only thrash: wait until blocks come back.
+        over_share: list[tuple[tuple, str]] = []  # waiting, skipped for the fair share
         while self._waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self._requests[self._waiting[0][1]]
+            if fair is not None and fair[1].get(request.group, 0) >= fair[0]:
+                over_share.append(heapq.heappop(self._waiting))
+                continue
             computed = pool.get_computed_blocks(request.token_ids, request.num_tokens - 1)
             request.num_computed_tokens = len(computed) * pool.block_size
             num_new = self._chunk(request, budget)
@@ -244,13 +293,17 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
             self._start_running(request)
+            if fair is not None:
+                fair[1][request.group] = fair[1].get(request.group, 0) + 1
             seqs.append(self._scheduled(request, num_new))
             budget -= num_new
+        for entry in over_share:
+            heapq.heappush(self._waiting, entry)
 
         return SchedulerOutput(
             seqs=tuple(seqs),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            preempted_ids=tuple(preempted),
+            preempted_ids=tuple(made_room + preempted),
         )
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:

@@ -47,6 +47,7 @@ def merge_all(deltas: list[RequestDelta]) -> RequestDelta:
         ),
         num_output_tokens=max(d.num_output_tokens for d in deltas),
         num_cached_tokens=max(d.num_cached_tokens for d in deltas),
+        error=finish.error if finish else None,
     )
 
 

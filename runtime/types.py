@@ -62,6 +62,7 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # finish_reason "error": why this request alone failed
 
     @property
     def finished(self) -> bool:

@@ -105,6 +105,8 @@ class FakeEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        *,
+        group: str | None = None,
     ) -> None:
         assert not self._in_step, "add_request called during step()"
         if params.n != 1:

@@ -81,6 +81,7 @@ async def test_queue_full_429_under_burst(make_harness: MakeHarness) -> None:
         assert [r.status for r in rejected] == [429] * 6
         err = (await rejected[0].json())["error"]
         assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+        assert all(r.headers["Retry-After"] == "1" for r in rejected)  # before: none
         assert h.loop.num_admitted == 4
         engine.gate.set()
         accepted = await asyncio.gather(*(set(tasks) - done))

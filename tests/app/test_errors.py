@@ -175,7 +175,7 @@ async def test_engine_death_during_non_streamed_request_is_503(make_harness: Mak
     engine.fail_next_step = RuntimeError("boom")
     h = await make_harness(engine)
     err = await expect_error(await h.client.post(COMP, json={"prompt": "a"}), 503)
-    assert err["code"] == "engine_dead" and "boom" in err["message"]
+    assert err["code"] == "engine_dead" and "boom" not in err["message"]  # details: log only
     assert (await h.client.get("/health")).status == 503
 
 

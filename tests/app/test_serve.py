@@ -196,3 +196,39 @@ async def test_tandem_serve_without_model_serves_the_default_model() -> None:
         assert 1 <= body["usage"]["completion_tokens"] <= 8
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+DYING_SCRIPT = """
+import asyncio, logging, sys
+sys.path.insert(0, {root!r})
+logging.basicConfig(level=logging.WARNING)
+from app.config import ServerConfig
+from app.serve import serve_until_signal
+from tests.app.fake_engine import FakeEngine
+
+class Dying(FakeEngine):
+    def step(self):
+        if self.num_steps >= 5:
+            raise RuntimeError("secret internal detail")
+        return super().step()
+
+sys.exit(asyncio.run(serve_until_signal(ServerConfig(port=0), Dying(step_delay=0.01))))
+"""
+
+
+async def test_an_engine_failure_ends_streams_generically_and_exits_non_zero() -> None:
+    from app.serve import ENGINE_DEAD_EXIT
+
+    async with _spawned(sys.executable, "-c", DYING_SCRIPT.format(root=str(ROOT))) as proc:
+        base = await _listening_at(proc)
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(
+                f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True}
+            )
+            rest = await asyncio.wait_for(resp.read(), 30)
+            assert b"engine_dead" in rest and rest.endswith(b"data: [DONE]\n\n")
+            assert b"secret internal detail" not in rest  # in the log only
+        # before: the process stayed up, answering 503 for as long as it lived
+        assert await asyncio.wait_for(proc.wait(), 30) == ENGINE_DEAD_EXIT
+        log = (await proc.stderr.read()).decode()
+        assert "secret internal detail" in log

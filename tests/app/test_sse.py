@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import socket
 from collections.abc import Callable
@@ -95,7 +96,8 @@ async def test_error_after_headers_is_an_sse_frame(make_harness: MakeHarness) ->
     h.engine.fail_next_step = RuntimeError("device lost")
     rest = parse_sse(first + await resp.read())
     err = rest[-1]
-    assert set(err) == {"error"} and "device lost" in err["error"]["message"]
+    assert set(err) == {"error"} and "engine has failed" in err["error"]["message"]
+    assert "device lost" not in err["error"]["message"]  # the details go to the log only
     assert err["error"]["type"] == "service_unavailable_error"
     health = await h.client.get("/health")
     assert health.status == 503 and (await health.json())["status"] == "dead"
@@ -173,3 +175,17 @@ async def test_slow_reader_coalesces_without_slowing_others(make_harness: MakeHa
     tokens = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks)
     assert tokens == num_tokens
     assert len(chunks) < num_tokens // 2  # deltas were coalesced while the reader slept
+
+
+async def test_a_disconnect_abort_is_logged_at_info(make_harness: MakeHarness, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="app")
+    h = await make_harness(FakeEngine(step_delay=0.002))
+    resp = await h.client.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True}
+    )
+    await resp.content.readuntil(b"\n\n")
+    [request_id] = h.loop.request_ids()
+    resp.close()
+    await asyncio.wait_for(h.loop._idle.wait(), 1.0)
+    # before: nothing was logged, even with -v
+    assert any(request_id in r.getMessage() and "abort" in r.getMessage() for r in caplog.records)

@@ -42,7 +42,8 @@ class TinyTokenizer:
         self.eos_token_ids = (tok.token_to_id(EOS),)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # as models.tokenizer.Tokenizer: encode_batch releases the GIL
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

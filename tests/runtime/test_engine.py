@@ -203,7 +203,7 @@ def test_abort_mid_generation_frees_blocks(llm):
     assert_idle(llm)
 
 
-def test_a_request_whose_detokenizer_fails_is_aborted_alone(llm, byte_bpe):
+def test_a_request_whose_detokenizer_fails_fails_alone(llm, byte_bpe):
     """One request's post-processing error must not escape step(): the loop would mark the whole
     engine dead (every later request 503). Simulated with a value validation now refuses."""
     engine = llm.engine
@@ -220,7 +220,7 @@ def test_a_request_whose_detokenizer_fails_is_aborted_alone(llm, byte_bpe):
         for d in engine.step():  # before: TypeError out of step()
             if d.finish_reason:
                 finish[d.request_id] = d.finish_reason
-    assert finish == {"bad": "abort", "good": "length"}
+    assert finish == {"bad": "error", "good": "length"}
     out = llm.generate(["Hello"], good)[0]  # the engine still serves
     assert out.finish_reason == "length" and len(out.token_ids) == 6
     assert_idle(llm)

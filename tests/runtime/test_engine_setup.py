@@ -53,3 +53,21 @@ def test_engine_on_a_config_only_directory_generates_text(config_only_dir: Path)
     assert by_text.text == llm.tokenizer.decode(by_text.token_ids) and by_text.text
     (chat,) = llm.chat([{"role": "user", "content": "hello"}], params)
     assert len(chat.token_ids) == 6
+
+
+def test_pool_threads_that_would_starve_the_engine_are_clamped(caplog) -> None:
+    import logging
+
+    import torch
+
+    from runtime.engine_setup import clamp_pool_threads
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    caplog.set_level(logging.WARNING)
+    # before: 16 of 16 cores on CUDA were taken as asked, and hybrid decode fell 60 -> 3.6 tok/s
+    assert clamp_pool_threads(16, cuda, cpus=16) == 14
+    assert "using 14" in caplog.text and "16 cpus" in caplog.text
+    assert clamp_pool_threads(16, cpu, cpus=16) == 15
+    assert clamp_pool_threads(14, cuda, cpus=16) == 14  # what is left over: as asked
+    assert clamp_pool_threads(2, cuda, cpus=2) == 1  # never below one worker
+    assert clamp_pool_threads(None, cuda, cpus=16) is None  # the pool's own default

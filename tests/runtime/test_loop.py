@@ -162,9 +162,14 @@ async def test_engine_death_fails_streams_and_admission(engine_and_loop) -> None
     engine.step_delay = 0.001
     stream = await loop.submit("d", [[65]], SamplingParams(max_tokens=400))
     engine.fail_next_step = RuntimeError("CUDA exploded")
-    with pytest.raises(EngineDeadError, match="CUDA exploded"):
+    with pytest.raises(EngineDeadError, match="engine has failed") as failed:
         await collect(stream)
+    assert "CUDA exploded" not in str(failed.value)  # the details go to the log only
     assert loop.dead and not loop.healthy
+    await asyncio.wait_for(loop.wait_dead(), 1)
+    # the gauges no longer count what was running or waiting
+    assert loop.stats.num_running == 0 and loop.stats.num_waiting == 0
+    assert loop.num_admitted == 0 and loop.stats.kv_cache_usage == 0.0
     with pytest.raises(EngineDeadError):
         await loop.submit("d2", [[65]], SamplingParams())
 

@@ -6,39 +6,43 @@ argv is parsed here and only here. Completions go to stdout; logs and progress g
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 
-from app.engine_args import add_engine_arguments, engine_config_from_args
+from app.engine_args import HelpFormatter, add_engine_arguments, engine_config_from_args
+from app.version import tandem_version
 
 
 def _add_sampling_arguments(
     p: argparse.ArgumentParser, temperature: float, max_tokens: int
 ) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=temperature)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=temperature, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
+    parser.add_argument("--version", action="version", version=f"tandem {tandem_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
 
-    gen = sub.add_parser("generate", help="complete prompts and print one completion per prompt")
+    gen = sub_parser("generate", help="complete prompts and print one completion per prompt")
     add_engine_arguments(gen)
     _add_sampling_arguments(gen, temperature=0.0, max_tokens=128)
     gen.add_argument("--chat", action="store_true", help="treat each prompt as a user message")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
 
-    chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
+    chat = sub_parser("chat", help="interactive chat in the terminal, streaming tokens")
     add_engine_arguments(chat)
     _add_sampling_arguments(chat, temperature=0.7, max_tokens=512)
     chat.add_argument("--system", default=None, help="system message")
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-style HTTP/SSE/WebSocket API")
+    serve = sub_parser("serve", help="serve the OpenAI-style HTTP/SSE/WebSocket API")
     from app.serve import add_serve_arguments
 
     add_serve_arguments(serve)
@@ -46,11 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    """Warnings always; INFO with -v, and without it only records flagged `progress` (the
+    first-start compile, the server's ready line)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if not verbose:
+        handler.addFilter(lambda r: r.levelno >= logging.WARNING or getattr(r, "progress", False))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
 def _make_llm(args: argparse.Namespace):
@@ -131,7 +137,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from app.serve import resolve_model_argument
+
+        try:
+            resolve_model_argument(args)
+        except ValueError as e:
+            parser.error(str(e))
     _setup_logging(getattr(args, "verbose", False))
     try:
         if args.command == "generate":

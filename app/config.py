@@ -24,3 +24,6 @@ class ServerConfig:
     web_ui: bool = True  # the chat page at / (app/webui)
     idle_timeout_s: float = 15.0  # a connection without a complete request for this long closes
     body_timeout_s: float = 60.0  # to receive a request body once its headers are in (else 408)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
+    # completion tokens of a request that sets none (None: up to the end of the context)
+    max_tokens_default: int | None = 1024

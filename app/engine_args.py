@@ -7,17 +7,50 @@ One definition of the model, memory and scheduling flags and of how they become 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help, unless the default is None or the help
+    already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sched, cache = SchedulerConfig(), CacheConfig()
     parser.add_argument(
+        "-m",
         "--model",
         default=None,
-        help="an HF model directory, a .gguf file, or a known name "
-        "(default: smollm2-135m-instruct)",
+        help=f"an HF model directory, a .gguf file, or a known name (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer directory (tokenizer.json) or .gguf file (default: the model's own)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a jinja2 chat template file, or the template text itself "
+        "(default: the tokenizer's own)",
     )
     parser.add_argument(
         "--dtype",
@@ -25,7 +58,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bf16 on CUDA and on CPUs with native bf16, else float32",
     )
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda")
     parser.add_argument(
         "--load-format",
         default="auto",
@@ -46,15 +79,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="dequantize every weight to --dtype at load (same as --quantization none)",
     )
-    parser.add_argument("--max-model-len", type=int, default=sched.max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    parser.add_argument(
+        "--max-model-len",
+        type=count_arg(1),
+        default=None,
+        help="longest sequence (prompt + completion) in tokens (default: the model's own, "
+        "capped by what the KV cache holds; more than the model allows is refused)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=sched.max_num_seqs,
+        help="sequences decoded together in one step",
+    )
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=sched.max_num_batched_tokens,
         help="token budget of one step, shared by decodes and prefill chunks",
     )
-    parser.add_argument("--block-size", type=int, default=cache.block_size)
+    parser.add_argument(
+        "--block-size", type=int, default=cache.block_size, help="tokens per KV cache block"
+    )
     parser.add_argument(
         "--num-kv-blocks",
         type=int,
@@ -62,7 +108,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="fix the number of KV blocks (default: sized from memory)",
     )
     parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=cache.gpu_memory_utilization
+        "--gpu-memory-utilization",
+        type=float,
+        default=cache.gpu_memory_utilization,
+        help="fraction of GPU memory for weights, activations and the KV cache (CUDA only)",
     )
     parser.add_argument(
         "--cpu-experts",
@@ -128,10 +177,25 @@ def _gpu_prefill_arg(value: str) -> str:
     raise argparse.ArgumentTypeError(f"expected auto, off or a token count, got {value!r}")
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the argument itself when it is a template."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise FileNotFoundError(f"--chat-template file '{value}' does not exist")
+    return value
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelSpec(
             model=args.model,
+            tokenizer_path=args.tokenizer,
+            chat_template=read_chat_template(args.chat_template),
+            seed=args.seed if getattr(args, "seed", None) is not None else 0,
             dtype=args.dtype,
             device=args.device,
             load_format=args.load_format,

@@ -55,7 +55,14 @@ async def start_generation(
     keeps serving the streams in flight meanwhile."""
     check_admitting(state)
     loop = state.engine_loop
-    args = (kind, body, loop.tokenizer, loop.max_model_len, state.model_names)
+    args = (
+        kind,
+        body,
+        loop.tokenizer,
+        loop.max_model_len,
+        state.model_names,
+        state.config.max_tokens_default,
+    )
     if body_bytes < PARSE_OFF_LOOP_BYTES:
         req = parse_generation(*args)
     else:

@@ -406,8 +406,11 @@ def parse_generation(
     tokenizer: Any,
     max_model_len: int,
     model_names: tuple[str, ...],
+    max_tokens_default: int | None = None,
 ) -> GenerationRequest:
-    """Validate one chat or completions body and tokenize its prompt(s)."""
+    """Validate one chat or completions body and tokenize its prompt(s). A request without
+    max_tokens (absent, or null) gets `max_tokens_default`, at most what the context leaves
+    (None: up to the end of the context)."""
     _check_fields(body, _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS)
     model = _opt(body, "model", (str,), "a string")
     if model is None:  # absent or null: the served model
@@ -476,6 +479,8 @@ def parse_generation(
     longest = max(len(p) for p in prompts)
     if max_tokens is None:
         max_tokens = max(1, max_model_len - longest)
+        if max_tokens_default is not None:
+            max_tokens = min(max_tokens, max_tokens_default)
     kwargs["max_tokens"] = max_tokens
     kwargs["grammar"] = grammar
     try:

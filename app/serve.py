@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from app.config import ServerConfig
 from app.engine_args import add_engine_arguments, engine_config_from_args
 from app.http_guard import GuardedAppRunner
 from app.server import create_app
+from app.version import tandem_version
 from runtime.loop import EngineLoop
 
 logger = logging.getLogger("app.serve")
@@ -33,14 +36,42 @@ ENGINE_DEAD_EXIT = 3  # the exit status after an engine failure
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve, as --model takes it (default: smollm2-135m-instruct)",
+    )
     add_engine_arguments(parser)
     parser.add_argument(
         "--served-model-name",
         default=None,
         help="the model id clients see (default: the engine's model name)",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seeds the random state of requests without a seed, and dummy weights",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000 or *; "
+        "repeatable or comma-separated (default: none, same-origin only)",
+    )
+    parser.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=ServerConfig.max_tokens_default,
+        help="completion tokens of a request that sets no max_tokens; 0: up to the end of the "
+        "context",
+    )
     parser.add_argument(
         "--api-key",
         action="append",
@@ -60,10 +91,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=ServerConfig.shutdown_timeout,
         help="seconds to drain in-flight requests on SIGTERM before aborting",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=ServerConfig.max_body_bytes,
+        help="largest request body; larger get 413",
+    )
     parser.add_argument(
         "--no-ui", action="store_true", help="do not serve the Web UI (the chat page at /)"
     )
+
+
+def resolve_model_argument(args: argparse.Namespace) -> None:
+    """`tandem serve MODEL` and `--model MODEL` are the same; both, differing, is an error."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+    args.model = args.model or tag
+
+
+def _origins(values: list[str] | None) -> tuple[str, ...]:
+    items = [o.strip() for v in values or [] for o in v.split(",")]
+    return tuple(dict.fromkeys(o.rstrip("/") for o in items if o))
 
 
 def server_config_from_args(
@@ -84,6 +133,9 @@ def server_config_from_args(
         shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=getattr(args, "max_body_bytes", ServerConfig.max_body_bytes),
         web_ui=not getattr(args, "no_ui", False),
+        allowed_origins=_origins(getattr(args, "allowed_origins", None)),
+        max_tokens_default=getattr(args, "max_tokens_default", ServerConfig.max_tokens_default)
+        or None,
     )
 
 
@@ -114,7 +166,11 @@ async def start_server(config: ServerConfig, engine: Any) -> RunningServer:
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise PortUnavailableError(config.host, config.port, e) from None
     port = runner.addresses[0][1] if runner.addresses else config.port
     return RunningServer(runner, engine_loop, port)
 
@@ -125,12 +181,14 @@ async def serve_until_signal(config: ServerConfig, engine: Any) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logger.warning(
-        "serving %s on http://%s:%d (auth %s)",
-        engine.model_name,
+    logger.info(
+        "Tandem %s ready: serving %s on http://%s:%d (auth %s)",
+        tandem_version(),
+        config.served_model_name or engine.model_name,
         config.host,
         server.port,
         "on" if config.api_keys else "off",
+        extra={"progress": True},
     )
     dead = asyncio.ensure_future(server.engine_loop.wait_dead())
     signalled = asyncio.ensure_future(stop.wait())
@@ -184,8 +242,43 @@ def run_server(args: argparse.Namespace) -> int:
         level=logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    resolve_model_argument(args)
     config = server_config_from_args(args)
+    check_port_free(config.host, config.port)  # before minutes of loading, not after
     from runtime.engine import Engine  # lazy: the app layer itself never imports torch
 
+    if args.seed is not None:
+        import torch
+
+        torch.manual_seed(args.seed)
     engine = Engine(config.engine)
     return _asyncio_run(serve_until_signal(config, engine))
+
+
+class PortUnavailableError(ValueError):
+    """The server cannot listen on host:port (in use, or not an address of this machine)."""
+
+    def __init__(self, host: str, port: int, cause: OSError) -> None:
+        reason = (
+            "the address is already in use (another server? pick one with --port)"
+            if cause.errno == errno.EADDRINUSE
+            else cause.strerror or str(cause)
+        )
+        super().__init__(f"cannot listen on {host}:{port}: {reason}")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises PortUnavailableError if host:port cannot be bound now."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise PortUnavailableError(host, port, OSError(e.errno, e.strerror)) from None
+    for family, type_, proto, _, addr in infos:
+        with socket.socket(family, type_, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise PortUnavailableError(host, port, e) from None

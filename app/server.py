@@ -14,13 +14,17 @@ from aiohttp import WSCloseCode, web
 
 from app.auth import make_auth_middleware
 from app.config import ServerConfig
+from app.cors import Cors
 from app.errors import APIError, error_middleware, json_response
 from app.generation import start_generation
 from app.http_guard import refuse_encoded_bodies
+from app.metrics import metrics
 from app.openapi import build_openapi
 from app.protocol import Kind, parse_json_body
 from app.sse import stream_sse
 from app.state import STATE_KEY, ServerState, TokenText
+from app.tokenize import detokenize, tokenize
+from app.version import tandem_version
 from app.webui import add_webui_routes
 from app.ws import ws_handler
 from runtime.loop import EngineDeadError, EngineLoop
@@ -54,23 +58,33 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
 
 
+def _model_card(state: ServerState) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "tandem",
+        "root": state.engine_loop.model_name,
+        "max_model_len": state.engine_loop.max_model_len,
+    }
+
+
 async def list_models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [_model_card(request.app[STATE_KEY])]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "tandem",
-                    "root": state.engine_loop.model_name,
-                    "max_model_len": state.engine_loop.max_model_len,
-                }
-            ],
-        }
-    )
+    model_id = request.match_info["model_id"]
+    if model_id not in state.model_names:
+        raise APIError(
+            404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+    return json_response(_model_card(state))
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": tandem_version()})
 
 
 async def cancel_request(request: web.Request) -> web.Response:
@@ -90,16 +104,6 @@ async def health(request: web.Request) -> web.Response:
     if loop.draining:
         return json_response({"status": "draining"}, status=503)
     return json_response({"status": "ok"})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    text = request.app[STATE_KEY].engine_loop.render_metrics()
-    return web.Response(
-        text=text,
-        content_type="text/plain",
-        charset="utf-8",
-        headers={"X-Prometheus-Format": "0.0.4"},
-    )
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -127,13 +131,19 @@ async def _on_shutdown(app: web.Application) -> None:
 
 def create_app(config: ServerConfig, engine_loop: EngineLoop) -> web.Application:
     middlewares = [error_middleware, refuse_encoded_bodies]
+    cors = Cors(config.allowed_origins) if config.allowed_origins else None
+    if cors is not None:
+        middlewares.append(cors.middleware())  # preflights carry no credentials: before auth
     if config.api_keys:
         middlewares.append(make_auth_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    if cors is not None:
+        app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE_KEY] = ServerState(config, engine_loop, TokenText(engine_loop.tokenizer))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id}", retrieve_model)
     app.router.add_post("/v1/requests/{request_id}/cancel", cancel_request)
     app.router.add_get("/v1/ws", ws_handler)
     app.router.add_get("/health", health)
@@ -141,6 +151,9 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop) -> web.Application
     app.router.add_get("/openapi.json", openapi)
     if config.web_ui:
         add_webui_routes(app)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.cleanup_ctx.append(_engine_loop_ctx)
     app.on_shutdown.append(_on_shutdown)
     return app

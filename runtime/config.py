@@ -24,7 +24,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget per step: decodes + prefill chunks
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # None: the model's own, capped by what the KV cache holds
     policy: str = "fcfs"  # "fcfs" or "priority"
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
 
@@ -49,6 +49,8 @@ class ModelSpec:
     gpu_prefill: str | None = None  # auto | off | N tokens: CPU-pool layers computed on the GPU
     quantization: str = "auto"  # auto | none | gguf: which packed weights stay packed
     dequantize: bool = False  # True: every weight dequantized to dtype at load (quantization none)
+    tokenizer_path: str | None = None  # a tokenizer directory or .gguf (None: the model's own)
+    chat_template: str | None = None  # jinja2 template text replacing the tokenizer's
 
 
 @dataclass(frozen=True)

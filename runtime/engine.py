@@ -34,9 +34,10 @@ from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_setup import (
     load_engine_model,
-    load_tokenizer,
     resolve_device,
     resolve_dtype,
+    resolve_max_model_len,
+    resolve_tokenizer,
     size_kv_cache,
 )
 from runtime.isolation import execute_isolated, sub_step
@@ -44,6 +45,7 @@ from runtime.model_runner import ModelRunner
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.scheduler import Scheduler
+from runtime.startup import startup_phase
 from runtime.types import EngineStats, RequestDelta, SamplerOutput, SchedulerOutput, TokenLogprob
 
 if TYPE_CHECKING:
@@ -114,14 +116,15 @@ class Engine:
         model_path: Path | None = None
         model = model_module
         if model is None:
-            model, model_config, model_path = load_engine_model(
-                spec, self.device, self.dtype, model_config
-            )
+            with startup_phase("model weights"):
+                model, model_config, model_path = load_engine_model(
+                    spec, self.device, self.dtype, model_config
+                )
         assert model_config is not None
         self.model = model
         self.model_config = model_config
-        if tokenizer is None and model_path is not None:
-            tokenizer = load_tokenizer(model_path, spec.load_format, model_config.vocab_size)
+        with startup_phase("tokenizer"):
+            tokenizer = resolve_tokenizer(spec, model_path, model_config.vocab_size, tokenizer)
         self.tokenizer = tokenizer
         self.model_name = spec.model or "smollm2-135m-instruct"
         if model_path is not None and spec.model:
@@ -131,10 +134,23 @@ class Engine:
         )
 
         sched_cfg = config.scheduler
-        self.max_model_len = min(sched_cfg.max_model_len, model_config.max_context)
-        self.layout = size_kv_cache(
-            config, model, model_config, self.dtype, self.device, self.max_model_len
-        )
+        self.max_model_len = resolve_max_model_len(sched_cfg.max_model_len, model_config)
+        # The model's own length (none asked for) is capped by the KV cache instead of failing.
+        fit = sched_cfg.max_model_len is None
+        with startup_phase("KV cache sizing"):
+            self.layout = size_kv_cache(
+                config, model, model_config, self.dtype, self.device,
+                config.cache.block_size if fit else self.max_model_len,
+            )  # fmt: skip
+        held = (self.layout.num_blocks - 1) * self.layout.block_size
+        if fit and held < self.max_model_len:
+            log.warning(
+                "max_model_len %d (the model's) capped at %d tokens, what the KV cache holds; "
+                "give --max-model-len or more KV memory to change it",
+                self.max_model_len,
+                held,
+            )
+            self.max_model_len = held
         self.kv_cache = KVCache.for_model(
             model_config, self.layout.num_blocks, self.layout.block_size, self.dtype, self.device
         )
@@ -156,13 +172,14 @@ class Engine:
         if self.device.type == "cuda":
             from runtime.cuda_runner import CudaModelRunner
 
-            self.runner = CudaModelRunner(
-                model, model_config, self.kv_cache, self.device, attn_backend,
-                max_num_seqs=sched_cfg.max_num_seqs,
-                max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                options=runner_options,
-            )  # fmt: skip
+            with startup_phase("CUDA runner"):
+                self.runner = CudaModelRunner(
+                    model, model_config, self.kv_cache, self.device, attn_backend,
+                    max_num_seqs=sched_cfg.max_num_seqs,
+                    max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                    max_model_len=self.max_model_len,
+                    options=runner_options,
+                )  # fmt: skip
         else:
             self.runner = ModelRunner(model, model_config, self.kv_cache, self.device, attn_backend)
         self.eos_token_ids: tuple[int, ...] = tuple(

@@ -253,6 +253,50 @@ def load_tokenizer(model_path: Path, load_format: str = "auto", vocab_size: int 
     return None
 
 
+def resolve_tokenizer(
+    spec: ModelSpec, model_path: Path | None, vocab_size: int, tokenizer: Any = None
+) -> Any:
+    """The tokenizer the engine uses: a prebuilt one, `spec.tokenizer_path`'s, or the model's own;
+    with `spec.chat_template` replacing its chat template."""
+    if tokenizer is None and spec.tokenizer_path:
+        path = Path(spec.tokenizer_path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"tokenizer path '{spec.tokenizer_path}' does not exist")
+        tokenizer = load_tokenizer(path, "auto", vocab_size)
+        if tokenizer is None:
+            raise ValueError(
+                f"no tokenizer in '{spec.tokenizer_path}': --tokenizer takes a directory holding "
+                "tokenizer.json or a .gguf file"
+            )
+    elif tokenizer is None and model_path is not None:
+        tokenizer = load_tokenizer(model_path, spec.load_format, vocab_size)
+    if spec.chat_template is not None:
+        from models.tokenizer import _compile_template
+
+        if tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer, and this model has none")
+        try:
+            _compile_template(spec.chat_template)
+        except Exception as e:
+            raise ValueError(f"--chat-template does not compile: {e}") from None
+        tokenizer.chat_template = spec.chat_template
+    return tokenizer
+
+
+def resolve_max_model_len(requested: int | None, model_config: ModelConfig) -> int:
+    """The longest sequence to serve: `requested` (None: the model's own). More positions than
+    the model has are refused, not clamped."""
+    positions = model_config.max_context
+    if requested is not None and requested > positions:
+        raise ValueError(
+            f"--max-model-len {requested} is more than this model allows "
+            f"(max_position_embeddings={positions}); leave it out to use the model's own"
+        )
+    if requested is not None and requested < 1:
+        raise ValueError(f"--max-model-len must be at least 1, got {requested}")
+    return positions if requested is None else requested
+
+
 def size_kv_cache(
     config: EngineConfig,
     model: torch.nn.Module,

@@ -26,7 +26,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         load_format: str = "auto",
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         block_size: int = 16,
@@ -37,7 +37,8 @@ class LLM:
     ) -> None:
         """Keyword arguments that name a `ModelSpec` field (cpu_experts="all", gpu_experts,
         cpu_threads, cpu_expert_format, cpu_expert_group_size, gpu_prefill, seed, ...) go to
-        the model spec, as the CLI's options do; the rest to `Engine`."""
+        the model spec, as the CLI's options do; the rest to `Engine`. `max_model_len`
+        None: the model's own, capped by what the KV cache holds."""
         spec_kwargs = {k: engine_kwargs.pop(k) for k in list(engine_kwargs) if k in _SPEC_FIELDS}
         if engine_config is None:
             engine_config = EngineConfig(

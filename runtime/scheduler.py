@@ -58,6 +58,8 @@ class Scheduler:
         request then releases its blocks that every window has passed (kv_cache.py)."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduler_config.policy!r}")
+        if scheduler_config.max_model_len is None:  # the engine resolves it from the model
+            raise ValueError("the scheduler needs a resolved max_model_len, got None")
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_pool = BlockPool(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -19,9 +20,14 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+
+log = logging.getLogger(__name__)
+# Log records flagged so are shown by the CLI without -v (first-start progress).
+PROGRESS = {"progress": True}
 
 SRC_DIR = Path(__file__).resolve().parent
 MODULE_NAME = "_tandem_cpu"
@@ -234,7 +240,20 @@ def load_extension() -> ModuleType:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if not target.exists():
+                    t0 = time.perf_counter()
+                    log.info(
+                        "compiling the C++ CPU extension with %s (first start only, about "
+                        "20-60 s) into %s",
+                        cxx,
+                        target.parent,
+                        extra=PROGRESS,
+                    )
                     skipped = _build(cxx, target)
+                    log.info(
+                        "compiled the C++ CPU extension in %.1fs",
+                        time.perf_counter() - t0,
+                        extra=PROGRESS,
+                    )
                     (target.parent / "skipped_isas.txt").write_text("\n".join(skipped))
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)

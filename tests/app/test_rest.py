@@ -180,8 +180,8 @@ async def test_health_metrics_openapi(harness: Harness) -> None:
         "e2e_request_latency_seconds_bucket",
     ]:
         assert f"tandem:{name}" in text, name
-    assert "tandem:generation_tokens_total 2" in text
-    assert "tandem:e2e_request_latency_seconds_count 1" in text
+    assert 'tandem:generation_tokens_total{model_name="fake-model"} 2' in text
+    assert 'tandem:e2e_request_latency_seconds_count{model_name="fake-model"} 1' in text
     doc = await (await harness.client.get("/openapi.json")).json()
     assert doc["openapi"].startswith("3.")
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(doc["paths"])

@@ -70,7 +70,7 @@ def test_arguments_build_the_config() -> None:
 SERVER_SCRIPT = """
 import asyncio, logging, sys
 sys.path.insert(0, {root!r})
-logging.basicConfig(level=logging.WARNING)
+logging.basicConfig(level=logging.INFO)
 from app.config import ServerConfig
 from app.serve import serve_until_signal
 from tests.app.fake_engine import FakeEngine

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -146,6 +147,8 @@ async def soak(server: RunningServer, num_clients: int, seed: int) -> None:
         assert full["choices"][0]["text"] == texts[0]
         async with http.get(f"{base}/metrics") as metrics:
             text = await metrics.text()
+        # without the model_name label every sample carries
+        text = re.sub(r'model_name="[^"]*",', "", re.sub(r'\{model_name="[^"]*"\}', "", text))
         gauges = dict(
             line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
         )

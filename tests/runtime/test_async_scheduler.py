@@ -28,6 +28,7 @@ from tests.runtime.test_scheduler import (
 
 def make_async(num_blocks: int = 64, block_size: int = 4, **kw) -> Scheduler:
     prefix = kw.pop("enable_prefix_caching", True)
+    kw.setdefault("max_model_len", 4096)
     return Scheduler(
         SchedulerConfig(**kw),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix),

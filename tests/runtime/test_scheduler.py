@@ -76,6 +76,7 @@ def make(
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, **kw) -> Scheduler:
     prefix = kw.pop("enable_prefix_caching", True)
+    kw.setdefault("max_model_len", 4096)
     return Scheduler(
         SchedulerConfig(**kw),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix),

@@ -86,7 +86,10 @@ async def test_queue_full_429_under_burst(make_harness: MakeHarness) -> None:
         engine.gate.set()
         accepted = await asyncio.gather(*(set(tasks) - done))
         assert [r.status for r in accepted] == [200] * 4
-        assert 'tandem:request_rejected_total{model_name="fake-model"} 6' in await (await h.client.get("/metrics")).text()
+        assert (
+            'tandem:request_rejected_total{model_name="fake-model"} 6'
+            in await (await h.client.get("/metrics")).text()
+        )
     finally:
         engine.gate.set()
 

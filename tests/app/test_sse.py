@@ -118,7 +118,9 @@ async def test_disconnect_mid_stream_aborts_and_frees(make_harness: MakeHarness)
     metrics = await (await h.client.get("/metrics")).text()
     assert 'tandem:num_requests_running{model_name="fake-model"} 0\n' in metrics
     assert 'tandem:kv_cache_usage_perc{model_name="fake-model"} 0\n' in metrics
-    assert 'tandem:request_success_total{model_name="fake-model",finished_reason="abort"} 1' in metrics
+    assert (
+        'tandem:request_success_total{model_name="fake-model",finished_reason="abort"} 1' in metrics
+    )
 
 
 async def _raw_stream_request(

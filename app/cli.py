@@ -49,13 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(verbose: bool) -> None:
+def log_filter(verbose: bool):  # noqa: ANN201
     """Warnings always; INFO with -v, and without it only records flagged `progress` (the
     first-start compile, the server's ready line)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return verbose or record.levelno >= logging.WARNING or getattr(record, "progress", False)
+
+    return keep
+
+
+def _setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    if not verbose:
-        handler.addFilter(lambda r: r.levelno >= logging.WARNING or getattr(r, "progress", False))
+    handler.addFilter(log_filter(verbose))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 

@@ -13,7 +13,7 @@ from models.hf_export import to_hf_config_dict
 from models.tokenizer import Tokenizer
 from runtime import LLM, SamplingParams
 from runtime.config import EngineConfig, ModelSpec, SchedulerConfig
-from runtime.engine_setup import load_tokenizer
+from runtime.engine_setup import load_tokenizer, resolve_max_model_len, resolve_tokenizer
 
 
 @pytest.fixture
@@ -71,3 +71,65 @@ def test_pool_threads_that_would_starve_the_engine_are_clamped(caplog) -> None:
     assert clamp_pool_threads(14, cuda, cpus=16) == 14  # what is left over: as asked
     assert clamp_pool_threads(2, cuda, cpus=2) == 1  # never below one worker
     assert clamp_pool_threads(None, cuda, cpus=16) is None  # the pool's own default
+
+
+def _positions(n: int, window: int | None = None) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=n, sliding_window=window,
+    )  # fmt: skip
+
+
+def test_max_model_len_defaults_to_the_model_and_refuses_more() -> None:
+    assert resolve_max_model_len(None, _positions(8192)) == 8192
+    assert resolve_max_model_len(1000, _positions(8192)) == 1000
+    assert resolve_max_model_len(8192, _positions(8192)) == 8192
+    with pytest.raises(ValueError, match=r"--max-model-len 100000 is more than this model allows"):
+        resolve_max_model_len(100000, _positions(8192))
+    # a sliding window below the positions caps (attention is never windowed here)
+    assert resolve_max_model_len(None, _positions(4096, window=1024)) == 1024
+
+
+def test_default_max_model_len_is_capped_by_the_kv_cache(caplog) -> None:
+    from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine
+
+    tok = TinyTokenizer()
+    assert make_tiny_engine(tok, num_blocks=512, max_model_len=None).max_model_len == 512
+    with caplog.at_level("WARNING"):
+        engine = make_tiny_engine(tok, num_blocks=20, block_size=4, max_model_len=None)
+    assert engine.max_model_len == 19 * 4  # one block spare, as for an explicit length
+    assert "capped at 76 tokens, what the KV cache holds" in caplog.text
+    with pytest.raises(ValueError, match="KV cache too small"):  # asked for: refused, not cut
+        make_tiny_engine(tok, num_blocks=20, block_size=4, max_model_len=400)
+
+
+def test_tokenizer_path_and_chat_template_override(config_only_dir: Path, tmp_path: Path) -> None:
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    Tokenizer.synthetic(512).backend.save(str(tok_dir / "tokenizer.json"))
+
+    def spec(**kw) -> EngineConfig:
+        return EngineConfig(
+            model=ModelSpec(
+                model=str(config_only_dir), load_format="safetensors", device="cpu", **kw
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=64),
+        )
+
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    with pytest.raises(FileNotFoundError, match="tokenizer path"):
+        resolve_tokenizer(spec(tokenizer_path=str(tmp_path / "nope")).model, None, 512)
+    with pytest.raises(ValueError, match="no tokenizer in"):
+        resolve_tokenizer(spec(tokenizer_path=str(config_only_dir)).model, None, 512)
+    tok = resolve_tokenizer(
+        spec(tokenizer_path=str(tok_dir), chat_template=template).model, config_only_dir, 512
+    )
+    assert tok is not None and tok.vocab_size == 512
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
+    with pytest.raises(ValueError, match="--chat-template does not compile"):
+        resolve_tokenizer(
+            spec(tokenizer_path=str(tok_dir), chat_template="{% for %}").model, None, 512
+        )
+    with pytest.raises(ValueError, match="needs a tokenizer"):  # real weights, no tokenizer
+        resolve_tokenizer(spec(chat_template=template).model, config_only_dir, 512)

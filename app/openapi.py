@@ -370,6 +370,25 @@ def build_openapi(model_names: tuple[str, ...], secured: bool) -> dict[str, Any]
             "/v1/models": {
                 "get": {"summary": "List models", "responses": _responses("models", 401)}
             },
+            "/v1/models/{model_id}": {
+                "get": {
+                    "summary": "Retrieve a model",
+                    "parameters": [
+                        {
+                            "name": "model_id",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": _responses("the model", 401, 404),
+                }
+            },
+            "/version": {
+                "get": {"summary": "Tandem's version", "responses": _responses("version", 401)}
+            },
+            "/tokenize": _post("Tokenize a prompt or chat messages", "TokenizeRequest"),
+            "/detokenize": _post("Text of token ids", "DetokenizeRequest"),
             "/v1/requests/{request_id}/cancel": {
                 "post": {
                     "summary": "Cancel a running request by its completion id",
@@ -412,6 +431,25 @@ def build_openapi(model_names: tuple[str, ...], secured: bool) -> dict[str, Any]
                 "ChatCompletionRequest": _with_model(CHAT_REQUEST, model_names),
                 "CompletionRequest": _with_model(COMPLETION_REQUEST, model_names),
                 "Error": _ERROR,
+                "TokenizeRequest": {
+                    "type": "object",
+                    "properties": {
+                        "model": {"type": "string", "enum": list(model_names)},
+                        "prompt": {"type": "string"},
+                        "messages": CHAT_REQUEST["properties"]["messages"],
+                        "add_special_tokens": {"type": "boolean"},
+                    },
+                    "additionalProperties": False,
+                },
+                "DetokenizeRequest": {
+                    "type": "object",
+                    "required": ["tokens"],
+                    "properties": {
+                        "model": {"type": "string", "enum": list(model_names)},
+                        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    },
+                    "additionalProperties": False,
+                },
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },

@@ -2,7 +2,7 @@
 """Batch-1 decode of the hybrid MoE through the engine (runtime.llm.LLM: scheduler, runner,
 sampler, detokenizer; no HTTP), with the GPU's time per step split into the step itself and
 the gap before the next one (CUDA events around every step). Sits between the model runner
-(tools/bench_hybrid_moe.py, no engine) and `tandem serve` (tools/gpu_serving.sh SHAPE=30B-A3B)
+(tools/bench_hybrid_moe.py, no engine) and `tandem serve` (tools/device/gpu-serving.sh SHAPE=30B-A3B)
 to say which layer costs the time one adds over the other.
 
 The model: a Qwen3-30B-A3B config (tools/bench_hybrid_moe.py's, --layers of them) with random

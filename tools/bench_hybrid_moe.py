@@ -689,7 +689,7 @@ def dense_step_bytes(cfg: ModelConfig) -> float:
 def gpu_step_bytes(cfg: ModelConfig, batch: int) -> float:
     """Bytes a decode step of `batch` sequences reads with every weight on the GPU (bf16): the
     dense part and the experts it touches under uniform routing. One formula for this tool and
-    tools/gpu_serving.sh's summary."""
+    tools/device/gpu-serving.sh's summary."""
     one = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, "bf16")
     touched = touched_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
     return dense_step_bytes(cfg) + touched * one * moe_layers(cfg)

@@ -1,4 +1,4 @@
-"""tools/gpu_serving.sh end to end on the CPU (`--smoke`: a tiny shape, tiny lengths): it writes
+"""tools/device/gpu-serving.sh end to end on the CPU (`--smoke`: a tiny shape, tiny lengths): it writes
 a config-only model directory, starts `tandem serve --load-format dummy` on it, sweeps
 tools/bench_serving.py, stops the server cleanly and summarizes, so the device run is known to
 work before it costs device time."""
@@ -21,10 +21,10 @@ def free_port() -> int:
 
 
 def run_smoke(out: Path, **env: str) -> None:
-    """tools/gpu_serving.sh --smoke on the CPU into `out`, with `env` on top; must succeed."""
+    """tools/device/gpu-serving.sh --smoke on the CPU into `out`, with `env` on top; must succeed."""
     env = {**os.environ, "OUT": str(out), "DEVICE": "cpu", "PORT": str(free_port()), **env}
     proc = subprocess.run(
-        ["bash", str(ROOT / "tools" / "gpu_serving.sh"), "--smoke"],
+        ["bash", str(ROOT / "tools" / "device_check.sh"), "gpu-serving", "--smoke"],
         env=env,
         capture_output=True,
         text=True,

@@ -4,12 +4,12 @@
 # comparisons mean anything): the pool's CPU tests on this CPU (AMX paths included), then one
 # Qwen3-30B-A3B layer (tools/bench_cpu_moe.py) and the end-to-end hybrid model
 # (tools/bench_hybrid_moe.py) with TANDEM_CPU_PACK_ROWS=off and =on. Logs and JSON go to $OUT.
-#   bash tools/pack_check.sh            # about 6 min
+#   bash tools/device_check.sh pack            # about 6 min
 # Env: PACK_FORMATS (hybrid formats, default "int4"), CPU_TESTS ("none" skips), BENCH_TIMEOUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_pack}
-source tools/device_env.sh
+source tools/device/env.sh
 rc=0
 tests=${CPU_TESTS:-"tests/ext/test_packed_rows.py tests/ext/test_cpu_int8_path.py tests/ext/test_cpu_pool.py tests/ext/test_expert_cache.py"}
 if [ "$tests" != "none" ]; then

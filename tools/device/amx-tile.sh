@@ -7,18 +7,18 @@
 #   1..32 an expert, TANDEM_AMX_TILE_MIN_TOKENS=1 (tiles always) against a huge value (VNNI
 #   only), pool ms per call;
 # - ab: the issue's layer (Qwen3-30B-A3B: 2048 / 768, 128 experts, top-8) at AB_TOKENS,
-#   this tree against AB_FILES swapped back (tools/pool_ab.sh), torch in the same run.
+#   this tree against AB_FILES swapped back (tools/device/pool-ab.sh), torch in the same run.
 #   AB_FILES=".device-wheels/ab_s8/kernels_amx_int8.cpp:ext/cpu/kernels_amx_int8.cpp ..." \
-#     bash tools/amx_tile_check.sh
+#     bash tools/device_check.sh amx-tile
 # - mixtral: the same A/B on Mixtral-8x7B's layer (4096 / 14336, 8 experts, top-2) at MIX_TOKENS,
 #   no torch (big experts: many tokens an expert).
 # Env: STAGES ["tests cross ab"; also "models", "mixtral"], AB_FILES (stages ab, mixtral),
 #   AB_TOKENS ["8 64 128 256"], MIX_TOKENS ["17 64 256 512"], ROUNDS [1],
 #   CROSS_TOKENS ["1 2 4 6 8 12 16 32"], FORMATS ["int8 int4"].
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_amx_tile}
-source tools/device_env.sh
+source tools/device/env.sh
 rc=0 stages=" ${STAGES:-tests cross ab} "
 if [[ $stages == *" tests "* ]]; then
   run_tests cpu_ext 300 tests/ext/test_cpu_pool.py tests/ext/test_cpu_int8_path.py \
@@ -38,11 +38,11 @@ if [[ $stages == *" cross "* ]]; then
   done
 fi
 if [[ $stages == *" ab "* ]]; then
-  OUT="$OUT/ab" ROUNDS=${ROUNDS:-1} bash tools/pool_ab.sh timeout 280 python3 tools/bench_cpu_moe.py \
+  OUT="$OUT/ab" ROUNDS=${ROUNDS:-1} bash tools/device/pool-ab.sh timeout 280 python3 tools/bench_cpu_moe.py \
     --tokens ${AB_TOKENS:-8 64 128 256} --formats ${FORMATS:-int8 int4} --min-time 0.5 || rc=1
 fi
 if [[ $stages == *" mixtral "* ]]; then
-  OUT="$OUT/mixtral" ROUNDS=${ROUNDS:-1} bash tools/pool_ab.sh timeout 280 python3 tools/bench_cpu_moe.py \
+  OUT="$OUT/mixtral" ROUNDS=${ROUNDS:-1} bash tools/device/pool-ab.sh timeout 280 python3 tools/bench_cpu_moe.py \
     --hidden 4096 --inter 14336 --experts 8 --topk 2 --tokens ${MIX_TOKENS:-17 64 256 512} \
     --formats ${FORMATS:-int8 int4} --no-torch --routings 2 --min-time 0.1 || rc=1
 fi

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Device check for ext/cuda: the GPU kernel tests, then the decode-attention benchmark.
 # Run on the device machine from the repository root; logs go to $OUT (default /tmp/tandem_gpu).
-#   bash tools/gpu_kernels_check.sh [pytest -k expression]
+#   bash tools/device_check.sh gpu-kernels [pytest -k expression]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TANDEM_GPU_LOG="$OUT/errors.tsv" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -3,13 +3,13 @@
 # (layout and widening kernel, GPU prefill from the pool's weights, the pool inside decode
 # graphs, the fused MoE staging), then tools/bench_hybrid_moe.py per expert format with the
 # prefill sweep by --gpu-prefill mode. Logs and JSON go to $OUT.
-#   bash tools/hybrid_check.sh            # tests + int4 and bf16 benchmarks (about 4 min)
+#   bash tools/device_check.sh hybrid            # tests + int4 and bf16 benchmarks (about 4 min)
 # Env: HYBRID_TESTS (test files; "none" skips), HYBRID_FORMATS (default "int4 bf16"; "none"),
 #      TEST_TIMEOUT, BENCH_TIMEOUT (seconds), BENCH_ARGS (extra bench_hybrid_moe arguments).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_hybrid}
-source tools/device_env.sh
+source tools/device/env.sh
 rc=0
 tests=${HYBRID_TESTS:-"tests/ext/test_layout.py tests/models/test_gpu_prefill.py tests/models/test_cpu_pool_cuda.py tests/ext/test_moe_stage.py"}
 if [ "$tests" != "none" ]; then

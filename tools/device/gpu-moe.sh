@@ -5,8 +5,8 @@
 # whole model with every expert on the GPU next to HF transformers (tools/bench_hybrid_moe.py
 # --gpu-all / --hf, one process each) and the CPU pool's conversion time on this CPU. Logs and
 # JSON go to $OUT.
-#   bash tools/gpu_moe_check.sh                       # tests + layer: about 4 minutes
-#   STAGES="model peer" bash tools/gpu_moe_check.sh   # 30B model, ours then HF: about 6 minutes
+#   bash tools/device_check.sh gpu-moe                       # tests + layer: about 4 minutes
+#   STAGES="model peer" bash tools/device_check.sh gpu-moe   # 30B model, ours then HF: about 6 minutes
 # Env: STAGES ["tests layer convert"], PROMPT [2048] (context of the decode runs), BENCH_TIMEOUT
 #   [300], DECODE_KERNELS ["1"]: TANDEM_MOE_DECODE_KERNELS values of the model stage ("1 0": A/B),
 #   GPU_EXPERTS [32]: the split stage (the pool with N experts a layer also on the GPU, their
@@ -19,9 +19,9 @@
 #   and all on the GPU, SHAPE_BATCH [16] concurrent; SHAPE_TAG names the logs (A/B runs). An
 #   empty SHAPES or SHAPE_FORMATS skips those runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_gpu_moe}
-source tools/device_env.sh
+source tools/device/env.sh
 rc=0 stages=" ${STAGES:-tests layer convert} " prompt=${PROMPT:-2048} limit=${BENCH_TIMEOUT:-300}
 model_args=(--formats --graphs on --decode-steps 24 --batch 16 --prompt "$prompt" --prefill 2048)
 if [[ $stages == *" tests "* ]]; then

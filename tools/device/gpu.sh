@@ -5,10 +5,10 @@
 # Run on the device machine from the repository root; logs and JSON go to $OUT. Wheels the image
 # lacks (orjson, pytest-asyncio, ...: ../shared/tools/device-wheels.sh) install first with
 # `python3 -m pip install --no-index --no-deps .device-wheels/*.whl`.
-#   bash tools/gpu_check.sh [bench_gpu.py arguments...]
+#   bash tools/device_check.sh gpu [bench_gpu.py arguments...]
 # Env: TANDEM_GPU_TESTS (test files; "none" skips), TEST_TIMEOUT, BENCH_TIMEOUT (seconds).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TANDEM_GPU_LOG="$OUT/errors.tsv" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,4 +1,4 @@
-# Sourced by the device scripts (tools/hybrid_check.sh, pack_check.sh, hybrid_serving.sh) after
+# Sourced by the device stages (tools/device/*.sh, run through tools/device_check.sh) after
 # they set OUT: makes $OUT, puts the repository on PYTHONPATH, installs the wheels the device
 # lacks from .device-wheels/ (no package registry there; ../shared/tools/device-wheels.sh fills
 # it), records the machine in $OUT/device.txt and defines run_tests (below).

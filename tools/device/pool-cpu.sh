@@ -6,13 +6,13 @@
 #   converting them (serving 48 such layers took 154 s on the device, 3.2 s a layer).
 # - spin: the hybrid model with everything on the CPU (tools/bench_hybrid_moe.py --device cpu)
 #   at TANDEM_POOL_SPIN_US 0 and 200, alternated REPEATS times.
-#   bash tools/pool_cpu_check.sh        # about 5 minutes
+#   bash tools/device_check.sh pool-cpu        # about 5 minutes
 # - parts (not by default): filling a layer and converting it, with and without the pool up.
 # Env: STAGES ["load spin"], LOAD_LAYERS [12], REPEATS [2], BENCH_TIMEOUT [150].
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_pool_cpu}
-source tools/device_env.sh
+source tools/device/env.sh
 rc=0 stages=" ${STAGES:-load spin} " limit=${BENCH_TIMEOUT:-150}
 if [[ $stages == *" load "* ]]; then
   timeout "$limit" python3 - "$OUT/cfg" "${LOAD_LAYERS:-12}" <<'PY' >"$OUT/load.log" 2>&1 || rc=1

@@ -3,11 +3,11 @@
 # change) and in a copy of it with some files swapped back (A), alternated ROUNDS times. Each
 # tree builds its own ext/cpu (the build cache is keyed by the sources' hash).
 #   AB_FILES=".device-wheels/old_kernels_amx_int8.cpp:ext/cpu/kernels_amx_int8.cpp" \
-#     bash tools/pool_ab.sh python3 tools/bench_cpu_moe.py --tokens 64 256 --formats int8 int4
+#     bash tools/device/pool-ab.sh python3 tools/bench_cpu_moe.py --tokens 64 256 --formats int8 int4
 # Env: AB_FILES (required: "saved:path" pairs, the A side's file for each path), ROUNDS [1],
 #   OUT [/tmp/tandem_pool_ab]: a.N.log / b.N.log per round.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_pool_ab}
 mkdir -p "$OUT"
 [[ -n ${AB_FILES:-} && $# -gt 0 ]] || { echo "usage: AB_FILES='saved:path ...' $0 command..." >&2; exit 2; }

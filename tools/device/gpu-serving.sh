@@ -4,8 +4,8 @@
 # fixed lengths (256 in / 256 out, token-id prompts, ignore_eos): TTFT and TPOT p50/p99 and
 # output tok/s per level, the sweep plot, and a summary table next to the batch-1 decode floor.
 # Run on the device from the repository root; everything goes to $OUT.
-#   bash tools/gpu_serving.sh            # the 1B sweep (about 3 minutes on an H100)
-#   bash tools/gpu_serving.sh --smoke    # a tiny shape, tiny lengths: checks the script end to end
+#   bash tools/device/gpu-serving.sh            # the 1B sweep (about 3 minutes on an H100)
+#   bash tools/device/gpu-serving.sh --smoke    # a tiny shape, tiny lengths: checks the script end to end
 # SHAPE=30B-A3B (or tiny-moe) serves a Qwen3-30B-A3B-shaped mixture of experts in hybrid mode: attention
 # on the GPU, every routed expert on the CPU pool in EXPERT_FORMAT [int4] (random experts are
 # made one layer at a time as the pool converts them); its floor is the active expert bytes per
@@ -27,7 +27,7 @@
 # where matplotlib is missing), summary.txt. Exit 0 only if every request of every level succeeded
 # and the server stopped cleanly.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ "${1:-}" = "--smoke" ]; then
   SHAPE=${SHAPE:-tiny} INPUT_LEN=${INPUT_LEN:-12} OUTPUT_LEN=${OUTPUT_LEN:-6}
   CONCURRENCY=${CONCURRENCY:-1,4} NUM_PROMPTS=${NUM_PROMPTS:-3,8} WARMUP=${WARMUP:-1}

@@ -26,7 +26,7 @@ RUN apt-get update \
 
 WORKDIR /opt/tandem
 COPY pyproject.toml README.md ./
-COPY tools/install.sh tools/install.sh
+COPY tools/install.sh tools/torch_choice.py tools/
 COPY ext ext
 COPY models models
 COPY runtime runtime

@@ -103,6 +103,7 @@ def test_every_copy_source_exists_and_is_not_dockerignored() -> None:
         "pyproject.toml",
         "README.md",
         "tools/install.sh",
+        "tools/torch_choice.py",  # install.sh's torch decision
         "app",
         "runtime",
         "models",

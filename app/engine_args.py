@@ -218,4 +218,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
         ),
+        seed=getattr(args, "seed", None),
     )

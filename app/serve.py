@@ -247,10 +247,6 @@ def run_server(args: argparse.Namespace) -> int:
     check_port_free(config.host, config.port)  # before minutes of loading, not after
     from runtime.engine import Engine  # lazy: the app layer itself never imports torch
 
-    if args.seed is not None:
-        import torch
-
-        torch.manual_seed(args.seed)
     engine = Engine(config.engine)
     return _asyncio_run(serve_until_signal(config, engine))
 

@@ -58,6 +58,7 @@ class EngineConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int | None = None  # seeds torch's global RNG: requests without their own seed
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from models.batch import KVCache
 from models.config import ModelConfig
 from runtime.config import EngineConfig
@@ -109,6 +111,8 @@ class Engine:
         (runtime.cuda_runner.CudaRunnerOptions) tune the CUDA runner; default: from the env.
         `overlap`: overlap scheduling; None takes `runner_options.overlap` on CUDA, off on CPU."""
         self.config = config
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
         spec = config.model
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)

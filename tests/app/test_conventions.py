@@ -69,7 +69,7 @@ def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
     )  # fmt: skip
     cfg = server_config_from_args(args, environ={})
     spec = cfg.engine.model
-    assert (spec.model, spec.tokenizer_path, spec.seed) == ("m", "tok", 7)
+    assert (spec.model, spec.tokenizer_path, spec.seed, cfg.engine.seed) == ("m", "tok", 7, 7)
     assert spec.chat_template == "{{ messages[0].content }}"
     assert cfg.allowed_origins == ("http://a.example", "http://b.example", "*")
     assert cfg.max_tokens_default is None  # 0: up to the end of the context

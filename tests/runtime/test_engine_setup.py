@@ -133,3 +133,21 @@ def test_tokenizer_path_and_chat_template_override(config_only_dir: Path, tmp_pa
         )
     with pytest.raises(ValueError, match="needs a tokenizer"):  # real weights, no tokenizer
         resolve_tokenizer(spec(chat_template=template).model, config_only_dir, 512)
+
+
+def test_engine_seed_makes_unseeded_sampling_repeat(config_only_dir: Path) -> None:
+    def sample(seed: int) -> list[int]:
+        llm = LLM(
+            engine_config=EngineConfig(
+                model=ModelSpec(
+                    model=str(config_only_dir), load_format="dummy", device="cpu", dtype="float32"
+                ),
+                scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=64),
+                seed=seed,
+            )
+        )
+        params = SamplingParams(max_tokens=12, temperature=1.5, ignore_eos=True)
+        return list(llm.generate([[5, 6, 7]], params)[0].token_ids)
+
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)

@@ -2,6 +2,8 @@
 
 Validates every tensor before its address reaches C++, keeps the tensors of the call in flight
 alive until `sync()`, and reads TANDEM_CPU_ISA. Knows nothing about requests or model classes.
+Its stream-ordered jobs (the CUDA path) are in stream_jobs.py, its environment knobs in
+pool_env.py and the argument checks in tensor_checks.py.
 """
 
 from __future__ import annotations
@@ -18,12 +20,27 @@ import torch
 
 from .build import load_extension
 from .layout import K_ALIGN, ShardLayout
+from .pool_env import (  # noqa: F401  (re-exported: ext.cpu.pool.X stays valid)
+    AMX_BF16_ENV,
+    AMX_TILE_ENV,
+    INT_PATH_ENV,
+    ISA_ENV,
+    ISAS,
+    PACK_ROWS_ENV,
+    _check_amx_tile_env,
+    _int_min_tokens_from_env,
+    _pack_rows_from_env,
+    switch_from_env,
+)
+from .stream_jobs import (  # noqa: F401
+    FLAG_WORDS,
+    StreamJob,
+    StreamJobMethods,
+    cuda_host_funcs_error,
+    cuda_memops_error,
+)
+from .tensor_checks import _check_cpu_tensor, _non_negative_int, _overlaps
 
-ISA_ENV = "TANDEM_CPU_ISA"
-# The integer path for int8/int4 experts (ext/cpu/kernels.h: kQBlock): "off", "auto" (default)
-# or the minimum tokens per expert from which it is used.
-INT_PATH_ENV = "TANDEM_CPU_INT_PATH"
-ISAS = ("scalar", "avx2", "avx512", "amx")
 _FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
 _FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
 _SRC_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -34,58 +51,6 @@ def supported_isas() -> list[str]:
     return list(load_extension().supported_isas())
 
 
-_ENV_ON = ("on", "1", "yes", "true")
-_ENV_OFF = ("off", "0", "no", "false")
-
-
-def _int_min_tokens_from_env() -> int | None:
-    """TANDEM_CPU_INT_PATH as a minimum token count: None for unset/"auto", 0 for "off"."""
-    raw = os.environ.get(INT_PATH_ENV, "").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw in _ENV_OFF:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 1:
-        raise ValueError(f"{INT_PATH_ENV} must be 'auto', 'off' or a positive int, got {raw!r}")
-    return value
-
-
-PACK_ROWS_ENV = "TANDEM_CPU_PACK_ROWS"
-# Tokens of one expert from which AMX int8 tiles replace VNNI (ext/cpu/kernels.h:
-# kAmxTileMinTokens); read by the extension when its first pool starts, checked here.
-AMX_TILE_ENV = "TANDEM_AMX_TILE_MIN_TOKENS"
-# Tokens of one expert from which AMX bf16 tiles replace the AVX-512 kernel (kAmxMinTokens, 1).
-AMX_BF16_ENV = "TANDEM_AMX_BF16_MIN_TOKENS"
-
-
-def _check_amx_tile_env() -> None:
-    for name in (AMX_TILE_ENV, AMX_BF16_ENV):
-        raw = os.environ.get(name, "").strip()
-        if raw and not (raw.isdigit() and int(raw) > 0):
-            raise ValueError(f"{name} must be a positive int, got {raw!r}")
-
-
-def switch_from_env(name: str) -> bool | None:
-    """An auto/on/off environment switch: None for unset or "auto", else True/False."""
-    raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw in _ENV_ON:
-        return True
-    if raw in _ENV_OFF:
-        return False
-    raise ValueError(f"{name} must be 'auto', 'on' or 'off', got {raw!r}")
-
-
-def _pack_rows_from_env() -> bool | None:
-    """TANDEM_CPU_PACK_ROWS: None for unset/"auto", else on/off."""
-    return switch_from_env(PACK_ROWS_ENV)
-
-
 def _set_masks(which: Callable[[set[int]], bool], cpus: set[int]) -> None:
     """Sets the cpu mask of every thread of this process whose mask `which` accepts."""
     for tid in os.listdir("/proc/self/task"):
@@ -94,54 +59,6 @@ def _set_masks(which: Callable[[set[int]], bool], cpus: set[int]) -> None:
                 os.sched_setaffinity(int(tid), cpus)
         except OSError:  # the thread has exited, or the mask is not ours to set
             continue
-
-
-def cuda_host_funcs_error() -> str | None:
-    """None when the CUDA driver's cuLaunchHostFunc can be used (stream-ordered jobs); else
-    why not. The extension itself never needs CUDA."""
-    return load_extension().cuda_driver_error() or None
-
-
-def cuda_memops_error() -> str | None:
-    """None when the CUDA driver's stream memory operations (cuStreamWriteValue32 and
-    cuStreamWaitValue32) can be used (flag jobs); else why not."""
-    return load_extension().cuda_memops_error() or None
-
-
-FLAG_WORDS = 32  # int32 words of a flag job's pinned flags: go at [0], done at [16]
-
-
-class StreamJob:
-    """A fixed job descriptor of one layer over fixed host buffers (see
-    `CpuExpertPool.stream_job`). Holds the buffers alive; its address is what a captured graph
-    keeps, so it lives (inside the pool, which never frees it) as long as the pool."""
-
-    def __init__(
-        self,
-        handle: int,
-        layer_idx: int,
-        tensors: tuple[torch.Tensor, ...],
-        flags: torch.Tensor | None = None,
-    ) -> None:
-        self.handle = handle
-        self.layer_idx = layer_idx
-        self.hidden, self.topk_ids, self.topk_weights, self.out, self.num_tokens = tensors
-        self.flags = flags  # [FLAG_WORDS] int32 pinned: a flag job (enqueue_go / done_wait)
-
-    @property
-    def capacity(self) -> int:
-        return self.hidden.shape[0]
-
-
-def _check_cpu_tensor(name: str, t: Any, dtypes: tuple[torch.dtype, ...], ndim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
 def check_layer_file(
@@ -183,7 +100,7 @@ def _layer_file_args(
     )
 
 
-class CpuExpertPool:
+class CpuExpertPool(StreamJobMethods):
     """MoE experts on the CPU: one fused call per layer and step, run on pinned worker threads.
 
     Contract: `submit` returns at once; the tensors passed to it must not be modified (and `out`
@@ -468,137 +385,6 @@ class CpuExpertPool:
         self.sync()
         return out
 
-    # -- stream-ordered jobs (the CUDA path, capturable in a CUDA graph) ---------------------
-
-    def stream_job(
-        self,
-        layer_idx: int,
-        hidden: torch.Tensor,  # [C, H] float32, host (pinned for async copies)
-        topk_ids: torch.Tensor,  # [C, k] int64
-        topk_weights: torch.Tensor,  # [C, k] float32
-        out: torch.Tensor,  # [C, H] float32
-        num_tokens: torch.Tensor,  # [1] int32: the rows of a call, written before its submit
-        flags: bool = False,
-    ) -> StreamJob:
-        """A fixed descriptor of a call over these buffers for `enqueue_submit`/`enqueue_wait`.
-
-        Every call reads `num_tokens[0]` when its submit host function runs (0 to C rows), so
-        one job serves every token count. The buffers must stay at their addresses for as long
-        as any stream or captured graph may run the job (the pool keeps them alive until it
-        closes).
-
-        flags=True makes a flag job instead, for `enqueue_go` / `enqueue_done_wait`: no host
-        function; the pool's poller thread watches two pinned words that the stream writes
-        and waits on (the row count travels in the go word; `num_tokens` is not read)."""
-        self._live()
-        _, _, H, _, _ = self._layer(layer_idx)
-        _check_cpu_tensor("hidden", hidden, (torch.float32,), 2)
-        _check_cpu_tensor("topk_ids", topk_ids, (torch.int64,), 2)
-        _check_cpu_tensor("topk_weights", topk_weights, (torch.float32,), 2)
-        _check_cpu_tensor("out", out, (torch.float32,), 2)
-        _check_cpu_tensor("num_tokens", num_tokens, (torch.int32,), 1)
-        C, k = topk_ids.shape
-        if hidden.shape != (C, H) or out.shape != (C, H):
-            raise ValueError(f"hidden and out must be [{C}, {H}], got {tuple(hidden.shape)}, "
-                             f"{tuple(out.shape)}")  # fmt: skip
-        if topk_weights.shape != (C, k) or C < 1 or k < 1:
-            raise ValueError(f"topk_ids and topk_weights must be the same [C>=1, k>=1], got "
-                             f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")  # fmt: skip
-        if num_tokens.numel() != 1:
-            raise ValueError(f"num_tokens must have one element, got {num_tokens.numel()}")
-        tensors = (hidden, topk_ids, topk_weights, out, num_tokens)
-        names = ("hidden", "topk_ids", "topk_weights", "out", "num_tokens")
-        for name, t in zip(names, tensors, strict=True):
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
-        if _overlaps(out, hidden):
-            raise ValueError("out must not overlap hidden")
-        flag_words = None
-        if flags:
-            pin = torch.cuda.is_available()  # device-mapped where a GPU will write it
-            flag_words = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=pin)
-        handle = self._pool.make_stream_job(
-            layer_idx, *(t.data_ptr() for t in tensors), C, k,
-            flag_words.data_ptr() if flag_words is not None else 0,
-        )  # fmt: skip
-        # the poller may read them (and a graph write them) until the pool is gone
-        self._stream_tensors.append((*tensors, flag_words))
-        return StreamJob(handle, layer_idx, tensors, flag_words)
-
-    def enqueue_go(self, stream: int, job: StreamJob, rows: int) -> None:
-        """Flag job: enqueues on `stream` a 4-byte write that tells the pool's poller to run
-        `job` on its first `rows` rows (after a memory barrier: the copies queued before it
-        have landed). Capturable; a graph replays it with the same `rows`."""
-        self._flag_job(job, rows)
-        self._live().enqueue_go(int(stream), job.handle, rows)
-
-    def enqueue_done_wait(self, stream: int, job: StreamJob) -> None:
-        """Flag job: enqueues a wait of `stream` until the poller has finished `job` (the GPU
-        polls the done word; no host function, no host thread blocks), then resets it."""
-        self._flag_job(job)
-        self._live().enqueue_done_wait(int(stream), job.handle)
-
-    def host_go(self, job: StreamJob, rows: int) -> None:
-        """What `enqueue_go` does on the GPU, from this thread (tests without a GPU)."""
-        self._flag_job(job, rows)
-        self._live().host_go(job.handle, rows)
-
-    def host_done_wait(self, job: StreamJob, timeout_s: float = 10.0) -> bool:
-        """What `enqueue_done_wait` does on the GPU: False if the job did not finish in time."""
-        self._flag_job(job)
-        return bool(self._live().host_done_wait(job.handle, float(timeout_s)))
-
-    def kick(self) -> None:
-        """Flag jobs are coming: the poller spins (instead of napping) for `poll_spin_us`."""
-        self._live().kick()
-
-    @property
-    def poll_spin_us(self) -> int:
-        """How long the poller of flag jobs spins after the last job before it naps (50 us)
-        between looks."""
-        return self._live().poll_spin_us
-
-    @poll_spin_us.setter
-    def poll_spin_us(self, value: int) -> None:
-        self._live().poll_spin_us = _non_negative_int("poll_spin_us", value)
-
-    @property
-    def flag_jobs_run(self) -> int:
-        return int(self._live().flag_jobs_run)
-
-    def _flag_job(self, job: StreamJob, rows: int | None = None) -> None:
-        if job.flags is None:
-            raise ValueError("not a flag job: make it with stream_job(..., flags=True)")
-        if rows is not None and not 0 <= rows <= job.capacity:
-            raise ValueError(f"rows must be in [0, {job.capacity}], got {rows}")
-
-    def enqueue_submit(self, stream: int, job: StreamJob) -> None:
-        """Enqueues on CUDA stream `stream` (a cudaStream_t as an int, e.g. torch's
-        `current_stream().cuda_stream`) a host function that starts `job` on the pool with
-        the rows its buffers hold when the stream reaches it. Returns at once. During stream
-        capture it becomes a host node of the graph and runs at every replay. RuntimeError if
-        the CUDA driver (libcuda.so.1) is missing or refuses the launch."""
-        self._live().enqueue_submit(int(stream), job.handle)
-
-    def enqueue_wait(self, stream: int, job: StreamJob) -> None:
-        """Enqueues a host function that blocks `stream` until `job` is done, so work queued
-        after it (the copy of `job.out` to the device) sees the result."""
-        self._live().enqueue_wait(int(stream), job.handle)
-
-    def run_stream_job(self, job: StreamJob) -> None:
-        """Runs the submit and wait host functions here, in order (tests, no CUDA needed)."""
-        self._live().run_stream_job(job.handle)
-
-    def stream_stats(self) -> dict[str, int]:
-        """Counters of the stream-ordered jobs that ran: calls, errors, tokens, pool_ns
-        (submit to done), wait_ns (stream blocked in the wait), d2h_bytes, h2d_bytes."""
-        return dict(self._live().stream_stats())
-
-    def last_stream_error(self) -> str:
-        """The message of the last failed stream job ("" if none). A failed job zeroes its
-        output rows; the host functions cannot raise into the stream."""
-        return self._live().last_stream_error()
-
     @property
     def spin_us(self) -> int:
         return self._live().spin_us
@@ -738,15 +524,3 @@ class CpuExpertPool:
         if layer_idx not in self._layers:
             raise ValueError(f"layer {layer_idx} has not been added (have {sorted(self._layers)})")
         return self._layers[layer_idx]
-
-
-def _non_negative_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
-    return a0 < b1 and b0 < a1

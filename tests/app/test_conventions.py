@@ -118,6 +118,7 @@ def test_busy_port_is_one_error_line_and_exit_2() -> None:
         (["serve", "/no/such/model"], "model path '/no/such/model' does not exist"),
         (["serve", "--port", "0", "-m", "README.md"], "is a file but not a .gguf file"),
         (["serve", "a", "-m", "b"], "the model is given twice"),
+        (["serve", "--port", "0", "--max-model-len", "100000"], "is more than this model allows"),
     ],
 )
 def test_bad_model_is_one_error_line_and_exit_2(argv: list[str], message: str) -> None:

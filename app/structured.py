@@ -42,7 +42,7 @@ def _response_format(value: Any) -> GrammarSpec | None:
     if not isinstance(value, dict):
         raise _bad("response_format", "'response_format' must be an object")
     kind = value.get("type")
-    if kind in (None, "text"):
+    if kind == "text":
         return None
     if kind == "json_object":
         return GrammarSpec("json_object")

@@ -46,7 +46,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if ("prompt" in body) == ("messages" in body):
         raise _bad("prompt", "give exactly one of 'prompt' (a string) or 'messages'")
     if "messages" in body:
-        tokens = _messages_to_prompt(body["messages"], tokenizer)
+        tokens, _ = _messages_to_prompt(body["messages"], tokenizer)
     elif isinstance(body["prompt"], str):
         tokens = list(tokenizer.encode(body["prompt"], add_special_tokens=add_special))
     else:

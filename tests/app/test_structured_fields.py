@@ -28,6 +28,7 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
         (CHAT, {"tools": [FN], "tool_choice": "required",
                 "response_format": {"type": "json_object"}}, "response_format"),
         (CHAT, {"response_format": {"type": "yaml"}}, "response_format.type"),
+        (CHAT, {"response_format": {"": None}}, "response_format.type"),  # OpenAI requires type
         (CHAT, {"response_format": "json"}, "response_format"),
         (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
          "response_format.json_schema.schema"),

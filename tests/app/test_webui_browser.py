@@ -91,7 +91,7 @@ def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 def _metric(base: str, name: str) -> float:
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
         text = r.read().decode()
-    m = re.search(rf"^tandem:{name} (\S+)$", text, re.M)
+    m = re.search(rf"^tandem:{name}(?:{{model_name=\"[^\"]*\"}})? (\S+)$", text, re.M)
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
 

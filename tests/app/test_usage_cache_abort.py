@@ -44,7 +44,7 @@ def _chat(question: str, **extra: object) -> dict[str, object]:
 async def _metric(http: aiohttp.ClientSession, base: str, name: str) -> float:
     async with http.get(f"{base}/metrics") as resp:
         text = await resp.text()
-    m = re.search(rf"^tandem:{name} (\S+)$", text, re.M)
+    m = re.search(rf"^tandem:{name}(?:{{model_name=\"[^\"]*\"}})? (\S+)$", text, re.M)
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
 
@@ -121,8 +121,9 @@ async def test_client_hang_up_aborts_the_request(server: RunningServer) -> None:
         ):
             assert time.monotonic() < deadline, "the request kept running after the hang-up"
             await asyncio.sleep(0.05)
-        assert 'tandem:request_success_total{finished_reason="abort"} 1' in (
-            await (await http.get(f"{base}/metrics")).text()
+        assert re.search(
+            r'tandem:request_success_total\{model_name="[^"]*",finished_reason="abort"\} 1',
+            (await (await http.get(f"{base}/metrics")).text()),
         )
     await asyncio.wait_for(server.engine_loop.wait_idle(), 5)
     while engine.has_unfinished_requests():  # the abort's last delta goes out with one more step

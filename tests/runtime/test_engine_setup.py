@@ -87,8 +87,8 @@ def test_max_model_len_defaults_to_the_model_and_refuses_more() -> None:
     assert resolve_max_model_len(8192, _positions(8192)) == 8192
     with pytest.raises(ValueError, match=r"--max-model-len 100000 is more than this model allows"):
         resolve_max_model_len(100000, _positions(8192))
-    # a sliding window below the positions caps (attention is never windowed here)
-    assert resolve_max_model_len(None, _positions(4096, window=1024)) == 1024
+    # sliding windows are computed as windows: the positions still bound the length
+    assert resolve_max_model_len(None, _positions(4096, window=1024)) == 4096
 
 
 def test_default_max_model_len_is_capped_by_the_kv_cache(caplog) -> None:

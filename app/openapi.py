@@ -142,11 +142,17 @@ _GUIDED: dict[str, Any] = {
         "additionalProperties": False,
         "maxProperties": 1,
         "properties": {
-            "json": {"type": "object"},
-            "json_object": {"type": "boolean"},
-            "regex": {"type": "string", "minLength": 1},
-            "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
-            "grammar": {"type": "string", "minLength": 1},
+            # a null member is ignored by the server (app/structured.py), as vLLM does
+            "json": {"type": "object", "nullable": True},
+            "json_object": {"type": "boolean", "nullable": True},
+            "regex": {"type": "string", "minLength": 1, "nullable": True},
+            "choice": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"type": "string"},
+                "nullable": True,
+            },
+            "grammar": {"type": "string", "minLength": 1, "nullable": True},
         },
     },
 }

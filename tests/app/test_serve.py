@@ -201,7 +201,7 @@ async def test_tandem_serve_without_model_serves_the_default_model() -> None:
 DYING_SCRIPT = """
 import asyncio, logging, sys
 sys.path.insert(0, {root!r})
-logging.basicConfig(level=logging.WARNING)
+logging.basicConfig(level=logging.INFO)  # the ready line is INFO
 from app.config import ServerConfig
 from app.serve import serve_until_signal
 from tests.app.fake_engine import FakeEngine

@@ -49,6 +49,7 @@ class ModelSpec:
     gpu_prefill: str | None = None  # auto | off | N tokens: CPU-pool layers computed on the GPU
     quantization: str = "auto"  # auto | none | gguf: which packed weights stay packed
     dequantize: bool = False  # True: every weight dequantized to dtype at load (quantization none)
+    tensor_parallel_size: int = 1  # processes (one per GPU) the model's layers are split over
 
 
 @dataclass(frozen=True)

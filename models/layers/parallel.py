@@ -7,7 +7,7 @@ sharded layers call (one all-reduce after each row-parallel projection, a gather
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,10 +41,11 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
+    group: Any = None  # the torch.distributed process group (None: the default one)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -54,7 +55,7 @@ class TensorParallel:
             return x[:, :width]
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0)
+        dist.gather(x, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=1)[:, :width] if parts is not None else None
 
 
@@ -94,11 +95,6 @@ def head_split(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tuple[i
             f"({num_kv_heads}) when it exceeds them"
         )
     return q0, nq, tp.rank * num_kv_heads // tp.size, 1
-
-
-def local_kv_heads(config: ModelConfig, tp_size: int) -> int:
-    """KV heads each rank caches."""
-    return max(config.num_key_value_heads // tp_size, 1)
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int, expert_backend: str) -> None:

@@ -152,7 +152,8 @@ class EngineLoop:
 
     @property
     def dead(self) -> bool:
-        return self._dead is not None
+        # fatal_error: the engine lost part of itself (a tensor-parallel worker) between steps
+        return self._dead is not None or bool(getattr(self.engine, "fatal_error", None))
 
     @property
     def draining(self) -> bool:
@@ -160,7 +161,7 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self._dead is None and not self.draining and self._task is not None
+        return not self.dead and not self.draining and self._task is not None
 
     def request_ids(self) -> list[str]:
         """Ids of the requests admitted and not finished."""

@@ -3,6 +3,7 @@ on tiny random HF checkpoints of dense and MoE families; refusals are clear."""
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,7 @@ def _check(name: str, make, tmp_path: Path) -> None:
     path = _save(make(), tmp_path / name)
     ids1, logits1 = _run(path, 1)
     ids2, logits2 = _run(path, 2)
+    assert multiprocessing.active_children() == []  # close() stopped the worker
     assert ids2 == ids1
     assert len(logits2) == len(logits1)
     for a, b in zip(logits1, logits2, strict=True):
@@ -118,3 +120,13 @@ def test_refusals_name_the_problem() -> None:
     with pytest.raises(UnsupportedModelError, match="DeepseekV3ForCausalLM"):
         check_tensor_parallel(_config(architectures=["DeepseekV3ForCausalLM"]), 2, "torch")
     check_tensor_parallel(_config(), 2, "torch")
+
+
+def test_a_start_up_failure_is_one_error_and_leaves_no_worker(tmp_path: Path) -> None:
+    config = hf.LlamaConfig(
+        **{**COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
+    )
+    path = _save(config, tmp_path / "three_heads")
+    with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(3\).*size 2"):
+        LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    assert multiprocessing.active_children() == []

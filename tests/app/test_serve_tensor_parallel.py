@@ -45,24 +45,28 @@ def _worker_pids(pid: int) -> list[int]:
     return pids
 
 
-async def test_tp2_server_answers_then_dies_cleanly_with_a_worker(tmp_path: Path) -> None:
+async def _listening(proc: asyncio.subprocess.Process) -> str:
+    for _ in range(200):
+        line = (await asyncio.wait_for(proc.stderr.readline(), 120)).decode()
+        assert line, "tandem serve exited before listening"
+        if m := re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)", line):
+            return f"http://127.0.0.1:{m.group(1)}"
+    raise AssertionError("no listening line")
+
+
+def _argv(tmp_path: Path) -> list[str]:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    argv = [
+    return [
         *_tandem_command(), "serve", "--model", str(tmp_path), "--load-format", "dummy",
         "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2",
         "--num-kv-blocks", "64", "--max-model-len", "256", "--port", "0",
         "--shutdown-timeout", "5",
     ]  # fmt: skip
-    async with _spawned(*argv) as proc:
-        port = None
-        for _ in range(200):
-            line = (await asyncio.wait_for(proc.stderr.readline(), 120)).decode()
-            assert line, "tandem serve exited before listening"
-            if m := re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)", line):
-                port = int(m.group(1))
-                break
-        assert port is not None
-        base = f"http://127.0.0.1:{port}"
+
+
+async def test_tp2_server_answers_then_dies_cleanly_with_a_worker(tmp_path: Path) -> None:
+    async with _spawned(*_argv(tmp_path)) as proc:
+        base = await _listening(proc)
         workers = _worker_pids(proc.pid)
         assert len(workers) == 1
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
@@ -93,3 +97,18 @@ async def test_tp2_server_answers_then_dies_cleanly_with_a_worker(tmp_path: Path
         assert code != 0
         err = (await proc.stderr.read()).decode()
         assert "tensor-parallel rank 1 exited" in err
+
+
+async def test_tp2_server_sigterm_stops_every_rank(tmp_path: Path) -> None:
+    async with _spawned(*_argv(tmp_path)) as proc:
+        await _listening(proc)
+        workers = _worker_pids(proc.pid)
+        assert len(workers) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        for _ in range(50):  # the worker has exited (it is reaped by now or within a moment)
+            if not Path(f"/proc/{workers[0]}").exists():
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"worker {workers[0]} outlived the server")

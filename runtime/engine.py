@@ -135,7 +135,7 @@ class Engine:
                                   runner_options, overlap)  # fmt: skip
         except BaseException:
             if self.tp_group is not None:
-                self.tp_group.agree(False, 0)  # tells the workers; they exit
+                self.tp_group.abort()  # tells the workers; they exit
             raise
 
     def _init_after_load(

@@ -139,6 +139,7 @@ class TensorParallelGroup:
         for p in self.procs:
             p.start()
         self._closed = False
+        self._agreed = False
         self._watch: threading.Thread | None = None
         atexit.register(self.close)
         try:
@@ -149,6 +150,7 @@ class TensorParallelGroup:
 
     def agree(self, ok: bool, num_blocks: int) -> int:
         """The start-up handshake; raises one error naming each rank that failed."""
+        self._agreed = True
         try:
             all_ok, blocks = agree(ok, num_blocks, self.device)
         except Exception as exc:  # a worker died without reporting
@@ -163,6 +165,12 @@ class TensorParallelGroup:
                 "tensor-parallel start-up failed: " + ("; ".join(reasons) or self._exit_codes())
             )
         return 0
+
+    def abort(self) -> None:
+        """Rank 0 failed to start: fail the handshake if it is still ahead, then stop."""
+        if not self._agreed:
+            self.agree(False, 0)
+        self.close()
 
     def _worker_errors(self) -> list[str]:
         reasons: list[str] = []

@@ -86,7 +86,10 @@ def _run(path: Path, tp: int) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 def _check(name: str, make, tmp_path: Path) -> None:
-    path = _save(make(), tmp_path / name)
+    _compare(_save(make(), tmp_path / name))
+
+
+def _compare(path: Path) -> None:
     ids1, logits1 = _run(path, 1)
     ids2, logits2 = _run(path, 2)
     assert multiprocessing.active_children() == []  # close() stopped the worker

@@ -120,8 +120,19 @@ def _config(**kw) -> ModelConfig:
 def test_refusals_name_the_problem() -> None:
     with pytest.raises(UnsupportedModelError, match="num_attention_heads"):
         check_tensor_parallel(_config(), 3, "torch")
-    with pytest.raises(UnsupportedModelError, match="DeepseekV3ForCausalLM"):
-        check_tensor_parallel(_config(architectures=["DeepseekV3ForCausalLM"]), 2, "torch")
+    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):
+        with pytest.raises(UnsupportedModelError, match=arch):
+            check_tensor_parallel(_config(architectures=[arch]), 2, "torch")
+    moe = ModelConfig.from_hf_dict(
+        {"architectures": ["Qwen3MoeForCausalLM"], **COMMON, **MOE, "model_type": "qwen3_moe"}
+    )
+    with pytest.raises(ValueError, match="'cpu_pool'"):
+        check_tensor_parallel(moe, 2, "cpu_pool")
+    six = ModelConfig.from_hf_dict(
+        {"architectures": ["Qwen3MoeForCausalLM"], **COMMON, **MOE, "num_experts": 6}
+    )
+    with pytest.raises(UnsupportedModelError, match=r"num_experts \(6\)"):
+        check_tensor_parallel(six, 4, "torch")
     check_tensor_parallel(_config(), 2, "torch")
 
 

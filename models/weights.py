@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.config import ModelConfig, UnsupportedModelError
-from models.quant.tensor import QuantizedTensor
 from models.layers.parallel import Shard, tensor_parallel_shards
+from models.quant.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
     from models.decoder import DecoderForCausalLM
@@ -79,7 +79,6 @@ def _display(name: str, architecture: str) -> str:
 
 def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """Canonical HF name -> the parameter view it fills."""
-    cfg = model.config
     rows = getattr(model.embed_tokens, "num_rows", None)  # TP: this rank's vocab rows
     t: dict[str, torch.Tensor] = {"model.norm.weight": model.norm.weight}
     if model.embed_tokens.weight is not None:  # None: packed (models/quant)

@@ -120,7 +120,12 @@ def _config(**kw) -> ModelConfig:
 def test_refusals_name_the_problem() -> None:
     with pytest.raises(UnsupportedModelError, match="num_attention_heads"):
         check_tensor_parallel(_config(), 3, "torch")
-    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):
+    for arch in (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "GptOssForCausalLM",
+    ):
         with pytest.raises(UnsupportedModelError, match=arch):
             check_tensor_parallel(_config(architectures=[arch]), 2, "torch")
     moe = ModelConfig.from_hf_dict(

@@ -188,8 +188,4 @@ def run_server(args: argparse.Namespace) -> int:
     from runtime.engine import Engine  # lazy: the app layer itself never imports torch
 
     engine = Engine(config.engine)
-    code = _asyncio_run(serve_until_signal(config, engine))
-    if getattr(engine, "fatal_error", None):  # e.g. a tensor-parallel worker died
-        logger.error("engine failed: %s", engine.fatal_error)
-        return 1
-    return code
+    return _asyncio_run(serve_until_signal(config, engine))

@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -117,6 +118,7 @@ class Engine:
         model = model_module
         self.tp_group = None
         self.fatal_error: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
         if spec.tensor_parallel_size != 1:
             if model_module is not None or spec.tensor_parallel_size < 1:
                 raise ValueError(
@@ -215,12 +217,15 @@ class Engine:
         self._num_failed_steps = 0  # in a row, whose forward failed for every sequence
 
     def _on_worker_death(self, reason: str) -> None:
-        """A tensor-parallel worker died: this engine cannot step any more. SIGTERM makes a
-        server turn unhealthy, drain (failing what runs) and exit non-zero (app/serve.py reads
-        `fatal_error`); an offline process ends."""
+        """A tensor-parallel worker died: this engine cannot step any more. A serving loop
+        (`on_fatal`, set by runtime/loop.py) dies as on a failed step: /health 503, streams
+        fail, the server exits non-zero; without one the process gets SIGTERM."""
         log.error("%s; stopping", reason)
         self.fatal_error = reason
-        os.kill(os.getpid(), signal.SIGTERM)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+        else:  # no loop to tell (offline use): end the process rather than hang in a step
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done at exit)."""

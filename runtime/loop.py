@@ -152,8 +152,7 @@ class EngineLoop:
 
     @property
     def dead(self) -> bool:
-        # fatal_error: the engine lost part of itself (a tensor-parallel worker) between steps
-        return self._dead is not None or bool(getattr(self.engine, "fatal_error", None))
+        return self._dead is not None
 
     @property
     def draining(self) -> bool:
@@ -161,7 +160,7 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return not self.dead and not self.draining and self._task is not None
+        return self._dead is None and not self.draining and self._task is not None
 
     def request_ids(self) -> list[str]:
         """Ids of the requests admitted and not finished."""
@@ -176,6 +175,8 @@ class EngineLoop:
     async def start(self) -> None:
         if self._task is None:
             self._aloop = asyncio.get_running_loop()
+            if hasattr(self.engine, "on_fatal"):  # e.g. a tensor-parallel worker died
+                self.engine.on_fatal = lambda reason: self._post(self._die, RuntimeError(reason))
             # /metrics before the first step: the engine's own counters (the KV pool, the CPU
             # expert pool's families), not an empty EngineStats(). No engine thread runs yet.
             self._stats = self.engine.stats()

@@ -155,6 +155,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "from the pool's weights, copied over PCIe (auto: by expert format; "
         "env TANDEM_GPU_PREFILL)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=count_arg(1),
+        default=1,
+        help="processes (one per GPU; gloo on the CPU) the model's layers are split over",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
@@ -207,6 +213,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             gpu_prefill=args.gpu_prefill,
             quantization=args.quantization,
             dequantize=args.dequantize,
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -39,8 +39,10 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp_size: int = 1,
     ) -> KVCache:
-        """The layout `config` needs: latent rows for MLA models, K and V otherwise."""
+        """The layout `config` needs: latent rows for MLA models, K and V otherwise (under
+        tensor parallelism this rank's KV heads, at least one)."""
         if config.is_mla:
             shape = (num_blocks, block_size, config.latent_dim)
             latent = [
@@ -49,19 +51,21 @@ class KVCache:
             ]
             return cls(k=[], v=[], block_size=block_size, latent=latent)
         return cls.allocate(
-            config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-            config.head_dim, dtype, device,
+            config.num_hidden_layers, num_blocks, block_size,
+            max(config.num_key_value_heads // tp_size, 1), config.head_dim, dtype, device,
         )  # fmt: skip
 
     @staticmethod
-    def bytes_per_block_for(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block_for(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
+    ) -> int:
         """Bytes one block takes over all layers in the layout `for_model` allocates."""
         if config.is_mla:
             itemsize = torch.empty((), dtype=dtype).element_size()
             return config.num_hidden_layers * block_size * config.latent_dim * itemsize
         return KVCache.bytes_per_block(
-            config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
-            dtype,
+            config.num_hidden_layers, block_size, max(config.num_key_value_heads // tp_size, 1),
+            config.head_dim, dtype,
         )  # fmt: skip
 
     @property

@@ -22,6 +22,7 @@ from models.layers.experts import ExpertBackend, TorchExpertBackend
 from models.layers.mlp import GatedMLP
 from models.layers.moe import SparseMoeBlock
 from models.layers.norm import RMSNorm
+from models.layers.parallel import VocabParallelEmbedding, get_tp
 from models.layers.rotary import RotaryEmbedding
 from models.weights import load_hf_weights
 
@@ -75,7 +76,12 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.attn_backend = attn_backend
         self.expert_backend = expert_backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp = get_tp()
+        self.embed_tokens: nn.Module
+        if tp.size > 1:  # vocab-parallel embedding and lm_head: this rank's vocab rows
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_cls(config, i, attn_backend, expert_backend)
             for i in range(config.num_hidden_layers)
@@ -83,7 +89,8 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            rows = self.embed_tokens.weight.shape[0]
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.rotary = RotaryEmbedding(
             config.rotary_dim,
             config.rope_theta,
@@ -107,10 +114,14 @@ class DecoderForCausalLM(nn.Module):
         # RMSNorm is row-wise, so selecting rows first only saves work.
         return self.norm(x.index_select(0, batch.logits_indices))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden `[N, hidden]` -> logits `[N, vocab]` float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden `[N, hidden]` -> logits `[N, vocab]` float32 (under tensor parallelism
+        gathered on rank 0; None on the other ranks)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.gather_columns(logits, self.config.vocab_size)
 
     @torch.no_grad()
     def load_weights(

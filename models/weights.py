@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.config import ModelConfig, UnsupportedModelError
+from models.layers.parallel import Shard, tensor_parallel_shards
 from models.quant.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
@@ -78,13 +79,14 @@ def _display(name: str, architecture: str) -> str:
 
 def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """Canonical HF name -> the parameter view it fills."""
-    cfg = model.config
+    rows = getattr(model.embed_tokens, "num_rows", None)  # TP: this rank's vocab rows
     t: dict[str, torch.Tensor] = {"model.norm.weight": model.norm.weight}
     if model.embed_tokens.weight is not None:  # None: packed (models/quant)
-        t["model.embed_tokens.weight"] = model.embed_tokens.weight
+        w = model.embed_tokens.weight
+        t["model.embed_tokens.weight"] = w if rows is None else w[:rows]
     if model.lm_head is not None:
-        t["lm_head.weight"] = model.lm_head.weight
-    q, kv = cfg.q_size, cfg.kv_size
+        w = model.lm_head.weight
+        t["lm_head.weight"] = w if rows is None else w[:rows]
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = layer.input_layernorm.weight
@@ -93,6 +95,7 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
         if hasattr(attn, "kv_b_proj"):  # DeepSeek's MLA: its linears and norms as they are
             _module_targets(t, p + "self_attn.", attn)
         else:
+            q, kv = attn.q_size, attn.kv_size  # this rank's rows
             params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
             for kind in _dense(attn.qkv_proj, params):
                 fused = getattr(attn.qkv_proj, kind)
@@ -114,14 +117,16 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
             t[p + "mlp.gate.weight"] = mlp.gate.weight
             if mlp.gate.bias is not None:
                 t[p + "mlp.gate.bias"] = mlp.gate.bias
-            for e in range(mlp.num_experts):
-                t[p + f"mlp.experts.{e}.gate_proj.weight"] = mlp.w13[e, :inter]
-                t[p + f"mlp.experts.{e}.up_proj.weight"] = mlp.w13[e, inter:]
-                t[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.w2[e]
+            first = getattr(mlp, "expert_start", 0)
+            for j in range(mlp.w13.shape[0]):  # this rank's experts (all without parallelism)
+                e = first + j
+                t[p + f"mlp.experts.{e}.gate_proj.weight"] = mlp.w13[j, :inter]
+                t[p + f"mlp.experts.{e}.up_proj.weight"] = mlp.w13[j, inter:]
+                t[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.w2[j]
                 if getattr(mlp, "w13_bias", None) is not None:  # GPT-OSS
-                    t[p + f"mlp.experts.{e}.gate_proj.bias"] = mlp.w13_bias[e, :inter]
-                    t[p + f"mlp.experts.{e}.up_proj.bias"] = mlp.w13_bias[e, inter:]
-                    t[p + f"mlp.experts.{e}.down_proj.bias"] = mlp.w2_bias[e]
+                    t[p + f"mlp.experts.{e}.gate_proj.bias"] = mlp.w13_bias[j, :inter]
+                    t[p + f"mlp.experts.{e}.up_proj.bias"] = mlp.w13_bias[j, inter:]
+                    t[p + f"mlp.experts.{e}.down_proj.bias"] = mlp.w2_bias[j]
             if getattr(mlp, "e_score_correction_bias", None) is not None:
                 t[p + "mlp.gate.e_score_correction_bias"] = mlp.e_score_correction_bias
             if getattr(mlp, "shared_experts", None) is not None:
@@ -226,6 +231,12 @@ def load_hf_weights(
     arch = model.config.architecture
     targets = _targets(model)
     discarded = _discarded(model)
+    shards: dict[str, Shard] = {}
+    if (
+        getattr(model, "tp", None) is not None and model.tp.size > 1
+    ):  # each rank keeps its slices of the tensors as they stream by
+        shards, others = tensor_parallel_shards(model)
+        discarded.update(others)
     if expected is not None:
         targets = {n: t for n, t in targets.items() if expected(n)}
         discarded = {n: s for n, s in discarded.items() if expected(n)}
@@ -254,6 +265,10 @@ def load_hf_weights(
                     if canon == "lm_head.weight" and model.lm_head is None:
                         continue  # tied embeddings: the embedding matrix is the head
                     raise UnsupportedModelError(f"unexpected tensor {name!r} for {arch}")
+                shard = shards.get(canon)
+                if shard is not None:
+                    _check_shape(name, piece, shard.full, canon, arch)
+                    piece = shard.take(piece)
                 _check_shape(name, piece, tuple(dst.shape), canon, arch)
                 dst.copy_(piece)
                 filled.add(canon)

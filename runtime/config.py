@@ -51,6 +51,7 @@ class ModelSpec:
     dequantize: bool = False  # True: every weight dequantized to dtype at load (quantization none)
     tokenizer_path: str | None = None  # a tokenizer directory or .gguf (None: the model's own)
     chat_template: str | None = None  # jinja2 template text replacing the tokenizer's
+    tensor_parallel_size: int = 1  # processes (one per GPU) the model's layers are split over
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,11 @@ the loop treats that as a dead engine.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -119,12 +122,35 @@ class Engine:
         t0 = time.perf_counter()
         model_path: Path | None = None
         model = model_module
-        if model is None:
-            with startup_phase("model weights"):
-                model, model_config, model_path = load_engine_model(
-                    spec, self.device, self.dtype, model_config
+        self.tp_group = None
+        self.fatal_error: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
+        if spec.tensor_parallel_size != 1:
+            if model_module is not None or spec.tensor_parallel_size < 1:
+                raise ValueError(
+                    "tensor_parallel_size must be a positive integer and loads its own model"
                 )
-        assert model_config is not None
+            from runtime.tp import TensorParallelGroup
+
+            self.tp_group = TensorParallelGroup(config, model_config, self.device)
+        try:
+            if model is None:
+                with startup_phase("model weights"):
+                    model, model_config, model_path = load_engine_model(
+                        spec, self.device, self.dtype, model_config
+                    )
+            assert model_config is not None
+            self._init_after_load(config, model, model_config, model_path, tokenizer, t0,
+                                  runner_options, overlap)  # fmt: skip
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.abort()  # tells the workers; they exit
+            raise
+
+    def _init_after_load(
+        self, config, model, model_config, model_path, tokenizer, t0, runner_options, overlap
+    ) -> None:
+        spec = config.model
         self.model = model
         self.model_config = model_config
         with startup_phase("tokenizer"):
@@ -155,18 +181,23 @@ class Engine:
                 held,
             )
             self.max_model_len = held
-        self.kv_cache = KVCache.for_model(
-            model_config, self.layout.num_blocks, self.layout.block_size, self.dtype, self.device
-        )
         from dataclasses import replace
 
-        if self.device.type == "cuda":
+        if self.tp_group is not None:  # one scheduler over N caches: the smallest count
+            blocks = self.tp_group.agree(True, self.layout.num_blocks)
+            self.layout = replace(self.layout, num_blocks=blocks)
+        self.kv_cache = KVCache.for_model(
+            model_config, self.layout.num_blocks, self.layout.block_size, self.dtype, self.device,
+            spec.tensor_parallel_size,
+        )  # fmt: skip
+        if self.device.type == "cuda" and self.tp_group is None:
             from runtime.cuda_runner import CudaRunnerOptions
 
             runner_options = runner_options or CudaRunnerOptions.from_env()
             if overlap is None:
                 overlap = runner_options.overlap
-        self.overlap = bool(overlap)
+        # tensor parallel: eager steps, no overlap; CUDA graphs are not captured under TP yet
+        self.overlap = bool(overlap) and self.tp_group is None
         self.scheduler = Scheduler(
             replace(sched_cfg, max_model_len=self.max_model_len), config.cache,
             self.layout.num_blocks, async_mode=self.overlap,
@@ -186,6 +217,9 @@ class Engine:
                 )  # fmt: skip
         else:
             self.runner = ModelRunner(model, model_config, self.kv_cache, self.device, attn_backend)
+        if self.tp_group is not None:
+            self.runner.before_forward = self.tp_group.broadcast_step
+            self.tp_group.watch(self._on_worker_death)
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(
                 (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -202,6 +236,22 @@ class Engine:
         self._grammar_lock = threading.Lock()
         self._step_errors: dict[str, str] = {}  # request id -> why it failed in this step
         self._num_failed_steps = 0  # in a row, whose forward failed for every sequence
+
+    def _on_worker_death(self, reason: str) -> None:
+        """A tensor-parallel worker died: this engine cannot step any more. A serving loop
+        (`on_fatal`, set by runtime/loop.py) dies as on a failed step: /health 503, streams
+        fail, the server exits non-zero; without one the process gets SIGTERM."""
+        log.error("%s; stopping", reason)
+        self.fatal_error = reason
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+        else:  # no loop to tell (offline use): end the process rather than hang in a step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done at exit)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:

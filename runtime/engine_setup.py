@@ -205,6 +205,8 @@ def load_engine_model(
     if experts == "auto":  # the CPU pool when asked for; on CUDA every expert on the GPU
         asked = spec.cpu_experts is not None or spec.gpu_experts is not None
         experts = "cpu_pool" if asked else _auto_expert_backend(device)
+        if spec.tensor_parallel_size > 1 and not asked:
+            experts = "torch"  # the backend expert parallelism shards
     expert_options: dict[str, Any] | None = None
     if experts == "cpu_pool":
         expert_options = {
@@ -308,7 +310,9 @@ def size_kv_cache(
     """KV blocks from an explicit count, from free GPU memory after weights and a profiled
     peak (`gpu_memory_utilization`), or from the CPU byte budget."""
     cfg, mc = config.cache, model_config
-    per_block = KVCache.bytes_per_block_for(mc, cfg.block_size, dtype)
+    per_block = KVCache.bytes_per_block_for(
+        mc, cfg.block_size, dtype, config.model.tensor_parallel_size
+    )  # this rank's heads
     min_blocks = -(-max_model_len // cfg.block_size) + 1
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks

@@ -175,6 +175,8 @@ class EngineLoop:
     async def start(self) -> None:
         if self._task is None:
             self._aloop = asyncio.get_running_loop()
+            if hasattr(self.engine, "on_fatal"):  # e.g. a tensor-parallel worker died
+                self.engine.on_fatal = lambda reason: self._post(self._die, RuntimeError(reason))
             # /metrics before the first step: the engine's own counters (the KV pool, the CPU
             # expert pool's families), not an empty EngineStats(). No engine thread runs yet.
             self._stats = self.engine.stats()

@@ -41,6 +41,8 @@ class ModelRunner:
         # Overlap: each request's token sampled by the last launch, for the one placeholder
         # input a step may schedule before that token is applied (the CPU's "future map").
         self._future_tokens: dict[str, int] = {}
+        # Tensor parallel: sends each forward's inputs to the other ranks (runtime/tp.py).
+        self.before_forward = None
 
     # -- per-request state -----------------------------------------------------------------
 
@@ -118,6 +120,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         input_ids, positions, batch = self.build_batch(sched)
+        if self.before_forward is not None:
+            self.before_forward(input_ids, positions, batch)
         hidden = self.model(input_ids, positions, batch)  # [num_sampling_seqs, hidden]
         sampling = [s for s in sched.seqs if s.sample]
         if not sampling:

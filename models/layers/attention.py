@@ -14,6 +14,7 @@ from models.attention_backend import AttentionBackend
 from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.layers.norm import RMSNorm
+from models.layers.parallel import get_tp, head_split, row_parallel, sharded_rms_norm
 from models.layers.rotary import RotaryEmbedding
 
 
@@ -24,12 +25,17 @@ class Attention(nn.Module):
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         self.layer_idx = layer_idx
         self.backend = backend
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp = get_tp()
+        # this rank's heads (all of them without tensor parallelism)
+        q0, self.num_heads, kv0, self.num_kv_heads = head_split(
+            config.num_attention_heads, config.num_key_value_heads, tp
+        )
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim  # < head_dim: partial rotary (GLM-4.5)
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.q_start, self.kv_start = q0 * self.head_dim, kv0 * self.head_dim
+        self.full_q_size, self.full_kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
@@ -59,8 +65,16 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_full and self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)  # over the whole [T, q_size] row, as OLMoE does
-            k = self.k_norm(k)
+            if self.tp.size > 1:  # the row's columns are split across ranks
+                q = sharded_rms_norm(
+                    q, self.q_norm.weight, self.q_norm.eps, self.full_q_size, self.tp
+                )
+                k = sharded_rms_norm(
+                    k, self.k_norm.weight, self.k_norm.eps, self.full_kv_size, self.tp
+                )
+            else:
+                q = self.q_norm(q)  # over the whole [T, q_size] row, as OLMoE does
+                k = self.k_norm(k)
         if self.clip_qkv is not None:  # after the norms, before rotary (transformers' order)
             q = q.clamp(-self.clip_qkv, self.clip_qkv)
             k = k.clamp(-self.clip_qkv, self.clip_qkv)
@@ -79,4 +93,4 @@ class Attention(nn.Module):
             out = self.backend.forward(
                 self.layer_idx, q, k, v, batch, self.scale, window=self.window, sinks=self.sinks
             )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size), self.tp)

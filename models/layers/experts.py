@@ -82,7 +82,8 @@ class TorchExpertBackend:
         out = torch.zeros_like(hidden)  # [T, H]
         flat_ids = topk_ids.reshape(-1)  # [T * k]
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+        # ids >= num_experts (another rank's experts) sort last and are skipped
+        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()[:num_experts]
         flat_weights = topk_weights.reshape(-1)
         start = 0
         for expert, count in enumerate(counts):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import UnsupportedModelError
+from models.layers.parallel import even_split, get_tp, row_parallel
 
 
 def check_activation(hidden_act: str) -> None:
@@ -25,9 +26,19 @@ class GatedMLP(nn.Module):
         intermediate_size: int,
         hidden_act: str = "silu",
         bias: bool = False,
+        reduce: bool = True,
     ) -> None:
+        """Under tensor parallelism each rank holds a slice of the intermediate rows; its
+        output is summed over ranks by one all-reduce, or left partial (`reduce=False`) for a
+        caller that sums more first."""
         super().__init__()
         check_activation(hidden_act)
+        self.tp = get_tp()
+        self.reduce = reduce
+        self.full_intermediate_size = intermediate_size
+        self.shard_start, intermediate_size = even_split(
+            intermediate_size, self.tp, "intermediate size"
+        )
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -35,4 +46,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp, self.reduce)

@@ -16,6 +16,7 @@ from models.config import ModelConfig, UnsupportedModelError
 from models.layers.experts import ExpertBackend
 from models.layers.mlp import GatedMLP, check_activation
 from models.layers.moe_routing import deepseek_route
+from models.layers.parallel import even_split, get_tp
 
 
 class SparseMoeBlock(nn.Module):
@@ -42,12 +43,19 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = config.norm_topk_prob or config.architecture == "MixtralForCausalLM"
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)  # router
-        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        # expert parallel: this rank's whole experts [expert_start, + num_local_experts)
+        self.tp = get_tp()
+        self.expert_start, self.num_local_experts = even_split(
+            self.num_experts, self.tp, "num_experts"
+        )
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, inter))
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size > 0:
-            self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(
+                hidden, config.shared_expert_intermediate_size, reduce=self.tp.size == 1
+            )
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +71,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
+        if self.tp.size > 1:
+            return self._forward_expert_parallel(x)
         logits = self.gate(x)  # [T, E]
         direct = getattr(self.backend, "forward_logits", None)
         if direct is not None:  # router and experts in the backend's kernels, where it can
@@ -88,6 +98,20 @@ class SparseMoeBlock(nn.Module):
         shared = self._shared_expert(x)
         out = self.backend.finish(pending)
         return out if shared is None else out + shared
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank routes every token; each computes its own experts' share (ids of other
+        ranks' experts become `num_local_experts`, which the backend skips) and the shared
+        expert's slice, and one all-reduce sums them."""
+        topk_ids, topk_weights = self.route(x)
+        local = topk_ids - self.expert_start
+        own = (local >= 0) & (local < self.num_local_experts)
+        local = torch.where(own, local, self.num_local_experts)
+        out = self.backend.forward(self.layer_idx, x, local, topk_weights, self.w13, self.w2)
+        shared = self._shared_expert(x)
+        if shared is not None:
+            out = out + shared
+        return self.tp.all_reduce(out)
 
     def _shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.shared_expert is None or self.shared_expert_gate is None:

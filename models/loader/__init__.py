@@ -19,6 +19,7 @@ from torch import nn
 from models.attention_backend import get_attention_backend
 from models.config import ModelConfig
 from models.layers.experts import get_expert_backend
+from models.layers.parallel import check_tensor_parallel, get_tp
 from models.loader.dummy import init_dummy_weights
 from models.loader.safetensors import iter_safetensors_weights
 from models.registry import get_model_class
@@ -153,6 +154,7 @@ def build_model(
     instead, so they never occupy the device. `prepare(model)` runs on the meta-device model
     first (e.g. to swap in packed-weight layers, whose dense weights are then never allocated)."""
     cls = get_model_class(config.architecture)
+    check_tensor_parallel(config, get_tp().size, expert_backend)
     experts = (
         get_expert_backend(expert_backend, **(expert_options or {})) if config.is_moe else None
     )
@@ -200,6 +202,9 @@ def load_model(
     kept = _packed_tensors(path, fmt, quantization)
     if kept and quantization == "auto" and not _packed_kernels_serve(device, dtype):
         log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
+        kept = {}
+    if kept and get_tp().size > 1:  # packed layers do not shard: dense slices instead
+        log.info("tensor parallel: packed weights dequantized to %s at load", dtype)
         kept = {}
 
     def prepare(m: nn.Module) -> None:
@@ -324,6 +329,8 @@ def apply_fast_linears(model: nn.Module, device: torch.device | str, dtype: torc
     """Swap dense linears for the device's small-M kernels where they apply (CPU: ext/cpu's
     GEMV for bf16, `TANDEM_CPU_LINEAR`; CUDA: ext/cuda's skinny GEMM, `TANDEM_CUDA_LINEAR`)."""
     kind = torch.device(device).type
+    if get_tp().size > 1:  # the sharded layers call F.linear on their own weights
+        return
     if kind == "cpu" and dtype == torch.bfloat16:
         _apply_cpu_quant(model)
     linear_fmt = cpu_linear_format()

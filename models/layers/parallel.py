@@ -1,0 +1,238 @@
+"""Tensor parallelism for the shared decoder: this process's rank in the group, how each
+weight splits across ranks (Megatron column/row splits by heads and intermediate rows, a vocab
+split for embedding and lm_head, whole experts per rank for MoE), and the collectives the
+sharded layers call (one all-reduce after each row-parallel projection, a gather of logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from models.decoder import DecoderForCausalLM
+
+# Architectures built from `DecoderForCausalLM`/`DecoderLayer`, whose layers shard themselves.
+TP_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "MixtralForCausalLM",
+        "OlmoeForCausalLM",
+    }
+)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group (the default group of
+    torch.distributed when size > 1)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the torch.distributed process group (None: the default one)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor | None:
+        """Every rank's `[N, c]` -> `[N, width]` (the ranks' columns side by side, cut to
+        `width`) on rank 0; None on the others."""
+        if self.size == 1:
+            return x[:, :width]
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=1)[:, :width] if parts is not None else None
+
+
+_current = TensorParallel()
+
+
+def get_tp() -> TensorParallel:
+    """The group layers shard for when they are built (size 1 unless the runtime set one)."""
+    return _current
+
+
+def set_tp(tp: TensorParallel) -> None:
+    global _current
+    _current = tp
+
+
+def even_split(total: int, tp: TensorParallel, what: str) -> tuple[int, int]:
+    """(start, length) of this rank's equal share of `total` rows."""
+    if total % tp.size:
+        raise UnsupportedModelError(
+            f"{what} ({total}) is not divisible by --tensor-parallel-size {tp.size}"
+        )
+    per = total // tp.size
+    return tp.rank * per, per
+
+
+def head_split(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tuple[int, int, int, int]:
+    """(first q head, q heads, first kv head, kv heads) of this rank. KV heads are split when
+    there are at least as many as ranks, else each rank keeps the one its q heads use."""
+    q0, nq = even_split(num_heads, tp, "num_attention_heads")
+    if num_kv_heads >= tp.size:
+        kv0, nkv = even_split(num_kv_heads, tp, "num_key_value_heads")
+        return q0, nq, kv0, nkv
+    if tp.size % num_kv_heads:
+        raise UnsupportedModelError(
+            f"--tensor-parallel-size {tp.size} must be a multiple of num_key_value_heads "
+            f"({num_kv_heads}) when it exceeds them"
+        )
+    return q0, nq, tp.rank * num_kv_heads // tp.size, 1
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int, expert_backend: str) -> None:
+    """Refuse, before any weight is read, a model or option tensor parallelism cannot serve."""
+    if tp_size == 1:
+        return
+    if tp_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp_size}")
+    if config.architecture not in TP_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{config.architecture} does not support --tensor-parallel-size > 1 yet; "
+            f"supported: {', '.join(sorted(TP_ARCHITECTURES))}"
+        )
+    if config.is_moe and expert_backend != "torch":
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} shards experts with the torch expert backend "
+            f"only, not {expert_backend!r} (leave --expert-backend auto, no --cpu-experts)"
+        )
+    if config.qk_norm and config.qk_norm_full and config.num_key_value_heads % tp_size:
+        raise UnsupportedModelError(
+            f"{config.architecture}'s q/k norm spans all heads: num_key_value_heads "
+            f"({config.num_key_value_heads}) must be divisible by --tensor-parallel-size"
+        )
+    probe = [TensorParallel(r, tp_size) for r in range(tp_size)]
+    head_split(config.num_attention_heads, config.num_key_value_heads, probe[0])
+    if config.is_moe:
+        even_split(config.num_experts, probe[0], "num_experts")
+        if config.shared_expert_intermediate_size:
+            even_split(config.shared_expert_intermediate_size, probe[0], "shared expert size")
+    if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        even_split(config.intermediate_size, probe[0], "intermediate_size")
+
+
+def row_parallel(
+    linear: nn.Linear, x: torch.Tensor, tp: TensorParallel, reduce: bool = True
+) -> torch.Tensor:
+    """A linear whose input columns are split across ranks: partial products summed by one
+    all-reduce (or left partial, `reduce=False`, for a caller that sums more first); the bias
+    counts once."""
+    if tp.size == 1:
+        return linear(x)
+    out = F.linear(x, linear.weight, linear.bias if tp.rank == 0 else None)
+    return tp.all_reduce(out) if reduce else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows `[start, start + num_rows)` of the vocabulary (padded to an equal
+    count per rank); ids outside them look up zeros, and the all-reduce fills them in."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        per = -(-vocab_size // tp.size)
+        self.tp = tp
+        self.start = min(tp.rank * per, vocab_size)
+        self.num_rows = min(per, vocab_size - self.start)
+        self.weight = nn.Parameter(torch.empty(per, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        own = (local >= 0) & (local < self.num_rows)
+        out = F.embedding(torch.where(own, local, 0), self.weight)
+        out = out * own[:, None].to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+def sharded_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, width: int, tp: TensorParallel
+) -> torch.Tensor:
+    """RMSNorm over a row whose `width` columns are split across ranks (OLMoE's q/k norm)."""
+    xf = x.float()
+    sq = tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+    xf = xf * torch.rsqrt(sq / width + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice `[start, start + length)` along `dim` of a checkpoint tensor of
+    shape `full`."""
+
+    dim: int
+    start: int
+    length: int
+    full: tuple[int, ...]
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.narrow(self.dim, self.start, self.length)
+
+
+def tensor_parallel_shards(
+    model: DecoderForCausalLM,
+) -> tuple[dict[str, Shard], dict[str, tuple[int, ...]]]:
+    """Canonical HF name -> this rank's `Shard` of it, and the names (with full shapes) of
+    tensors another rank owns (other ranks' experts), to be shape-checked and dropped."""
+    cfg = model.config
+    hidden = cfg.hidden_size
+    shards: dict[str, Shard] = {}
+    others: dict[str, tuple[int, ...]] = {}
+    emb = model.embed_tokens
+    vocab = Shard(0, emb.start, emb.num_rows, (cfg.vocab_size, hidden))
+    shards["model.embed_tokens.weight"] = vocab
+    if model.lm_head is not None:
+        shards["lm_head.weight"] = vocab
+    q_full, kv_full = cfg.q_size, cfg.kv_size
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a = layer.self_attn
+        for kind in ("weight", "bias"):
+            tail = (hidden,) if kind == "weight" else ()
+            shards[p + f"self_attn.q_proj.{kind}"] = Shard(0, a.q_start, a.q_size, (q_full, *tail))
+            for name in ("k_proj", "v_proj"):
+                shards[p + f"self_attn.{name}.{kind}"] = Shard(
+                    0, a.kv_start, a.kv_size, (kv_full, *tail)
+                )
+        shards[p + "self_attn.o_proj.weight"] = Shard(1, a.q_start, a.q_size, (hidden, q_full))
+        if a.qk_norm_full:
+            shards[p + "self_attn.q_norm.weight"] = Shard(0, a.q_start, a.q_size, (q_full,))
+            shards[p + "self_attn.k_norm.weight"] = Shard(0, a.kv_start, a.kv_size, (kv_full,))
+        mlp = layer.mlp
+        if hasattr(mlp, "w13"):
+            inter = cfg.moe_intermediate_size
+            owned = range(mlp.expert_start, mlp.expert_start + mlp.num_local_experts)
+            for e in range(mlp.num_experts):
+                if e not in owned:
+                    q = p + f"mlp.experts.{e}."
+                    others[q + "gate_proj.weight"] = (inter, hidden)
+                    others[q + "up_proj.weight"] = (inter, hidden)
+                    others[q + "down_proj.weight"] = (hidden, inter)
+            if mlp.shared_expert is not None:
+                _mlp_shards(shards, p + "mlp.shared_expert.", mlp.shared_expert, hidden)
+        else:
+            _mlp_shards(shards, p + "mlp.", mlp, hidden)
+    return shards, others
+
+
+def _mlp_shards(shards: dict[str, Shard], prefix: str, mlp: nn.Module, hidden: int) -> None:
+    start, local, full = mlp.shard_start, mlp.intermediate_size, mlp.full_intermediate_size
+    for name in ("gate_proj", "up_proj"):
+        shards[prefix + f"{name}.weight"] = Shard(0, start, local, (full, hidden))
+        shards[prefix + f"{name}.bias"] = Shard(0, start, local, (full,))
+    shards[prefix + "down_proj.weight"] = Shard(1, start, local, (hidden, full))

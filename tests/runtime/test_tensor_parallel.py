@@ -1,0 +1,151 @@
+"""Tensor parallel on the CPU (gloo, 2 processes): TP=2 logits and greedy outputs equal TP=1's
+on tiny random HF checkpoints of dense and MoE families; refusals are clear."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as hf
+
+from models.config import ModelConfig, UnsupportedModelError
+from models.layers.parallel import check_tensor_parallel
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+
+COMMON = dict(
+    vocab_size=127,  # not a multiple of 2: the vocab split pads
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.05,
+)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+CASES = {
+    # q/k/v and o_proj biases; KV heads split
+    "llama_bias": lambda: hf.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
+    # one KV head: replicated on both ranks; tied embeddings
+    "qwen3_kv1_tied": lambda: hf.Qwen3Config(
+        **{**COMMON, "num_key_value_heads": 1}, head_dim=16, tie_word_embeddings=True
+    ),
+    # shared expert (split) next to expert-parallel routed experts
+    "qwen2_moe": lambda: hf.Qwen2MoeConfig(**COMMON, **MOE, shared_expert_intermediate_size=48),
+    # q/k norm over the whole row (all-reduced across ranks), clip_qkv
+    "olmoe": lambda: hf.OlmoeConfig(
+        **{**COMMON, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=2, clip_qkv=1.0
+    ),
+}
+SLOW = {
+    "mixtral": lambda: hf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: hf.Qwen3MoeConfig(**COMMON, **MOE, norm_topk_prob=True),
+}
+PROMPTS = [[5, 9, 11, 3, 70, 2, 8], [100, 4, 4, 6], [7] * 19]
+
+
+def _save(config: hf.PretrainedConfig, path: Path) -> Path:
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm." in name:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def _run(path: Path, tp: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=64,
+        max_model_len=256,
+        tensor_parallel_size=tp,
+    )
+    try:
+        model = llm.engine.runner.model
+        seen: list[torch.Tensor] = []
+        compute = model.compute_logits
+
+        def spy(hidden: torch.Tensor) -> torch.Tensor:
+            logits = compute(hidden)
+            seen.append(logits.clone())
+            return logits
+
+        model.compute_logits = spy
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        return [list(o.token_ids) for o in outs], seen
+    finally:
+        llm.engine.close()
+
+
+def _check(name: str, make, tmp_path: Path) -> None:
+    _compare(_save(make(), tmp_path / name))
+
+
+def _compare(path: Path) -> None:
+    ids1, logits1 = _run(path, 1)
+    ids2, logits2 = _run(path, 2)
+    assert multiprocessing.active_children() == []  # close() stopped the worker
+    assert ids2 == ids1
+    assert len(logits2) == len(logits1)
+    for a, b in zip(logits1, logits2, strict=True):
+        assert b.shape == a.shape
+        assert (b - a).abs().max() / a.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp2_matches_tp1(name: str, tmp_path: Path) -> None:
+    _check(name, CASES[name], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_tp2_matches_tp1_more_families(name: str, tmp_path: Path) -> None:
+    _check(name, SLOW[name], tmp_path)
+
+
+def _config(**kw) -> ModelConfig:
+    return ModelConfig.from_hf_dict(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **COMMON, **kw}
+    )
+
+
+def test_refusals_name_the_problem() -> None:
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads"):
+        check_tensor_parallel(_config(), 3, "torch")
+    for arch in (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "GptOssForCausalLM",
+    ):
+        with pytest.raises(UnsupportedModelError, match=arch):
+            check_tensor_parallel(_config(architectures=[arch]), 2, "torch")
+    moe = ModelConfig.from_hf_dict(
+        {"architectures": ["Qwen3MoeForCausalLM"], **COMMON, **MOE, "model_type": "qwen3_moe"}
+    )
+    with pytest.raises(ValueError, match="'cpu_pool'"):
+        check_tensor_parallel(moe, 2, "cpu_pool")
+    six = ModelConfig.from_hf_dict(
+        {"architectures": ["Qwen3MoeForCausalLM"], **COMMON, **MOE, "num_experts": 6}
+    )
+    with pytest.raises(UnsupportedModelError, match=r"num_experts \(6\)"):
+        check_tensor_parallel(six, 4, "torch")
+    check_tensor_parallel(_config(), 2, "torch")
+
+
+def test_a_start_up_failure_is_one_error_and_leaves_no_worker(tmp_path: Path) -> None:
+    config = hf.LlamaConfig(
+        **{**COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
+    )
+    path = _save(config, tmp_path / "three_heads")
+    with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(3\).*size 2"):
+        LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    assert multiprocessing.active_children() == []

@@ -22,6 +22,11 @@ namespace tandem_cpu {
 //   int8: [N][Kp] int8, scales [N] fp32: value = q * scale (Kp = K rounded up to 64, zeros).
 //   int4: [N][Kp / 2] bytes, scales [N][Kp / group] fp32, the expert pool's nibble layout
 //         (kernels.h): value = (nibble - 8) * scale.
+//   bf16 VNNI (AVX-512 only): [ceil(N / 16)][Kp / 2][16][2] uint16, zeros past N and K;
+//         w_row_bytes is the stride of one 16-column block (Kp * 32). Each output is summed
+//         over K in the same order for every M, so a row's result is independent of the batch.
+constexpr int FMT_BF16_VNNI = 3;
+
 struct LinearArgs {
   int fmt = FMT_BF16;
   const uint8_t* w = nullptr;

@@ -1,9 +1,11 @@
 """Fast small-M dense linears on the CPU: `CpuDenseLinear` and `use_cpu_linear(model, fmt)`.
 
 Decode on the CPU streams every weight once per step with M = number of sequences; torch's
-GEMV reads weights at a fraction of memory bandwidth there, so rows up to `max_rows` go to the
-C++ kernel (ext/cpu/linear.*) and larger M (prefill) to torch's F.linear on the same bf16
-weight (one copy: the kernel reads it in place for "bf16"). Knows nothing about requests.
+GEMV reads weights at a fraction of memory bandwidth there. "bf16" on an AVX-512 pool packs a
+VNNI copy of the weight and sends every M to the C++ kernel (ext/cpu/linear.*), whose per-row
+sums do not depend on M: a sequence's output is then the same alone and in any batch. Other
+formats send rows up to `max_rows` to the kernel and larger M (prefill) to torch's F.linear.
+Knows nothing about requests.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ext.cpu.linear import FORMATS, CpuLinearPool, PackedWeight, pack_weight
+from ext.cpu.linear import FORMATS, VNNI_ISAS, CpuLinearPool, PackedWeight, pack_weight
 
 # Largest M sent to the C++ kernel; above it torch's GEMM is as fast or faster (measured on a
 # 2-vCPU AVX-512 BF16 EPYC, docs/BENCHMARKS.md "Offline decode (CPU)").
@@ -36,6 +38,8 @@ class CpuDenseLinear(nn.Module):
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._bias_f32 = None if bias is None else bias.float().contiguous()
+        if fmt == "bf16" and pool.isa in VNNI_ISAS:
+            fmt, max_rows = "bf16_vnni", 1 << 62  # batch-invariant: every M through the kernel
         self.packed: PackedWeight = pack_weight(self.weight.data, fmt)
         self.pool = pool
         self.max_rows = max_rows

@@ -326,7 +326,12 @@ def _auto_expert_backend(device) -> str:
 def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> str:
     """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch". The
     kernels have no sliding windows nor sinks yet: a model with either (GPT-OSS; Mistral,
-    Mixtral, Qwen with their windows) attends with the torch reference, correct but eager."""
+    Mixtral, Qwen with their windows) attends with the torch reference, correct but eager.
+    On the CPU, "cpu" (the batch-invariant C++ kernel) where the extension builds."""
+    if device.type == "cpu":
+        from models.attention_backend import cpu_backend_supports
+
+        return "cpu" if cpu_backend_supports(dtype) else "torch"
     if device.type != "cuda":
         return "torch"
     if model_config is not None and (model_config.sliding_layers or model_config.attention_sinks):

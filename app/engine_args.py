@@ -106,6 +106,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "from the pool's weights, copied over PCIe (auto: by expert format; "
         "env TANDEM_GPU_PREFILL)",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant ops: greedy output the same alone and in any batch (CUDA: "
+        "fixed-shape GEMMs and one attention kernel, slower; CPU: needs bf16 on AVX-512 BF16, "
+        "where it is the default already). Dense models; docs/determinism.md",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
@@ -143,6 +150,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             gpu_prefill=args.gpu_prefill,
             quantization=args.quantization,
             dequantize=args.dequantize,
+            deterministic=args.deterministic,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

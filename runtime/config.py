@@ -39,6 +39,9 @@ class ModelSpec:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # for dummy weights
     attention_backend: str = "auto"  # auto | torch | cpu | cupy
+    # Batch-invariant ops: a sequence's greedy output the same alone and in any batch (CUDA:
+    # fixed-shape GEMMs and one attention kernel, at a cost; CPU bf16: the default already).
+    deterministic: bool = False
     expert_backend: str = "auto"  # auto | torch | gpu | cpu_pool
     cpu_experts: str | None = None  # "all" or a number per layer
     gpu_experts: int | None = None

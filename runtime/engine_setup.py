@@ -228,6 +228,7 @@ def load_engine_model(
         config=model_config,
         expert_options=expert_options,
         quantization="none" if spec.dequantize else spec.quantization,
+        deterministic=spec.deterministic,
     )
     return model, model_config, model_path
 

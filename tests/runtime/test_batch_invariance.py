@@ -49,12 +49,15 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> tuple[list[list], int]:
     return tokens, sum(cached.values())
 
 
-def _check(model: str, load_format: str, prompts: list[list[int]]) -> None:
+def _check(model: str, load_format: str, prompts: list[list[int]], **options) -> None:
     common = dict(device="cpu", dtype="auto", load_format=load_format, max_model_len=512)
+    common.update(options)
     alone_llm = LLM(model, enable_prefix_caching=False, max_num_batched_tokens=512, **common)
-    backend = alone_llm.engine.model.layers[0].self_attn.backend.name
-    if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16:
-        assert backend == "cpu"  # the default on a bf16 CPU is the batch-invariant kernel
+    backend = alone_llm.engine.model.layers[0].self_attn.backend
+    if common["device"] == "cuda":
+        assert backend.name == "cupy" and backend.batch_invariant
+    elif resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16:
+        assert backend.name == "cpu"  # the default on a bf16 CPU is the batch-invariant kernel
     alone = [_greedy(alone_llm, [p])[0][0] for p in prompts]
     del alone_llm
     batched_llm = LLM(model, max_num_batched_tokens=48, max_num_seqs=16, **common)
@@ -67,18 +70,33 @@ def _check(model: str, load_format: str, prompts: list[list[int]]) -> None:
         assert cached[i] == ref, (i, len(prompts[i]))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=384, hidden_size=96,
+def _tiny(path: Path, head_dim: int) -> str:
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=384, hidden_size=6 * head_dim,
                       intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+                      num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512)  # fmt: skip
     (path / "config.json").write_text(json.dumps(to_hf_config_dict(cfg)))
-    return path
+    return str(path)
 
 
-def test_tiny_random_model_batched_equals_alone(tiny_dir: Path) -> None:
-    _check(str(tiny_dir), "dummy", _prompts(384))
+def test_tiny_random_model_batched_equals_alone(tmp_path: Path) -> None:
+    _check(_tiny(tmp_path, 16), "dummy", _prompts(384))
+
+
+def test_deterministic_flag_on_the_cpu(tmp_path: Path) -> None:
+    """--deterministic on the CPU is the default bf16 path, checked; float32 is refused."""
+    model = _tiny(tmp_path, 16)
+    if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16:
+        llm = LLM(model, load_format="dummy", device="cpu", deterministic=True)
+        assert llm.engine.model.layers[0].self_attn.backend.name == "cpu"
+    with pytest.raises(ValueError, match="deterministic"):
+        LLM(model, load_format="dummy", device="cpu", dtype="float32", deterministic=True)
+
+
+@pytest.mark.gpu
+def test_cuda_deterministic_batched_equals_alone(tmp_path: Path) -> None:
+    """--deterministic on CUDA: fixed-shape GEMMs and the extend kernel for every batch, decode
+    steps replayed from CUDA graphs."""
+    _check(_tiny(tmp_path, 64), "dummy", _prompts(384), device="cuda", deterministic=True)
 
 
 @pytest.mark.slow

@@ -209,8 +209,8 @@ PYBIND11_MODULE(_tandem_cpu, m) {
         return out;
       });
   py::class_<LinearPool>(m, "LinearPool")
-      .def(py::init<int, const std::string&>(), py::arg("num_threads"), py::arg("isa"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(py::init<int, const std::string&, int>(), py::arg("num_threads"), py::arg("isa"),
+           py::arg("parallel_min_rows") = 1, py::call_guard<py::gil_scoped_release>())
       .def(
           "run",
           [](LinearPool& p, int fmt, uintptr_t w, size_t w_row_bytes, uintptr_t scales, int group,

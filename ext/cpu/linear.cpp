@@ -24,7 +24,8 @@ LinearKernels select_linear(const std::string& want) {
 
 }  // namespace
 
-LinearPool::LinearPool(int num_threads, const std::string& isa) : kernels_(select_linear(isa)) {
+LinearPool::LinearPool(int num_threads, const std::string& isa, int parallel_min_rows)
+    : kernels_(select_linear(isa)), parallel_min_rows_(parallel_min_rows) {
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   if (num_threads > 1) workers_ = std::make_unique<Workers>(num_threads - 1);
 }
@@ -61,7 +62,7 @@ void LinearPool::run(const LinearArgs& a, const void* x, bool x_bf16) {
   const int blocks = (a.N + block_rows - 1) / block_rows;
   const void* xp = xprep_.data();
   next_.store(0, std::memory_order_relaxed);
-  if (!workers_ || blocks < 2) {
+  if (!workers_ || blocks < 2 || a.M < parallel_min_rows_) {
     work(a, xp, blocks, block_rows);
     return;
   }

@@ -78,8 +78,10 @@ LinearKernels linear_kernels_avx512();
 class LinearPool {
  public:
   // num_threads: threads computing a call, the caller included (>= 1); the other
-  // num_threads - 1 are pinned workers that spin briefly after a call, then sleep.
-  LinearPool(int num_threads, const std::string& isa);
+  // num_threads - 1 are pinned workers that spin briefly after a call, then sleep. Calls of
+  // fewer than parallel_min_rows rows run on the caller alone. Which thread computes a column
+  // never changes its result.
+  LinearPool(int num_threads, const std::string& isa, int parallel_min_rows = 1);
   ~LinearPool();
   // Synchronous; x [M][K] fp32 or bf16. Calls from several threads are serialized.
   void run(const LinearArgs& a, const void* x, bool x_bf16);
@@ -91,6 +93,7 @@ class LinearPool {
 
   LinearKernels kernels_;
   std::unique_ptr<Workers> workers_;
+  int parallel_min_rows_ = 1;
   std::mutex mu_;
   std::vector<uint8_t> xprep_;
   std::atomic<int> next_{0};

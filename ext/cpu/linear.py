@@ -102,9 +102,12 @@ def pack_weight(weight: torch.Tensor, fmt: str = "bf16", group_size: int = 64) -
 
 class CpuLinearPool:
     """Runs `linear` on the calling thread plus num_threads - 1 pinned workers (which spin for
-    ~0.1 ms after a call, then sleep). Calls from several threads are serialized."""
+    ~0.1 ms after a call, then sleep); calls of fewer than `parallel_min_rows` rows on the
+    calling thread alone. Calls from several threads are serialized."""
 
-    def __init__(self, num_threads: int | None = None, isa: str | None = None) -> None:
+    def __init__(
+        self, num_threads: int | None = None, isa: str | None = None, parallel_min_rows: int = 1
+    ) -> None:
         if num_threads is None:
             num_threads = torch.get_num_threads()
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -113,7 +116,9 @@ class CpuLinearPool:
             isa = os.environ.get(ISA_ENV, "") or None
         if isa is not None and isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-        self._pool = load_extension().LinearPool(num_threads, isa or "")
+        if not isinstance(parallel_min_rows, int) or parallel_min_rows < 1:
+            raise ValueError(f"parallel_min_rows must be a positive int, got {parallel_min_rows!r}")
+        self._pool = load_extension().LinearPool(num_threads, isa or "", parallel_min_rows)
 
     @property
     def isa(self) -> str:

@@ -238,11 +238,29 @@ void vnni_tokens(const LinearArgs& a, const uint16_t* X, int nb0) {
   else if (rest == 1) vnni_tile<1, NB>(a, X, nb0, t);
 }
 
+// M >= 8: eight tokens against three column blocks (24 accumulators), fewer loads per product.
+template <int NB>
+void vnni_tokens8(const LinearArgs& a, const uint16_t* X, int nb0) {
+  int t = 0;
+  for (; t + 8 <= a.M; t += 8) vnni_tile<8, NB>(a, X, nb0, t);
+  for (; t + 4 <= a.M; t += 4) vnni_tile<4, NB>(a, X, nb0, t);
+  const int rest = a.M - t;
+  if (rest == 3) vnni_tile<3, NB>(a, X, nb0, t);
+  else if (rest == 2) vnni_tile<2, NB>(a, X, nb0, t);
+  else if (rest == 1) vnni_tile<1, NB>(a, X, nb0, t);
+}
+
 void vnni_rows(const LinearArgs& a, const uint16_t* X, int r0, int r1) {
   int nb = r0 / 16;
   const int nb1 = (r1 + 15) / 16;
   if (a.M <= 2)  // weight-bound: eight column blocks (eight streams) in flight
     for (; nb + 8 <= nb1; nb += 8) vnni_tokens<8>(a, X, nb);
+  if (a.M >= 8) {
+    for (; nb + 3 <= nb1; nb += 3) vnni_tokens8<3>(a, X, nb);
+    for (; nb + 2 <= nb1; nb += 2) vnni_tokens8<2>(a, X, nb);
+    for (; nb < nb1; ++nb) vnni_tokens8<1>(a, X, nb);
+    return;
+  }
   for (; nb + 4 <= nb1; nb += 4) vnni_tokens<4>(a, X, nb);
   for (; nb + 2 <= nb1; nb += 2) vnni_tokens<2>(a, X, nb);
   for (; nb < nb1; ++nb) vnni_tokens<1>(a, X, nb);

@@ -19,6 +19,9 @@ from ext.cpu.linear import FORMATS, VNNI_ISAS, CpuLinearPool, PackedWeight, pack
 # Largest M sent to the C++ kernel; above it torch's GEMM is as fast or faster (measured on a
 # 2-vCPU AVX-512 BF16 EPYC, docs/BENCHMARKS.md "Offline decode (CPU)").
 DEFAULT_MAX_ROWS = 4
+# Steps of at least this many rows also use torch's other threads' cores (the pool's workers);
+# smaller ones run on the caller alone (docs/BENCHMARKS.md "Batch-invariant CPU decode").
+PARALLEL_MIN_ROWS = 4
 
 
 class CpuDenseLinear(nn.Module):
@@ -88,9 +91,11 @@ def use_cpu_linear(
     params = list(model.parameters())
     if not params or params[0].device.type != "cpu" or params[0].dtype != torch.bfloat16:
         return 0
-    # One thread (the caller's): a pinned worker next to torch's own intra-op threads on the
-    # same cores made batch-1 decode slower, not faster (measured: 60 vs 28 tok/s on 2 vCPUs).
-    pool = pool or CpuLinearPool(num_threads=1)
+    # Batch-1 on the caller's thread alone: a pinned worker next to torch's own intra-op threads
+    # on the same cores made it slower, not faster (measured: 60 vs 28 tok/s on 2 vCPUs).
+    pool = pool or CpuLinearPool(
+        num_threads=torch.get_num_threads(), parallel_min_rows=PARALLEL_MIN_ROWS
+    )
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

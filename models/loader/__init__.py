@@ -36,8 +36,9 @@ QUANTIZATIONS = ("auto", "none", "gguf")
 # "0" off, or the weight format "bf16" | "int8" | "int4". Read here and nowhere else.
 CPU_LINEAR_ENV = "TANDEM_CPU_LINEAR"
 # "auto" (the default): bf16 weights through the kernel where the CPU has AVX-512 BF16 or AMX
-# and the extension builds, else torch, with a warning. Measured 1.3-1.5x batch-1 decode and
-# no loss at 16 concurrent (M > 4 goes to torch): docs/BENCHMARKS.md "Offline decode (CPU)".
+# and the extension builds, else torch, with a warning. There every M goes through the kernel's
+# VNNI layout, so greedy output does not depend on the batch: docs/BENCHMARKS.md "Batch-invariant
+# CPU decode".
 CPU_LINEAR_DEFAULT = "auto"
 # Dense linears of fp16/bf16 CUDA models at 1-2 rows (decode of one or two sequences) through
 # ext/cuda's skinny GEMM (models/layers/cuda_linear.py): "auto" (the default) where CuPy is

@@ -150,7 +150,11 @@ class CpuAttentionBackend:
         v: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if window is not None or sinks is not None:
+            raise ValueError("the cpu attention backend has no sliding window nor sinks")
         k_cache = batch.kv_cache.k[layer_idx]
         v_cache = batch.kv_cache.v[layer_idx]
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)

@@ -275,9 +275,12 @@ def make_batch_invariant(model: nn.Module, device: torch.device | str, dtype: to
         return
     if kind == "cpu":
         from models.layers.cpu_linear import CpuDenseLinear
+        from models.quant.linear import QuantLinear
 
         apply_fast_linears(model, device, dtype)
         fmts = {m.packed.fmt for m in model.modules() if isinstance(m, CpuDenseLinear)}
+        if any(isinstance(m, QuantLinear) for m in model.modules()):
+            fmts.add("packed checkpoint types (use --dequantize)")
         if dtype != torch.bfloat16 or fmts != {"bf16_vnni"} or backends != {"cpu"}:
             raise ValueError(
                 "--deterministic on the CPU needs bfloat16 on an AVX-512 BF16 CPU with the C++ "

@@ -161,6 +161,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="processes (one per GPU; gloo on the CPU) the model's layers are split over",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant ops: greedy output the same alone and in any batch (CUDA: "
+        "fixed-shape GEMMs and one attention kernel, slower; CPU: needs bf16 on AVX-512 BF16, "
+        "where it is the default already). Dense models; docs/determinism.md",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
@@ -214,6 +221,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization,
             dequantize=args.dequantize,
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            deterministic=args.deterministic,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

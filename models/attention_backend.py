@@ -2,11 +2,13 @@
 
 A backend owns how K/V are stored into the paged cache and how attention over that cache is
 computed; it knows nothing about models or requests. `torch` (ext/attention_ref.py) runs on
-any device; `cupy` (models/cupy_backend.py) runs ext/cuda's kernels on CUDA.
+any device; `cpu` runs ext/cpu's batch-invariant C++ kernel on the CPU; `cupy`
+(models/cupy_backend.py) runs ext/cuda's kernels on CUDA.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -15,6 +17,8 @@ import torch
 from ext.attention_ref import PagedAttentionPlan, paged_attention, plan_paged_attention, write_kv
 from ext.mla_ref import mla_attention_ref
 from models.batch import ForwardBatch
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -124,6 +128,57 @@ class TorchAttentionBackend:
         )  # fmt: skip
 
 
+class CpuAttentionBackend:
+    """The CPU's C++ kernel (ext/cpu/attention.*): each query row is computed alone over its own
+    keys, so a sequence's output does not depend on the batch or on how its prompt was chunked."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from ext.cpu.attention import paged_attention_cpu
+
+        self._attend = paged_attention_cpu
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        pass
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if window is not None or sinks is not None:
+            raise ValueError("the cpu attention backend has no sliding window nor sinks")
+        k_cache = batch.kv_cache.k[layer_idx]
+        v_cache = batch.kv_cache.v[layer_idx]
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        return self._attend(
+            q, k_cache, v_cache, batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables, scale
+        )
+
+
+def cpu_backend_supports(dtype: torch.dtype) -> bool:
+    """Whether the "cpu" backend serves this KV dtype here (the C++ extension builds)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return False
+    try:
+        from ext.cpu import load_extension
+
+        load_extension()
+        return True
+    except Exception as exc:  # no compiler or headers: the torch reference serves instead
+        log.warning(
+            "CPU attention kernel unavailable (%s: %s); using torch", type(exc).__name__, exc
+        )
+        return False
+
+
 def _cupy_backend() -> AttentionBackend:
     # Imported on use: the kernels' module needs no CUDA to import, but keep the torch-only
     # path free of it.
@@ -134,6 +189,7 @@ def _cupy_backend() -> AttentionBackend:
 
 _ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch": TorchAttentionBackend,
+    "cpu": CpuAttentionBackend,
     "cupy": _cupy_backend,
 }
 

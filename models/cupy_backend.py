@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ext.cuda import is_available, paged_attention_cuda, write_kv
+from ext.cuda import is_available, paged_attention_cuda, paged_extend, write_kv
 from ext.cuda.kernels import HEAD_DIMS
 from ext.cuda.mla import LATENT_DIMS, ROPE_DIMS, mla_attention_cuda
 from models.batch import ForwardBatch
@@ -46,9 +46,13 @@ def cupy_backend_supports_mla(
 class CupyAttentionBackend:
     """Decode-only batches (one token per sequence) take the split-K decode kernel, every other
     batch the extend kernel. `batch.max_seq_len` may be an upper bound of the real lengths (a
-    CUDA graph captured once serves any shorter context)."""
+    CUDA graph captured once serves any shorter context). `batch_invariant` (the
+    `--deterministic` mode): every batch takes the extend kernel, whose rows each sum over key
+    tiles at fixed positions, so a row's output does not depend on the batch or the chunking
+    (the decode kernel's split-K plan varies with the batch size)."""
 
     name = "cupy"
+    batch_invariant = False
 
     def prepare(self, batch: ForwardBatch) -> None:
         # The kernels plan from host ints alone; mark the step as prepared so the model does
@@ -80,6 +84,17 @@ class CupyAttentionBackend:
     ) -> torch.Tensor:
         """Attention of q `[T, H, D]` over a cache that already holds this step's k/v (written
         by the caller, e.g. the fused qkv + rotary + KV-write decode kernel)."""
+        if self.batch_invariant:
+            return paged_extend(
+                q,
+                batch.kv_cache.k[layer_idx],
+                batch.kv_cache.v[layer_idx],
+                batch.query_start_loc,
+                batch.seq_lens,
+                batch.block_tables,
+                max(batch.max_query_len, 1),
+                scale,
+            )
         return paged_attention_cuda(
             q,
             batch.kv_cache.k[layer_idx],

@@ -38,7 +38,10 @@ class ModelSpec:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # for dummy weights
-    attention_backend: str = "auto"  # auto | torch | cupy
+    attention_backend: str = "auto"  # auto | torch | cpu | cupy
+    # Batch-invariant ops: a sequence's greedy output the same alone and in any batch (CUDA:
+    # fixed-shape GEMMs and one attention kernel, at a cost; CPU bf16: the default already).
+    deterministic: bool = False
     expert_backend: str = "auto"  # auto | torch | gpu | cpu_pool
     cpu_experts: str | None = None  # "all" or a number per layer
     gpu_experts: int | None = None

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,6 +125,11 @@ class CudaModelRunner(ModelRunner):
     ) -> None:
         super().__init__(model, model_config, kv_cache, device, attn_backend)
         self.options = options or CudaRunnerOptions.from_env()
+        if getattr(model, "batch_invariant", False) and self.options.compile_mode is not None:
+            # Inductor's own GEMMs and reductions pick configurations per shape; the invariant
+            # model runs eager (its decode steps still replay CUDA graphs).
+            log.warning("--deterministic: torch.compile off (TANDEM_COMPILE ignored)")
+            self.options = replace(self.options, compile_mode=None)
         self.stream = torch.cuda.Stream(device)
         self.copy_stream = torch.cuda.Stream(device)  # sampled ids back to the host
         self.max_num_seqs = max_num_seqs

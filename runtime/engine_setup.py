@@ -230,6 +230,7 @@ def load_engine_model(
         config=model_config,
         expert_options=expert_options,
         quantization="none" if spec.dequantize else spec.quantization,
+        deterministic=spec.deterministic,
     )
     return model, model_config, model_path
 
@@ -374,7 +375,18 @@ def _auto_expert_backend(device) -> str:
 def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> str:
     """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch". The
     kernels have no sliding windows nor sinks yet: a model with either (GPT-OSS; Mistral,
-    Mixtral, Qwen with their windows) attends with the torch reference, correct but eager."""
+    Mixtral, Qwen with their windows) attends with the torch reference, correct but eager.
+    On the CPU in bf16, "cpu" (the batch-invariant C++ kernel, next to the batch-invariant bf16
+    linears) where the extension builds and the model has neither (float32 keeps torch's
+    GEMMs, not invariant, and the torch reference)."""
+    plain = model_config is None or not (
+        model_config.sliding_layers or model_config.attention_sinks or model_config.is_mla
+    )
+    if device.type == "cpu":
+        from models.attention_backend import cpu_backend_supports
+
+        ok = plain and dtype == torch.bfloat16 and cpu_backend_supports(dtype)
+        return "cpu" if ok else "torch"
     if device.type != "cuda":
         return "torch"
     if model_config is not None and (model_config.sliding_layers or model_config.attention_sinks):

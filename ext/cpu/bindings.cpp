@@ -1,8 +1,9 @@
-// Thin pybind11 layer over ExpertPool. Tensors arrive as raw addresses: the Python wrapper
+// Thin pybind11 layer over ExpertPool, LinearPool and the CPU paged attention. Tensors arrive as raw addresses: the Python wrapper
 // (ext/cpu/pool.py) validates shapes, dtypes, devices and contiguity and keeps the tensors alive.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "attention.h"
 #include "isa.h"
 #include "linear.h"
 #include "moe.h"
@@ -208,8 +209,8 @@ PYBIND11_MODULE(_tandem_cpu, m) {
         return out;
       });
   py::class_<LinearPool>(m, "LinearPool")
-      .def(py::init<int, const std::string&>(), py::arg("num_threads"), py::arg("isa"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(py::init<int, const std::string&, int>(), py::arg("num_threads"), py::arg("isa"),
+           py::arg("parallel_min_rows") = 1, py::call_guard<py::gil_scoped_release>())
       .def(
           "run",
           [](LinearPool& p, int fmt, uintptr_t w, size_t w_row_bytes, uintptr_t scales, int group,
@@ -234,4 +235,30 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def_property_readonly("isa", &LinearPool::isa)
       .def_property_readonly("num_threads", &LinearPool::num_threads);
   bind_qlinear(m);
+  m.def(
+      "paged_attention",
+      [](uintptr_t q, uintptr_t out, int64_t num_tokens, uintptr_t k, uintptr_t v, bool kv_bf16,
+         int64_t num_blocks, int block_size, int num_heads, int num_kv_heads, int head_dim,
+         int num_seqs, uintptr_t q_starts, uintptr_t q_lens, uintptr_t seq_lens,
+         uintptr_t block_tables, int max_blocks, float scale) {
+        tandem_cpu::AttentionArgs a;
+        a.q = (const float*)q;
+        a.out = (float*)out;
+        a.k = (const void*)k;
+        a.v = (const void*)v;
+        a.kv_bf16 = kv_bf16;
+        a.block_size = block_size;
+        a.num_heads = num_heads;
+        a.num_kv_heads = num_kv_heads;
+        a.head_dim = head_dim;
+        a.num_seqs = num_seqs;
+        a.q_starts = (const int64_t*)q_starts;
+        a.q_lens = (const int64_t*)q_lens;
+        a.seq_lens = (const int64_t*)seq_lens;
+        a.block_tables = (const int32_t*)block_tables;
+        a.max_blocks = max_blocks;
+        a.scale = scale;
+        tandem_cpu::paged_attention_cpu(a, num_tokens, num_blocks);
+      },
+      py::call_guard<py::gil_scoped_release>());
 }

@@ -57,6 +57,7 @@ CORE_UNITS = [
     ("qlinear.cpp", [], None),
     ("qlinear_scalar.cpp", [], None),
     ("qlinear_bindings.cpp", [], None),
+    ("attention.cpp", [], None),
     ("bindings.cpp", [], None),
 ]
 X86_UNITS = [
@@ -89,6 +90,7 @@ HEADERS = [
     "stream.h",
     "linear.h",
     "qlinear.h",
+    "attention.h",
     "simd_avx512.h",
     "simd_q8.h",
 ]

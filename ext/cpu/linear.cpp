@@ -24,7 +24,8 @@ LinearKernels select_linear(const std::string& want) {
 
 }  // namespace
 
-LinearPool::LinearPool(int num_threads, const std::string& isa) : kernels_(select_linear(isa)) {
+LinearPool::LinearPool(int num_threads, const std::string& isa, int parallel_min_rows)
+    : kernels_(select_linear(isa)), parallel_min_rows_(parallel_min_rows) {
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   if (num_threads > 1) workers_ = std::make_unique<Workers>(num_threads - 1);
 }
@@ -45,23 +46,27 @@ void LinearPool::work(const LinearArgs& a, const void* xp, int blocks, int block
 void LinearPool::run(const LinearArgs& a, const void* x, bool x_bf16) {
   if (a.M <= 0 || a.N <= 0 || a.K <= 0) throw std::invalid_argument("M, N and K must be positive");
   if (a.Kp < a.K || a.Kp % kKAlign) throw std::invalid_argument("Kp must be K rounded up to 64");
-  if (a.fmt < FMT_BF16 || a.fmt > FMT_INT4) throw std::invalid_argument("unknown weight format");
+  if (a.fmt < FMT_BF16 || a.fmt > FMT_BF16_VNNI)
+    throw std::invalid_argument("unknown weight format");
+  if (a.fmt == FMT_BF16_VNNI && std::string(kernels_.name) != "avx512")
+    throw std::invalid_argument("the bf16 VNNI layout needs the avx512 kernels");
   if (a.fmt == FMT_INT4 && a.group != 32 && a.group != 64)
     throw std::invalid_argument("int4 group must be 32 or 64");
   std::lock_guard<std::mutex> lk(mu_);
   const size_t need = kernels_.prep_bytes(a.Kp, a.M);
   if (xprep_.size() < need) xprep_.resize(need);
   kernels_.prep(x, x_bf16, a.M, a.K, a.Kp, xprep_.data());
-  // Blocks of 16 rows: enough items to balance, long enough runs to stream.
-  const int block_rows = 16;
+  // Blocks of 16 rows: enough items to balance, long enough runs to stream. VNNI: 128 columns
+  // (eight 16-column blocks) so that small-M calls keep eight weight streams in flight.
+  const int block_rows = a.fmt == FMT_BF16_VNNI ? 128 : 16;
   const int blocks = (a.N + block_rows - 1) / block_rows;
   const void* xp = xprep_.data();
   next_.store(0, std::memory_order_relaxed);
-  if (!workers_ || blocks < 2) {
+  if (!workers_ || blocks < 2 || a.M < parallel_min_rows_) {
     work(a, xp, blocks, block_rows);
     return;
   }
-  workers_->start([this, &a, xp, blocks](int) { work(a, xp, blocks, block_rows); });
+  workers_->start([this, &a, xp, blocks, block_rows](int) { work(a, xp, blocks, block_rows); });
   work(a, xp, blocks, block_rows);
   workers_->wait();
 }

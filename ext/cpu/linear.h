@@ -22,6 +22,11 @@ namespace tandem_cpu {
 //   int8: [N][Kp] int8, scales [N] fp32: value = q * scale (Kp = K rounded up to 64, zeros).
 //   int4: [N][Kp / 2] bytes, scales [N][Kp / group] fp32, the expert pool's nibble layout
 //         (kernels.h): value = (nibble - 8) * scale.
+//   bf16 VNNI (AVX-512 only): [ceil(N / 16)][Kp / 2][16][2] uint16, zeros past N and K;
+//         w_row_bytes is the stride of one 16-column block (Kp * 32). Each output is summed
+//         over K in the same order for every M, so a row's result is independent of the batch.
+constexpr int FMT_BF16_VNNI = 3;
+
 struct LinearArgs {
   int fmt = FMT_BF16;
   const uint8_t* w = nullptr;
@@ -73,8 +78,10 @@ LinearKernels linear_kernels_avx512();
 class LinearPool {
  public:
   // num_threads: threads computing a call, the caller included (>= 1); the other
-  // num_threads - 1 are pinned workers that spin briefly after a call, then sleep.
-  LinearPool(int num_threads, const std::string& isa);
+  // num_threads - 1 are pinned workers that spin briefly after a call, then sleep. Calls of
+  // fewer than parallel_min_rows rows run on the caller alone. Which thread computes a column
+  // never changes its result.
+  LinearPool(int num_threads, const std::string& isa, int parallel_min_rows = 1);
   ~LinearPool();
   // Synchronous; x [M][K] fp32 or bf16. Calls from several threads are serialized.
   void run(const LinearArgs& a, const void* x, bool x_bf16);
@@ -86,6 +93,7 @@ class LinearPool {
 
   LinearKernels kernels_;
   std::unique_ptr<Workers> workers_;
+  int parallel_min_rows_ = 1;
   std::mutex mu_;
   std::vector<uint8_t> xprep_;
   std::atomic<int> next_{0};

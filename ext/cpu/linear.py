@@ -17,15 +17,18 @@ import torch.nn.functional as F
 from .build import load_extension
 from .pool import ISA_ENV, ISAS
 
-FORMATS = ("bf16", "int8", "int4")
-_FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
+FORMATS = ("bf16", "int8", "int4", "bf16_vnni")
+_FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "bf16_vnni": 3}
+VNNI_ISAS = ("avx512", "amx")  # pools that run "bf16_vnni" (the AVX-512 kernels)
 K_ALIGN = 64  # kKAlign in kernels.h
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """W [N, K] as the kernels read it. `data` is the caller's bf16 tensor itself for "bf16";
-    int8: [N, Kp] int8 + scales [N]; int4: [N, Kp // 2] uint8 + scales [N, Kp // group]."""
+    int8: [N, Kp] int8 + scales [N]; int4: [N, Kp // 2] uint8 + scales [N, Kp // group];
+    bf16_vnni: a bf16 copy [ceil(N / 16), Kp * 16] laid out [N / 16][Kp / 2][16][2], whose
+    every output row is summed in one order whatever the number of rows (batch-invariant)."""
 
     fmt: str
     data: torch.Tensor
@@ -48,6 +51,9 @@ class PackedWeight:
         N, K, Kp = self.out_features, self.in_features, self.padded_in_features
         if self.fmt == "bf16":
             return self.data.float()
+        if self.fmt == "bf16_vnni":
+            w = self.data.view(-1, Kp // 2, 16, 2).permute(0, 2, 1, 3).reshape(-1, Kp)
+            return w[:N, :K].float()
         if self.fmt == "int8":
             return (self.data.float() * self.scales[:, None])[:, :K]
         b = self.data.view(N, Kp // 64, 32).long()
@@ -73,6 +79,11 @@ def pack_weight(weight: torch.Tensor, fmt: str = "bf16", group_size: int = 64) -
             raise ValueError("bf16 format reads the weight in place: pass a contiguous bf16 tensor")
         return PackedWeight("bf16", weight, None, 0, N, K)
     Kp = -(-K // K_ALIGN) * K_ALIGN
+    if fmt == "bf16_vnni":
+        Np = -(-N // 16) * 16
+        wb = F.pad(weight.to(torch.bfloat16), (0, Kp - K, 0, Np - N))
+        data = wb.view(Np // 16, 16, Kp // 2, 2).permute(0, 2, 1, 3).reshape(Np // 16, Kp * 16)
+        return PackedWeight("bf16_vnni", data.contiguous(), None, 0, N, K)
     w = F.pad(weight.float(), (0, Kp - K))
     if fmt == "int8":
         scale = w.abs().amax(dim=1) / 127.0  # [N]
@@ -91,9 +102,12 @@ def pack_weight(weight: torch.Tensor, fmt: str = "bf16", group_size: int = 64) -
 
 class CpuLinearPool:
     """Runs `linear` on the calling thread plus num_threads - 1 pinned workers (which spin for
-    ~0.1 ms after a call, then sleep). Calls from several threads are serialized."""
+    ~0.1 ms after a call, then sleep); calls of fewer than `parallel_min_rows` rows on the
+    calling thread alone. Calls from several threads are serialized."""
 
-    def __init__(self, num_threads: int | None = None, isa: str | None = None) -> None:
+    def __init__(
+        self, num_threads: int | None = None, isa: str | None = None, parallel_min_rows: int = 1
+    ) -> None:
         if num_threads is None:
             num_threads = torch.get_num_threads()
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -102,7 +116,9 @@ class CpuLinearPool:
             isa = os.environ.get(ISA_ENV, "") or None
         if isa is not None and isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-        self._pool = load_extension().LinearPool(num_threads, isa or "")
+        if not isinstance(parallel_min_rows, int) or parallel_min_rows < 1:
+            raise ValueError(f"parallel_min_rows must be a positive int, got {parallel_min_rows!r}")
+        self._pool = load_extension().LinearPool(num_threads, isa or "", parallel_min_rows)
 
     @property
     def isa(self) -> str:
@@ -150,6 +166,10 @@ class CpuLinearPool:
             or bias.device.type != "cpu"
         ):
             raise ValueError(f"bias must be a contiguous [{N}] float32 CPU tensor")
+        if w.fmt == "bf16_vnni" and self.isa not in VNNI_ISAS:
+            raise ValueError(
+                f"bf16_vnni weights need the avx512 kernels; this pool runs {self.isa}"
+            )
         data = w.data
         self._pool.run(
             _FMT_CODE[w.fmt],

@@ -186,12 +186,93 @@ void rows_fmt(const LinearArgs& a, const uint16_t* X, int r0, int r1, __m512i ta
   for (; r < r1; ++r) row_group<FMT, 1>(a, X, r, table);
 }
 
+// FMT_BF16_VNNI: weights as [N / 16][Kp / 2][16 columns][2] bf16, so one 64-byte load holds a
+// K pair of 16 output columns and x's pair is broadcast: no horizontal sums. Every output
+// (t, n) is one fp32 lane accumulated over the K pairs in order, whatever M and the tile
+// shapes are, so a row's result does not depend on the other rows of the call.
+template <int TN, int NB>
+void vnni_tile(const LinearArgs& a, const uint16_t* X, int nb0, int t0) {
+  const int pairs = a.Kp / 2;
+  const size_t blk = a.w_row_bytes / 4;  // uint32 words per 16-column block
+  const uint32_t* W = (const uint32_t*)a.w + (size_t)nb0 * blk;
+  __m512 acc[TN][NB];
+  for (int t = 0; t < TN; ++t)
+    for (int j = 0; j < NB; ++j) acc[t][j] = _mm512_setzero_ps();
+  const uint32_t* xs[TN];
+  for (int t = 0; t < TN; ++t) xs[t] = (const uint32_t*)(X + (size_t)(t0 + t) * a.Kp);
+  for (int p = 0; p < pairs; ++p) {
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint32_t* src = W + j * blk + (size_t)p * 16;
+      _mm_prefetch((const char*)(src + kPrefetchBytes / 4), _MM_HINT_T0);
+      w[j] = (__m512bh)_mm512_loadu_si512((const void*)src);
+    }
+    for (int t = 0; t < TN; ++t) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xs[t][p]);
+      for (int j = 0; j < NB; ++j) acc[t][j] = _mm512_dpbf16_ps(acc[t][j], w[j], xb);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int n0 = (nb0 + j) * 16;
+    const int cols = a.N - n0 < 16 ? a.N - n0 : 16;
+    const __mmask16 m = (__mmask16)((1u << cols) - 1);
+    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(m, a.bias + n0) : _mm512_setzero_ps();
+    for (int t = 0; t < TN; ++t) {
+      const __m512 v = _mm512_add_ps(acc[t][j], b);
+      const size_t at = (size_t)(t0 + t) * a.N + n0;
+      if (a.y_bf16)
+        _mm256_mask_storeu_epi16((uint16_t*)a.y + at, m, (__m256i)_mm512_cvtneps_pbh(v));
+      else
+        _mm512_mask_storeu_ps((float*)a.y + at, m, v);
+    }
+  }
+}
+
+template <int NB>
+void vnni_tokens(const LinearArgs& a, const uint16_t* X, int nb0) {
+  int t = 0;
+  for (; t + 4 <= a.M; t += 4) vnni_tile<4, NB>(a, X, nb0, t);
+  const int rest = a.M - t;
+  if (rest == 3) vnni_tile<3, NB>(a, X, nb0, t);
+  else if (rest == 2) vnni_tile<2, NB>(a, X, nb0, t);
+  else if (rest == 1) vnni_tile<1, NB>(a, X, nb0, t);
+}
+
+// M >= 8: eight tokens against three column blocks (24 accumulators), fewer loads per product.
+template <int NB>
+void vnni_tokens8(const LinearArgs& a, const uint16_t* X, int nb0) {
+  int t = 0;
+  for (; t + 8 <= a.M; t += 8) vnni_tile<8, NB>(a, X, nb0, t);
+  for (; t + 4 <= a.M; t += 4) vnni_tile<4, NB>(a, X, nb0, t);
+  const int rest = a.M - t;
+  if (rest == 3) vnni_tile<3, NB>(a, X, nb0, t);
+  else if (rest == 2) vnni_tile<2, NB>(a, X, nb0, t);
+  else if (rest == 1) vnni_tile<1, NB>(a, X, nb0, t);
+}
+
+void vnni_rows(const LinearArgs& a, const uint16_t* X, int r0, int r1) {
+  int nb = r0 / 16;
+  const int nb1 = (r1 + 15) / 16;
+  if (a.M <= 2)  // weight-bound: eight column blocks (eight streams) in flight
+    for (; nb + 8 <= nb1; nb += 8) vnni_tokens<8>(a, X, nb);
+  if (a.M >= 8) {
+    for (; nb + 3 <= nb1; nb += 3) vnni_tokens8<3>(a, X, nb);
+    for (; nb + 2 <= nb1; nb += 2) vnni_tokens8<2>(a, X, nb);
+    for (; nb < nb1; ++nb) vnni_tokens8<1>(a, X, nb);
+    return;
+  }
+  for (; nb + 4 <= nb1; nb += 4) vnni_tokens<4>(a, X, nb);
+  for (; nb + 2 <= nb1; nb += 2) vnni_tokens<2>(a, X, nb);
+  for (; nb < nb1; ++nb) vnni_tokens<1>(a, X, nb);
+}
+
 void rows(const LinearArgs& a, const void* xp, int r0, int r1) {
   alignas(64) uint16_t tbl[32];
   for (int i = 0; i < 32; ++i) tbl[i] = f32_to_bf16((float)(i - 8));
   const __m512i table = _mm512_load_si512((const void*)tbl);
   const uint16_t* X = (const uint16_t*)xp;
-  if (a.fmt == FMT_BF16) rows_fmt<FMT_BF16>(a, X, r0, r1, table);
+  if (a.fmt == FMT_BF16_VNNI) vnni_rows(a, X, r0, r1);
+  else if (a.fmt == FMT_BF16) rows_fmt<FMT_BF16>(a, X, r0, r1, table);
   else if (a.fmt == FMT_INT8) rows_fmt<FMT_INT8>(a, X, r0, r1, table);
   else rows_fmt<FMT_INT4>(a, X, r0, r1, table);
 }

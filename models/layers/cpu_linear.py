@@ -1,9 +1,11 @@
 """Fast small-M dense linears on the CPU: `CpuDenseLinear` and `use_cpu_linear(model, fmt)`.
 
 Decode on the CPU streams every weight once per step with M = number of sequences; torch's
-GEMV reads weights at a fraction of memory bandwidth there, so rows up to `max_rows` go to the
-C++ kernel (ext/cpu/linear.*) and larger M (prefill) to torch's F.linear on the same bf16
-weight (one copy: the kernel reads it in place for "bf16"). Knows nothing about requests.
+GEMV reads weights at a fraction of memory bandwidth there. "bf16" on an AVX-512 pool packs a
+VNNI copy of the weight and sends every M to the C++ kernel (ext/cpu/linear.*), whose per-row
+sums do not depend on M: a sequence's output is then the same alone and in any batch. Other
+formats send rows up to `max_rows` to the kernel and larger M (prefill) to torch's F.linear.
+Knows nothing about requests.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ext.cpu.linear import FORMATS, CpuLinearPool, PackedWeight, pack_weight
+from ext.cpu.linear import FORMATS, VNNI_ISAS, CpuLinearPool, PackedWeight, pack_weight
 
 # Largest M sent to the C++ kernel; above it torch's GEMM is as fast or faster (measured on a
 # 2-vCPU AVX-512 BF16 EPYC, docs/BENCHMARKS.md "Offline decode (CPU)").
 DEFAULT_MAX_ROWS = 4
+# Steps of at least this many rows also use torch's other threads' cores (the pool's workers);
+# smaller ones run on the caller alone (docs/BENCHMARKS.md "Batch-invariant CPU decode").
+PARALLEL_MIN_ROWS = 4
 
 
 class CpuDenseLinear(nn.Module):
@@ -36,6 +41,8 @@ class CpuDenseLinear(nn.Module):
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._bias_f32 = None if bias is None else bias.float().contiguous()
+        if fmt == "bf16" and pool.isa in VNNI_ISAS:
+            fmt, max_rows = "bf16_vnni", 1 << 62  # batch-invariant: every M through the kernel
         self.packed: PackedWeight = pack_weight(self.weight.data, fmt)
         self.pool = pool
         self.max_rows = max_rows
@@ -84,9 +91,11 @@ def use_cpu_linear(
     params = list(model.parameters())
     if not params or params[0].device.type != "cpu" or params[0].dtype != torch.bfloat16:
         return 0
-    # One thread (the caller's): a pinned worker next to torch's own intra-op threads on the
-    # same cores made batch-1 decode slower, not faster (measured: 60 vs 28 tok/s on 2 vCPUs).
-    pool = pool or CpuLinearPool(num_threads=1)
+    # Batch-1 on the caller's thread alone: a pinned worker next to torch's own intra-op threads
+    # on the same cores made it slower, not faster (measured: 60 vs 28 tok/s on 2 vCPUs).
+    pool = pool or CpuLinearPool(
+        num_threads=torch.get_num_threads(), parallel_min_rows=PARALLEL_MIN_ROWS
+    )
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

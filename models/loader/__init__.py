@@ -37,8 +37,9 @@ QUANTIZATIONS = ("auto", "none", "gguf")
 # "0" off, or the weight format "bf16" | "int8" | "int4". Read here and nowhere else.
 CPU_LINEAR_ENV = "TANDEM_CPU_LINEAR"
 # "auto" (the default): bf16 weights through the kernel where the CPU has AVX-512 BF16 or AMX
-# and the extension builds, else torch, with a warning. Measured 1.3-1.5x batch-1 decode and
-# no loss at 16 concurrent (M > 4 goes to torch): docs/BENCHMARKS.md "Offline decode (CPU)".
+# and the extension builds, else torch, with a warning. There every M goes through the kernel's
+# VNNI layout, so greedy output does not depend on the batch: docs/BENCHMARKS.md "Batch-invariant
+# CPU decode".
 CPU_LINEAR_DEFAULT = "auto"
 # Dense linears of fp16/bf16 CUDA models at 1-2 rows (decode of one or two sequences) through
 # ext/cuda's skinny GEMM (models/layers/cuda_linear.py): "auto" (the default) where CuPy is
@@ -188,8 +189,10 @@ def load_model(
     config: ModelConfig | None = None,
     expert_options: dict[str, Any] | None = None,
     quantization: str = "auto",
+    deterministic: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
-    """`expert_options` go to the expert backend's factory (cpu_pool: fmt, cpu_experts,
+    """`deterministic`: every op batch-invariant (a row's output the same alone and in any
+    batch), or a ValueError where this device and dtype have no such path. `expert_options` go to the expert backend's factory (cpu_pool: fmt, cpu_experts,
     gpu_experts, num_threads, ...). An expert backend may have, and is then called with:
     `skip_expert_layers(model, path, format)` before any weight is read: the MoE layers whose
     routed-expert tensors it does not need (cpu_pool: cached or taken from a GGUF's blocks),
@@ -247,8 +250,49 @@ def load_model(
     attach = getattr(backend, "attach", None)
     if attach is not None:
         attach(model, read_experts)  # e.g. cpu_pool: experts into the pool, torch copies freed
-    apply_fast_linears(model, device, dtype)
+    if deterministic:
+        make_batch_invariant(model, device, dtype)
+    else:
+        apply_fast_linears(model, device, dtype)
     return model, config
+
+
+def make_batch_invariant(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+    """The `--deterministic` mode. CUDA: dense linears in fixed-shape GEMMs
+    (models/layers/invariant_linear.py) and the cupy attention through one kernel for every
+    batch. CPU: the default path already is (bf16 VNNI linears and the "cpu" attention kernel on
+    an AVX-512 BF16 CPU); anything else is refused, as is a backend with no invariant path."""
+    from models.layers.attention import Attention
+
+    kind = torch.device(device).type
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    backends = {m.backend.name for m in layers}
+    if getattr(model, "expert_backend", None) is not None:
+        raise ValueError("--deterministic serves dense models only (MoE experts are not covered)")
+    if kind == "cuda":
+        if backends != {"cupy"}:
+            raise ValueError(f"--deterministic on CUDA needs the cupy attention, got {backends}")
+        for m in layers:
+            m.backend.batch_invariant = True
+        from models.layers.invariant_linear import use_batch_invariant
+
+        use_batch_invariant(model)
+        return
+    if kind == "cpu":
+        from models.layers.cpu_linear import CpuDenseLinear
+        from models.quant.linear import QuantLinear
+
+        apply_fast_linears(model, device, dtype)
+        fmts = {m.packed.fmt for m in model.modules() if isinstance(m, CpuDenseLinear)}
+        if any(isinstance(m, QuantLinear) for m in model.modules()):
+            fmts.add("packed checkpoint types (use --dequantize)")
+        if dtype != torch.bfloat16 or fmts != {"bf16_vnni"} or backends != {"cpu"}:
+            raise ValueError(
+                "--deterministic on the CPU needs bfloat16 on an AVX-512 BF16 CPU with the C++ "
+                f"kernels (linear formats {sorted(fmts)}, attention {sorted(backends)}, {dtype})"
+            )
+        return
+    raise ValueError(f"--deterministic is not supported on {kind}")
 
 
 def _init_dummy(

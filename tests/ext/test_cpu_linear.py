@@ -98,3 +98,35 @@ def test_invalid_inputs_raise() -> None:
         CpuLinearPool(num_threads=0)
     with pytest.raises(ValueError):
         CpuLinearPool(isa="sse9")
+
+
+@pytest.mark.skipif(
+    not {"avx512", "amx"} & set(ISAS), reason="bf16_vnni runs on the avx512 kernels"
+)
+def test_bf16_vnni_rows_do_not_depend_on_the_batch() -> None:
+    """Every row of a bf16_vnni call is bitwise the same as that row computed alone or in any
+    other batch (what makes greedy output batch-invariant), and close to torch's product."""
+    pool = CpuLinearPool(num_threads=2, isa="avx512")
+    g = torch.Generator().manual_seed(11)
+    for N, K in [(1, 1), (33, 65), (577, 131), (960, 576)]:
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        bias = torch.randn(N, generator=g)
+        pw = pack_weight(w, "bf16_vnni")
+        assert torch.equal(pw.dequantize(), w.float())
+        x = torch.randn(70, K, generator=g).to(torch.bfloat16)
+        full = pool.linear(x, pw, bias)
+        assert full.dtype == torch.bfloat16
+        exact = F.linear(x.float(), w.float(), bias)
+        assert _rel(full, exact) < 1e-2, (N, K)
+        for M in (1, 2, 3, 4, 5, 8, 17, 64):
+            for start in (0, 3):
+                assert torch.equal(
+                    pool.linear(x[start : start + M], pw, bias), full[start : start + M]
+                )
+
+
+def test_bf16_vnni_is_refused_by_other_isas() -> None:
+    pw = pack_weight(torch.randn(16, 64).to(torch.bfloat16), "bf16_vnni")
+    for isa in set(ISAS) - {"avx512", "amx"}:
+        with pytest.raises(ValueError, match="avx512"):
+            CpuLinearPool(num_threads=1, isa=isa).linear(torch.randn(1, 64), pw)

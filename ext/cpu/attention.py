@@ -1,0 +1,73 @@
+"""`paged_attention_cpu`: the Python face of the C++ paged attention (ext/cpu/attention.*).
+
+Same contract and result (to rounding) as ext/attention_ref.py::paged_attention, but each query
+row is computed alone in one fixed order over exactly its own keys, so its output is bitwise the
+same whatever else is in the batch and however its prompt was chunked. Validates every tensor
+before its address reaches C++. Knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import load_extension
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,  # [T, H, D] any float dtype, CPU
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] bf16 or fp32, CPU
+    v_cache: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, CPU
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a flattened ragged batch; returns `[T, H, D]` in q.dtype."""
+    if q.dim() != 3 or q.device.type != "cpu" or not q.dtype.is_floating_point:
+        raise ValueError("q must be a [T, H, D] floating-point CPU tensor")
+    T, H, D = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[-1] != D:
+        raise ValueError(f"k/v caches must be [blocks, block_size, kv_heads, {D}] and alike")
+    if k_cache.dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"KV caches must be bf16 or float32, got {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("KV caches must be contiguous")
+    if k_cache.device.type != "cpu" or v_cache.device.type != "cpu":
+        raise ValueError("KV caches must be on the CPU")
+    num_blocks, block_size, kvh, _ = k_cache.shape
+    if H % kvh:
+        raise ValueError(f"num_heads {H} is not a multiple of num_kv_heads {kvh}")
+    num_seqs = len(query_lens)
+    if len(seq_lens) != num_seqs or block_tables.dim() != 2 or block_tables.shape[0] < num_seqs:
+        raise ValueError("query_lens, seq_lens and block_tables disagree on the sequences")
+    if sum(query_lens) != T:
+        raise ValueError(f"query_lens sum to {sum(query_lens)}, q has {T} rows")
+    tables = block_tables[:num_seqs].to(device="cpu", dtype=torch.int32).contiguous()
+    starts = [0]
+    for n in query_lens[:-1]:
+        starts.append(starts[-1] + n)
+    meta = torch.tensor([starts, list(query_lens), list(seq_lens)], dtype=torch.int64)
+    qf = q.float().contiguous()
+    out = torch.empty(T, H, D, dtype=torch.float32)
+    if T:
+        load_extension().paged_attention(
+            qf.data_ptr(),
+            out.data_ptr(),
+            T,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.dtype == torch.bfloat16,
+            num_blocks,
+            block_size,
+            H,
+            kvh,
+            D,
+            num_seqs,
+            meta[0].data_ptr(),
+            meta[1].data_ptr(),
+            meta[2].data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            float(scale),
+        )
+    return out.to(q.dtype)

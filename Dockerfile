@@ -25,7 +25,7 @@ RUN apt-get update \
     && python -c "import os, sysconfig; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); assert os.path.exists(h), h"
 
 WORKDIR /opt/tandem
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py __init__.py README.md ./
 COPY tools/install.sh tools/torch_choice.py tools/
 COPY ext ext
 COPY models models
@@ -39,12 +39,12 @@ RUN python -c "import torch; print('torch', torch.__version__, 'cuda', torch.ver
     && tandem --help > /dev/null
 
 # Warm build of the C++ CPU expert pool into $TANDEM_HOME/cpu_ext.
-RUN python -c "from ext.cpu import CpuExpertPool; CpuExpertPool(num_threads=1).close()"
+RUN python -c "from tandem.ext.cpu import CpuExpertPool; CpuExpertPool(num_threads=1).close()"
 
 # Fetch the default model into $TANDEM_HOME (--build-arg PREFETCH_MODEL=0 to fetch at run time).
 ARG PREFETCH_MODEL=1
 RUN if [ "$PREFETCH_MODEL" = "1" ]; then \
-        python -c "from models.hub import resolve_model; print(resolve_model(None))"; \
+        python -c "from tandem.models.hub import resolve_model; print(resolve_model(None))"; \
     fi
 
 VOLUME /models

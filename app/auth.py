@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from app.errors import APIError, error_response
-from app.webui import is_webui_path
+from tandem.app.errors import APIError, error_response
+from tandem.app.webui import is_webui_path
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 

@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.reasoning import ReasoningStream
-from app.structured import ToolRequest
-from app.tool_parsers import ToolCall, ToolCallStream, ToolParser, new_call_id
+from tandem.app.reasoning import ReasoningStream
+from tandem.app.structured import ToolRequest
+from tandem.app.tool_parsers import ToolCall, ToolCallStream, ToolParser, new_call_id
 
 
 @dataclass(frozen=True)

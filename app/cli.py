@@ -10,8 +10,8 @@ import functools
 import logging
 import sys
 
-from app.engine_args import HelpFormatter, add_engine_arguments, engine_config_from_args
-from app.version import tandem_version
+from tandem.app.engine_args import HelpFormatter, add_engine_arguments, engine_config_from_args
+from tandem.app.version import tandem_version
 
 
 def _add_sampling_arguments(
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message")
 
     serve = sub_parser("serve", help="serve the OpenAI-style HTTP/SSE/WebSocket API")
-    from app.serve import add_serve_arguments
+    from tandem.app.serve import add_serve_arguments
 
     add_serve_arguments(serve)
     return parser
@@ -67,13 +67,13 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _make_llm(args: argparse.Namespace):
-    from runtime.llm import LLM
+    from tandem.runtime.llm import LLM
 
     return LLM(engine_config=engine_config_from_args(args))
 
 
 def _sampling(args: argparse.Namespace):
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from app.serve import resolve_model_argument
+        from tandem.app.serve import resolve_model_argument
 
         try:
             resolve_model_argument(args)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "chat":
             return cmd_chat(args)
-        from app.serve import run_server
+        from tandem.app.serve import run_server
 
         return run_server(args)
     except (ValueError, FileNotFoundError) as e:
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tandem: interrupted", file=sys.stderr)
         return 130
     except RuntimeError as e:
-        from ext.cpu import CpuExtensionError  # loaded by now: the engine set-up imported it
+        from tandem.ext.cpu import CpuExtensionError  # loaded by now: the engine set-up imported it
 
         if not isinstance(e, CpuExtensionError):
             raise

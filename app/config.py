@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.config import EngineConfig
+from tandem.runtime.config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

@@ -15,10 +15,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.chat_output import ChatOutput
-from app.errors import APIError
-from app.protocol import GenerationRequest, Kind, parse_generation
-from app.responses import (
+from tandem.app.chat_output import ChatOutput
+from tandem.app.errors import APIError
+from tandem.app.protocol import GenerationRequest, Kind, parse_generation
+from tandem.app.responses import (
     ChoiceState,
     ResponseMeta,
     chat_logprobs,
@@ -28,12 +28,12 @@ from app.responses import (
     usage_chunk,
     usage_dict,
 )
-from app.state import PARSE_OFF_LOOP_BYTES, ServerState
-from runtime.grammar import GrammarError
-from runtime.loop import EngineDeadError, LoopClosedError, QueueFullError
-from runtime.sampling_params import SamplingParamsError
-from runtime.stream import RequestStream
-from runtime.types import RequestDelta
+from tandem.app.state import PARSE_OFF_LOOP_BYTES, ServerState
+from tandem.runtime.grammar import GrammarError
+from tandem.runtime.loop import EngineDeadError, LoopClosedError, QueueFullError
+from tandem.runtime.sampling_params import SamplingParamsError
+from tandem.runtime.stream import RequestStream
+from tandem.runtime.types import RequestDelta
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # what a 429 (queue full) tells the client to wait before retrying

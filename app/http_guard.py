@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 
-from app.errors import APIError
+from tandem.app.errors import APIError
 
 logger = logging.getLogger(__name__)
 

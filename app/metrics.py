@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from app.state import STATE_KEY
+from tandem.app.state import STATE_KEY
 
 
 def add_label(text: str, name: str, value: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.limits import (
+from tandem.runtime.limits import (
     MAX_CONTENT_PARTS,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,

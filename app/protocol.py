@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 import orjson
 
-from app.chat_output import ChatOutputOptions
-from app.errors import APIError
-from app.reasoning import OPEN as THINK_OPEN
-from app.reasoning import template_reasons
-from app.structured import (
+from tandem.app.chat_output import ChatOutputOptions
+from tandem.app.errors import APIError
+from tandem.app.reasoning import OPEN as THINK_OPEN
+from tandem.app.reasoning import template_reasons
+from tandem.app.structured import (
     STRUCTURED_FIELDS,
     TOOL_FIELDS,
     ToolRequest,
@@ -24,8 +24,8 @@ from app.structured import (
     parse_tools,
     tool_grammar,
 )
-from app.tool_parsers import parser_for_template
-from runtime.limits import (
+from tandem.app.tool_parsers import parser_for_template
+from tandem.runtime.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
     MAX_METADATA_KEY_CHARS,
@@ -35,7 +35,7 @@ from runtime.limits import (
     MAX_PROMPTS,
     MAX_SEQUENCES,
 )
-from runtime.sampling_params import SamplingParams, SamplingParamsError
+from tandem.runtime.sampling_params import SamplingParams, SamplingParamsError
 
 Kind = Literal["chat", "completion"]
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.state import TokenText
-from runtime.types import TokenLogprob
+from tandem.app.state import TokenText
+from tandem.runtime.types import TokenLogprob
 
 
 @dataclass

@@ -22,14 +22,14 @@ from typing import Any
 
 from aiohttp import web
 
-from app.config import ServerConfig
-from app.engine_args import add_engine_arguments, engine_config_from_args
-from app.http_guard import GuardedAppRunner
-from app.server import create_app
-from app.version import tandem_version
-from runtime.loop import EngineLoop
+from tandem.app.config import ServerConfig
+from tandem.app.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.app.http_guard import GuardedAppRunner
+from tandem.app.server import create_app
+from tandem.app.version import tandem_version
+from tandem.runtime.loop import EngineLoop
 
-logger = logging.getLogger("app.serve")
+logger = logging.getLogger("tandem.app.serve")
 
 API_KEY_ENV = "TANDEM_API_KEY"
 ENGINE_DEAD_EXIT = 3  # the exit status after an engine failure
@@ -245,7 +245,7 @@ def run_server(args: argparse.Namespace) -> int:
     resolve_model_argument(args)
     config = server_config_from_args(args)
     check_port_free(config.host, config.port)  # before minutes of loading, not after
-    from runtime.engine import Engine  # lazy: the app layer itself never imports torch
+    from tandem.runtime.engine import Engine  # lazy: the app layer itself never imports torch
 
     engine = Engine(config.engine)
     return _asyncio_run(serve_until_signal(config, engine))

@@ -12,22 +12,22 @@ from collections.abc import AsyncIterator
 import orjson
 from aiohttp import WSCloseCode, web
 
-from app.auth import make_auth_middleware
-from app.config import ServerConfig
-from app.cors import Cors
-from app.errors import APIError, error_middleware, json_response
-from app.generation import start_generation
-from app.http_guard import refuse_encoded_bodies
-from app.metrics import metrics
-from app.openapi import build_openapi
-from app.protocol import Kind, parse_json_body
-from app.sse import stream_sse
-from app.state import STATE_KEY, ServerState, TokenText
-from app.tokenize import detokenize, tokenize
-from app.version import tandem_version
-from app.webui import add_webui_routes
-from app.ws import ws_handler
-from runtime.loop import EngineDeadError, EngineLoop
+from tandem.app.auth import make_auth_middleware
+from tandem.app.config import ServerConfig
+from tandem.app.cors import Cors
+from tandem.app.errors import APIError, error_middleware, json_response
+from tandem.app.generation import start_generation
+from tandem.app.http_guard import refuse_encoded_bodies
+from tandem.app.metrics import metrics
+from tandem.app.openapi import build_openapi
+from tandem.app.protocol import Kind, parse_json_body
+from tandem.app.sse import stream_sse
+from tandem.app.state import STATE_KEY, ServerState, TokenText
+from tandem.app.tokenize import detokenize, tokenize
+from tandem.app.version import tandem_version
+from tandem.app.webui import add_webui_routes
+from tandem.app.ws import ws_handler
+from tandem.runtime.loop import EngineDeadError, EngineLoop
 
 
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:

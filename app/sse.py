@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from app.errors import APIError, error_dict
-from app.generation import Generation
-from runtime.loop import EngineDeadError
+from tandem.app.errors import APIError, error_dict
+from tandem.app.generation import Generation
+from tandem.runtime.loop import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from app.config import ServerConfig
-from runtime.loop import EngineLoop
+from tandem.app.config import ServerConfig
+from tandem.runtime.loop import EngineLoop
 
 
 class TokenText:

@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from app.errors import APIError
-from runtime.sampling_params import GrammarSpec
+from tandem.app.errors import APIError
+from tandem.runtime.sampling_params import GrammarSpec
 
 # vLLM's extra fields (old guided_* names and the newer structured_outputs object)
 _GUIDED = {

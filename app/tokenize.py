@@ -7,9 +7,9 @@ from typing import Any
 
 from aiohttp import web
 
-from app.errors import APIError, json_response
-from app.protocol import _messages_to_prompt, parse_json_body
-from app.state import STATE_KEY, ServerState
+from tandem.app.errors import APIError, json_response
+from tandem.app.protocol import _messages_to_prompt, parse_json_body
+from tandem.app.state import STATE_KEY, ServerState
 
 _TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens"}
 

@@ -16,11 +16,11 @@ from typing import Any
 import orjson
 from aiohttp import WSMsgType, web
 
-from app.errors import APIError, error_dict
-from app.generation import Generation, start_generation
-from app.protocol import Kind
-from app.state import STATE_KEY, ServerState
-from runtime.loop import EngineDeadError
+from tandem.app.errors import APIError, error_dict
+from tandem.app.generation import Generation, start_generation
+from tandem.app.protocol import Kind
+from tandem.app.state import STATE_KEY, ServerState
+from tandem.runtime.loop import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ext.attention_ref import PagedAttentionPlan, paged_attention, plan_paged_attention, write_kv
-from ext.mla_ref import mla_attention_ref
-from models.batch import ForwardBatch
+from tandem.ext.attention_ref import (
+    PagedAttentionPlan,
+    paged_attention,
+    plan_paged_attention,
+    write_kv,
+)
+from tandem.ext.mla_ref import mla_attention_ref
+from tandem.models.batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +140,7 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self) -> None:
-        from ext.cpu.attention import paged_attention_cpu
+        from tandem.ext.cpu.attention import paged_attention_cpu
 
         self._attend = paged_attention_cpu
 
@@ -168,7 +173,7 @@ def cpu_backend_supports(dtype: torch.dtype) -> bool:
     if dtype not in (torch.bfloat16, torch.float32):
         return False
     try:
-        from ext.cpu import load_extension
+        from tandem.ext.cpu import load_extension
 
         load_extension()
         return True
@@ -182,7 +187,7 @@ def cpu_backend_supports(dtype: torch.dtype) -> bool:
 def _cupy_backend() -> AttentionBackend:
     # Imported on use: the kernels' module needs no CUDA to import, but keep the torch-only
     # path free of it.
-    from models.cupy_backend import CupyAttentionBackend
+    from tandem.models.cupy_backend import CupyAttentionBackend
 
     return CupyAttentionBackend()
 

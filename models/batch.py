@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from models.config import ModelConfig
+    from tandem.models.config import ModelConfig
 
 
 @dataclass

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ext.cuda import is_available, paged_attention_cuda, paged_extend, write_kv
-from ext.cuda.kernels import HEAD_DIMS
-from ext.cuda.mla import LATENT_DIMS, ROPE_DIMS, mla_attention_cuda
-from models.batch import ForwardBatch
+from tandem.ext.cuda import is_available, paged_attention_cuda, paged_extend, write_kv
+from tandem.ext.cuda.kernels import HEAD_DIMS
+from tandem.ext.cuda.mla import LATENT_DIMS, ROPE_DIMS, mla_attention_cuda
+from tandem.models.batch import ForwardBatch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 

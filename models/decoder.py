@@ -14,17 +14,17 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from models.attention_backend import AttentionBackend
-from models.batch import ForwardBatch
-from models.config import ModelConfig
-from models.layers.attention import Attention
-from models.layers.experts import ExpertBackend, TorchExpertBackend
-from models.layers.mlp import GatedMLP
-from models.layers.moe import SparseMoeBlock
-from models.layers.norm import RMSNorm
-from models.layers.parallel import VocabParallelEmbedding, get_tp
-from models.layers.rotary import RotaryEmbedding
-from models.weights import load_hf_weights
+from tandem.models.attention_backend import AttentionBackend
+from tandem.models.batch import ForwardBatch
+from tandem.models.config import ModelConfig
+from tandem.models.layers.attention import Attention
+from tandem.models.layers.experts import ExpertBackend, TorchExpertBackend
+from tandem.models.layers.mlp import GatedMLP
+from tandem.models.layers.moe import SparseMoeBlock
+from tandem.models.layers.norm import RMSNorm
+from tandem.models.layers.parallel import VocabParallelEmbedding, get_tp
+from tandem.models.layers.rotary import RotaryEmbedding
+from tandem.models.weights import load_hf_weights
 
 
 class DecoderLayer(nn.Module):

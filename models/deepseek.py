@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention_backend import AttentionBackend
-from models.batch import ForwardBatch
-from models.config import ModelConfig
-from models.decoder import DecoderForCausalLM
-from models.layers.experts import ExpertBackend
-from models.layers.mla import MLAttention
-from models.layers.mlp import GatedMLP
-from models.layers.moe import DeepseekMoeBlock
-from models.layers.norm import RMSNorm
+from tandem.models.attention_backend import AttentionBackend
+from tandem.models.batch import ForwardBatch
+from tandem.models.config import ModelConfig
+from tandem.models.decoder import DecoderForCausalLM
+from tandem.models.layers.experts import ExpertBackend
+from tandem.models.layers.mla import MLAttention
+from tandem.models.layers.mlp import GatedMLP
+from tandem.models.layers.moe import DeepseekMoeBlock
+from tandem.models.layers.norm import RMSNorm
 
 
 class DeepseekDecoderLayer(nn.Module):

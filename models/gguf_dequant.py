@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from models.config import UnsupportedModelError
-from models.gguf_reader import GGML_TYPES, GGUFReader, GGUFTensorInfo, ggml_type_name
+from tandem.models.config import UnsupportedModelError
+from tandem.models.gguf_reader import GGML_TYPES, GGUFReader, GGUFTensorInfo, ggml_type_name
 
 QK_K = 256
 _CHUNK_BYTES = 4 << 20  # raw bytes decoded per step; bounds the float32 temporaries

@@ -7,8 +7,8 @@ groups, shared experts; models/layers/moe.py `DeepseekMoeBlock`); the first
 
 from __future__ import annotations
 
-from models.decoder import DecoderForCausalLM, DecoderLayer
-from models.layers.moe import DeepseekMoeBlock
+from tandem.models.decoder import DecoderForCausalLM, DecoderLayer
+from tandem.models.layers.moe import DeepseekMoeBlock
 
 
 class Glm4MoeDecoderLayer(DecoderLayer):

@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from models.config import ModelConfig, UnsupportedModelError
-from models.decoder import DecoderForCausalLM, DecoderLayer
-from models.layers.experts import ClampedSwiGLU, ExpertBackend, ExpertBias
-from models.layers.moe import SparseMoeBlock
-from models.mxfp4 import dequantize_mxfp4
-from models.weights import load_hf_weights
+from tandem.models.config import ModelConfig, UnsupportedModelError
+from tandem.models.decoder import DecoderForCausalLM, DecoderLayer
+from tandem.models.layers.experts import ClampedSwiGLU, ExpertBackend, ExpertBias
+from tandem.models.layers.moe import SparseMoeBlock
+from tandem.models.mxfp4 import dequantize_mxfp4
+from tandem.models.weights import load_hf_weights
 
 _EXPERTS = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$"

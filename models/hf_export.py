@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.config import ModelConfig
+from tandem.models.config import ModelConfig
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",

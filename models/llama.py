@@ -6,7 +6,7 @@ All share `DecoderForCausalLM`; their differences (biases, q/k norm) come from M
 
 from __future__ import annotations
 
-from models.decoder import DecoderForCausalLM
+from tandem.models.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

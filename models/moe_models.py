@@ -7,7 +7,7 @@ the expert computation goes through the `ExpertBackend` given at construction.
 
 from __future__ import annotations
 
-from models.decoder import DecoderForCausalLM
+from tandem.models.decoder import DecoderForCausalLM
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):

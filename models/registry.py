@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from models.config import UnsupportedModelError
-from models.decoder import DecoderForCausalLM
-from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from models.glm import Glm4MoeForCausalLM
-from models.gpt_oss import GptOssForCausalLM
-from models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from models.moe_models import (
+from tandem.models.config import UnsupportedModelError
+from tandem.models.decoder import DecoderForCausalLM
+from tandem.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from tandem.models.glm import Glm4MoeForCausalLM
+from tandem.models.gpt_oss import GptOssForCausalLM
+from tandem.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+from tandem.models.moe_models import (
     MixtralForCausalLM,
     OlmoeForCausalLM,
     Qwen2MoeForCausalLM,

@@ -22,8 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
-from models.config import UnsupportedModelError
-from models.gguf_reader import GGUFReader
+from tandem.models.config import UnsupportedModelError
+from tandem.models.gguf_reader import GGUFReader
 
 # End-of-turn markers a chat template may close a turn with; added to the eos ids when special.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.config import ModelConfig, UnsupportedModelError
-from models.layers.parallel import Shard, tensor_parallel_shards
-from models.quant.tensor import QuantizedTensor
+from tandem.models.config import ModelConfig, UnsupportedModelError
+from tandem.models.layers.parallel import Shard, tensor_parallel_shards
+from tandem.models.quant.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
-    from models.decoder import DecoderForCausalLM
+    from tandem.models.decoder import DecoderForCausalLM
 
 # Checkpoint names that carry no parameters (buffers some exporters include).
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")

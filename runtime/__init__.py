@@ -3,14 +3,14 @@
 Heavy modules import lazily so `from runtime import SamplingParams` stays cheap.
 """
 
-from runtime.sampling_params import SamplingParams, SamplingParamsError
+from tandem.runtime.sampling_params import SamplingParams, SamplingParamsError
 
 __all__ = ["LLM", "SamplingParams", "SamplingParamsError"]
 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from runtime.llm import LLM
+        from tandem.runtime.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.batch import ForwardBatch
+from tandem.models.batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

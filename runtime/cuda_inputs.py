@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.batch import ForwardBatch, KVCache
-from runtime.types import SchedulerOutput
+from tandem.models.batch import ForwardBatch, KVCache
+from tandem.runtime.types import SchedulerOutput
 
 
 @dataclass

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.batch import ForwardBatch, KVCache
-from runtime.cuda_graphs import GRAPH_BATCH_SIZES
-from runtime.cuda_sampler import CudaSampler, GpuRow
-from runtime.token_counts import TokenCounts
+from tandem.models.batch import ForwardBatch, KVCache
+from tandem.runtime.cuda_graphs import GRAPH_BATCH_SIZES
+from tandem.runtime.cuda_sampler import CudaSampler, GpuRow
+from tandem.runtime.token_counts import TokenCounts
 
 if TYPE_CHECKING:
-    from models.config import ModelConfig
+    from tandem.models.config import ModelConfig
 
 
 @torch.inference_mode()
@@ -31,7 +31,7 @@ def profile_activation_bytes(
     budget (spread over up to `max_num_seqs` sequences, each sampling with top-p) through the
     model's own backend, on a throwaway KV cache; plus the decode graphs' static logits and
     the sampler's per-request token counts."""
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.sampling_params import SamplingParams
 
     num_tokens = max(max_num_batched_tokens, 1)
     num_seqs = max(1, min(max_num_seqs, num_tokens))

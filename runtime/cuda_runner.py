@@ -32,22 +32,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.batch import ForwardBatch, KVCache
-from runtime.cuda_graphs import (
+from tandem.models.batch import ForwardBatch, KVCache
+from tandem.runtime.cuda_graphs import (
     GRAPH_BATCH_SIZES,
     CompiledEagerForward,
     DecodeGraphs,
     compile_forward,
     pow2_ceil,
 )
-from runtime.cuda_inputs import InputStager, PreparedStep
-from runtime.cuda_memory import profile_activation_bytes
-from runtime.cuda_sampler import PACK_WIDTH, CudaSampler, DeviceSample, GpuRow
-from runtime.model_runner import ModelRunner
-from runtime.types import SamplerOutput, SchedulerOutput
+from tandem.runtime.cuda_inputs import InputStager, PreparedStep
+from tandem.runtime.cuda_memory import profile_activation_bytes
+from tandem.runtime.cuda_sampler import PACK_WIDTH, CudaSampler, DeviceSample, GpuRow
+from tandem.runtime.model_runner import ModelRunner
+from tandem.runtime.types import SamplerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from models.config import ModelConfig
+    from tandem.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

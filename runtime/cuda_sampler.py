@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from runtime.sampler import Sampler, SampleRow
-from runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from runtime.token_counts import TokenCounts
-from runtime.types import SamplerOutput, TokenLogprob
+from tandem.runtime.sampler import Sampler, SampleRow
+from tandem.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from tandem.runtime.token_counts import TokenCounts
+from tandem.runtime.types import SamplerOutput, TokenLogprob
 
 if TYPE_CHECKING:
-    from runtime.grammar import GrammarMatcher
+    from tandem.runtime.grammar import GrammarMatcher
 
 # rows of the float32 parameter block staged each call
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _GREEDY, _REP, _PRES, _FREQ = range(8)
@@ -270,7 +270,7 @@ class CudaSampler(Sampler):
             bias = dev[h_bias[1]].to(torch.int32).view(torch.float32)
             logits.view(-1).index_add_(0, dev[h_bias[0]], bias)
         if constrained:
-            from runtime.grammar import apply_bitmask
+            from tandem.runtime.grammar import apply_bitmask
 
             apply_bitmask(logits, *grammar_mask)
 
@@ -318,7 +318,7 @@ class _MaskStaging:
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """-> (row indices `[k]` int64, None when all `num_rows` rows are constrained; bitmask
         `[k, words]` int32), both on the device."""
-        from runtime.grammar import fill_bitmask
+        from tandem.runtime.grammar import fill_bitmask
 
         k, words = len(rows), matchers[0].mask_words
         if self._host is None or self._host.shape[1] != words:

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.batch import KVCache
-from models.config import ModelConfig
-from runtime.config import EngineConfig
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.engine_setup import (
+from tandem.models.batch import KVCache
+from tandem.models.config import ModelConfig
+from tandem.runtime.config import EngineConfig
+from tandem.runtime.detokenizer import IncrementalDetokenizer
+from tandem.runtime.engine_setup import (
     load_engine_model,
     resolve_device,
     resolve_dtype,
@@ -45,16 +45,22 @@ from runtime.engine_setup import (
     resolve_tokenizer,
     size_kv_cache,
 )
-from runtime.isolation import execute_isolated, sub_step
-from runtime.model_runner import ModelRunner
-from runtime.request import Request, RequestStatus
-from runtime.sampling_params import SamplingParams, SamplingParamsError
-from runtime.scheduler import Scheduler
-from runtime.startup import startup_phase
-from runtime.types import EngineStats, RequestDelta, SamplerOutput, SchedulerOutput, TokenLogprob
+from tandem.runtime.isolation import execute_isolated, sub_step
+from tandem.runtime.model_runner import ModelRunner
+from tandem.runtime.request import Request, RequestStatus
+from tandem.runtime.sampling_params import SamplingParams, SamplingParamsError
+from tandem.runtime.scheduler import Scheduler
+from tandem.runtime.startup import startup_phase
+from tandem.runtime.types import (
+    EngineStats,
+    RequestDelta,
+    SamplerOutput,
+    SchedulerOutput,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
-    from runtime.grammar import GrammarCompiler
+    from tandem.runtime.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +136,7 @@ class Engine:
                 raise ValueError(
                     "tensor_parallel_size must be a positive integer and loads its own model"
                 )
-            from runtime.tp import TensorParallelGroup
+            from tandem.runtime.tp import TensorParallelGroup
 
             self.tp_group = TensorParallelGroup(config, model_config, self.device)
         try:
@@ -191,7 +197,7 @@ class Engine:
             spec.tensor_parallel_size,
         )  # fmt: skip
         if self.device.type == "cuda" and self.tp_group is None:
-            from runtime.cuda_runner import CudaRunnerOptions
+            from tandem.runtime.cuda_runner import CudaRunnerOptions
 
             runner_options = runner_options or CudaRunnerOptions.from_env()
             if overlap is None:
@@ -205,7 +211,7 @@ class Engine:
         )  # fmt: skip
         attn_backend = getattr(model, "attn_backend", None)
         if self.device.type == "cuda":
-            from runtime.cuda_runner import CudaModelRunner
+            from tandem.runtime.cuda_runner import CudaModelRunner
 
             with startup_phase("CUDA runner"):
                 self.runner = CudaModelRunner(
@@ -259,7 +265,7 @@ class Engine:
         server compiles in a worker thread, so `add_request` finds the grammar cached)."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                from runtime.grammar import grammar_compiler_for
+                from tandem.runtime.grammar import grammar_compiler_for
 
                 self._grammar_compiler = grammar_compiler_for(
                     self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
@@ -298,7 +304,7 @@ class Engine:
             )
         grammar = None
         if params.grammar is not None:
-            from runtime.grammar import GrammarError
+            from tandem.runtime.grammar import GrammarError
 
             try:
                 grammar = self.grammar_compiler.compile(params.grammar).new_matcher()

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from models.batch import KVCache
-from runtime.config import CacheLayout, EngineConfig, ModelSpec
+from tandem.models.batch import KVCache
+from tandem.runtime.config import CacheLayout, EngineConfig, ModelSpec
 
 if TYPE_CHECKING:
-    from models.config import ModelConfig
+    from tandem.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
     --gpu-prefill token count without a GPU)."""
     gpu_prefill = None  # auto; 0: off; N: steps of N+ tokens compute pool layers on the GPU
     if spec.gpu_prefill is not None:
-        from models.layers.cpu_experts import parse_gpu_prefill
+        from tandem.models.layers.cpu_experts import parse_gpu_prefill
 
         gpu_prefill = parse_gpu_prefill(spec.gpu_prefill)
     pool_options = [
@@ -103,7 +103,7 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
             f"--cpu-experts/--gpu-experts apply to mixture-of-experts models; "
             f"{config.architecture} is dense"
         )
-    from models.layers.cpu_experts import num_gpu_experts
+    from tandem.models.layers.cpu_experts import num_gpu_experts
 
     gpu = num_gpu_experts(
         config.num_experts,
@@ -177,14 +177,14 @@ def load_engine_model(
     """Resolve `spec.model` (fetching the default model on first use) and load it with the
     backends this device and dtype call for. Returns the model, its config and its path
     (None for dummy weights of a given config)."""
-    from models.hub import resolve_model
-    from models.loader import load_model
+    from tandem.models.hub import resolve_model
+    from tandem.models.loader import load_model
 
     model_path = None
     if not (spec.load_format == "dummy" and model_config is not None):
         model_path = resolve_model(spec.model)
     if model_config is None and model_path is not None:
-        from models.loader import read_model_config
+        from tandem.models.loader import read_model_config
 
         model_config = read_model_config(model_path, spec.load_format)
     if model_config is not None:
@@ -239,7 +239,7 @@ def load_tokenizer(model_path: Path, load_format: str = "auto", vocab_size: int 
     """The tokenizer next to the weights. Where there is none: for dummy weights a synthetic
     byte-level one of `vocab_size` (models.tokenizer.Tokenizer.synthetic), else None (the
     engine then takes token ids only)."""
-    from models.tokenizer import Tokenizer
+    from tandem.models.tokenizer import Tokenizer
 
     if model_path.suffix == ".gguf":
         return Tokenizer.from_gguf(model_path)
@@ -274,7 +274,7 @@ def resolve_tokenizer(
     elif tokenizer is None and model_path is not None:
         tokenizer = load_tokenizer(model_path, spec.load_format, vocab_size)
     if spec.chat_template is not None:
-        from models.tokenizer import _compile_template
+        from tandem.models.tokenizer import _compile_template
 
         if tokenizer is None:
             raise ValueError("--chat-template needs a tokenizer, and this model has none")
@@ -344,7 +344,7 @@ def size_kv_cache(
 
 
 def _profile_activation_bytes(config, model, model_config, dtype, device) -> int:
-    from runtime.cuda_runner import profile_activation_bytes
+    from tandem.runtime.cuda_runner import profile_activation_bytes
 
     sc = config.scheduler
     try:
@@ -383,7 +383,7 @@ def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> 
         model_config.sliding_layers or model_config.attention_sinks or model_config.is_mla
     )
     if device.type == "cpu":
-        from models.attention_backend import cpu_backend_supports
+        from tandem.models.attention_backend import cpu_backend_supports
 
         ok = plain and dtype == torch.bfloat16 and cpu_backend_supports(dtype)
         return "cpu" if ok else "torch"
@@ -391,7 +391,7 @@ def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> 
         return "torch"
     if model_config is not None and (model_config.sliding_layers or model_config.attention_sinks):
         return "torch"
-    from models.cupy_backend import cupy_backend_supports, cupy_backend_supports_mla
+    from tandem.models.cupy_backend import cupy_backend_supports, cupy_backend_supports_mla
 
     if model_config is not None and model_config.is_mla:
         mc = model_config

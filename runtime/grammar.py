@@ -14,7 +14,7 @@ import llguidance
 import numpy as np
 import torch
 
-from runtime.sampling_params import GrammarSpec
+from tandem.runtime.sampling_params import GrammarSpec
 
 # JSON is generated compactly: flexible whitespace lets a weak model emit blanks forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}

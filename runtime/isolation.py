@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from runtime.sampler import FAILED_ROW
-from runtime.types import SamplerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
+from tandem.runtime.sampler import FAILED_ROW
+from tandem.runtime.types import SamplerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runtime.request import Request
+    from tandem.runtime.request import Request
 
 NULL_BLOCK_ID = 0
 

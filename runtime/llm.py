@@ -9,10 +9,10 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams, expand_n
-from runtime.types import CompletionOutput, RequestDelta, RequestOutput
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.engine import Engine
+from tandem.runtime.sampling_params import SamplingParams, expand_n
+from tandem.runtime.types import CompletionOutput, RequestDelta, RequestOutput
 
 Messages = list[dict]
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelSpec))

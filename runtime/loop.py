@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from runtime.metrics import ServingMetrics, render_metrics
-from runtime.sampling_params import GrammarSpec, SamplingParams, expand_n
-from runtime.stream import RequestStream
-from runtime.types import EngineStats, RequestDelta
+from tandem.runtime.metrics import ServingMetrics, render_metrics
+from tandem.runtime.sampling_params import GrammarSpec, SamplingParams, expand_n
+from tandem.runtime.stream import RequestStream
+from tandem.runtime.types import EngineStats, RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class EngineLoop:
     async def compile_grammar(self, spec: GrammarSpec) -> None:
         """Compile a structured-output grammar in a worker thread (never on the event loop),
         so `add_request` finds it cached. Raises GrammarError (unsupported or invalid)."""
-        from runtime.grammar import GrammarError
+        from tandem.runtime.grammar import GrammarError
 
         def compile_() -> None:
             compiler = getattr(self.engine, "grammar_compiler", None)  # built on first use

@@ -11,10 +11,10 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from runtime.types import EngineStats
+from tandem.runtime.types import EngineStats
 
 if TYPE_CHECKING:
-    from models.layers.cpu_experts import HybridMoeStats
+    from tandem.models.layers.cpu_experts import HybridMoeStats
 
 PREFIX = "tandem:"
 

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.batch import ForwardBatch, KVCache
-from runtime.sampler import Sampler, SampleRow
-from runtime.types import SamplerOutput, SchedulerOutput
+from tandem.models.batch import ForwardBatch, KVCache
+from tandem.runtime.sampler import Sampler, SampleRow
+from tandem.runtime.types import SamplerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from models.config import ModelConfig
+    from tandem.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.sampling_params import SamplingParams
+from tandem.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from runtime.grammar import GrammarMatcher
+    from tandem.runtime.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.sampling_params import SamplingParams
-from runtime.types import SamplerOutput, TokenLogprob
+from tandem.runtime.sampling_params import SamplingParams
+from tandem.runtime.types import SamplerOutput, TokenLogprob
 
 if TYPE_CHECKING:
-    from runtime.grammar import GrammarMatcher
+    from tandem.runtime.grammar import GrammarMatcher
 
 FAILED_ROW = -1  # the id of a row that could not be sampled
 
@@ -157,7 +157,7 @@ class Sampler:
 
     def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
         """One bitmask for the constrained rows; the other rows are not touched."""
-        from runtime.grammar import apply_bitmask, fill_bitmask
+        from tandem.runtime.grammar import apply_bitmask, fill_bitmask
 
         idx = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not idx:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.limits import (
+from tandem.runtime.limits import (
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_STOP_CHARS,

@@ -34,10 +34,10 @@ import bisect
 import heapq
 import itertools
 
-from runtime.config import CacheConfig, SchedulerConfig
-from runtime.kv_cache import BlockPool
-from runtime.request import Request, RequestStatus
-from runtime.types import ScheduledSeq, SchedulerOutput
+from tandem.runtime.config import CacheConfig, SchedulerConfig
+from tandem.runtime.kv_cache import BlockPool
+from tandem.runtime.request import Request, RequestStatus
+from tandem.runtime.types import ScheduledSeq, SchedulerOutput
 
 
 class RequestTooLongError(ValueError):

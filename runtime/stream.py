@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.types import RequestDelta
+from tandem.runtime.types import RequestDelta
 
 
 @dataclass(frozen=True)

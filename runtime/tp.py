@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.batch import ForwardBatch, KVCache
-from models.layers.parallel import TensorParallel, set_tp
+from tandem.models.batch import ForwardBatch, KVCache
+from tandem.models.layers.parallel import TensorParallel, set_tp
 
 if TYPE_CHECKING:
-    from runtime.config import EngineConfig
+    from tandem.runtime.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class TensorParallelGroup:
         ctx = mp.get_context("spawn")
         self.errors = ctx.SimpleQueue()
         self.device = device
-        from runtime.tp_worker import worker_main
+        from tandem.runtime.tp_worker import worker_main
 
         self.procs = [
             ctx.Process(

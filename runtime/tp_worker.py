@@ -28,15 +28,15 @@ def worker_main(rank: int, size: int, config: Any, model_config: Any, errors: An
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    from models.batch import KVCache
-    from runtime.engine_setup import (
+    from tandem.models.batch import KVCache
+    from tandem.runtime.engine_setup import (
         load_engine_model,
         resolve_device,
         resolve_dtype,
         resolve_max_model_len,
         size_kv_cache,
     )
-    from runtime.tp import HEADER, STOP, agree, init_group, set_process_env, unpack_step
+    from tandem.runtime.tp import HEADER, STOP, agree, init_group, set_process_env, unpack_step
 
     set_process_env()
     spec = config.model

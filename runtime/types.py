@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from models.layers.cpu_experts import HybridMoeStats
-    from runtime.request import Request
+    from tandem.models.layers.cpu_experts import HybridMoeStats
+    from tandem.runtime.request import Request
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ext.cpu.cache import EXPERT_CACHE_ENV
+from tandem.ext.cpu.cache import EXPERT_CACHE_ENV
 
 
 @pytest.fixture(autouse=True, scope="session")

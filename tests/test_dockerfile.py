@@ -118,7 +118,7 @@ def test_install_and_warm_build_use_real_entry_points() -> None:
     warm = re.search(r'python -c "(from ext\.cpu import CpuExpertPool;[^"]*)"', runs)
     assert warm, "no warm build of the CPU expert pool"
     assert "CpuExpertPool(num_threads=1).close()" in warm.group(1)
-    from ext.cpu import CpuExpertPool
+    from tandem.ext.cpu import CpuExpertPool
 
     assert "num_threads" in inspect.signature(CpuExpertPool).parameters
     assert callable(CpuExpertPool.close)
@@ -135,8 +135,8 @@ def test_model_cache_is_a_volume_that_tandem_home_points_at(monkeypatch) -> None
         for v in (exec_form(rest) if rest.startswith("[") else rest.split())
     ]
     assert home.group(1) in volumes
-    from ext.cpu.build import cache_root
-    from models.hub import tandem_home
+    from tandem.ext.cpu.build import cache_root
+    from tandem.models.hub import tandem_home
 
     monkeypatch.setenv("TANDEM_HOME", home.group(1))
     assert tandem_home() == Path(home.group(1))
@@ -153,7 +153,7 @@ def test_cmd_runs_the_console_script_with_arguments_serve_accepts() -> None:
     module, _, func = scripts[cmd[0]].partition(":")
     entry = getattr(__import__(module, fromlist=[func]), func)
     assert callable(entry)
-    from app.cli import build_parser
+    from tandem.app.cli import build_parser
 
     args = build_parser().parse_args(cmd[1:])
     assert args.command == "serve" and args.host == "0.0.0.0"
@@ -161,7 +161,7 @@ def test_cmd_runs_the_console_script_with_arguments_serve_accepts() -> None:
 
 
 def test_expose_and_healthcheck_match_the_server() -> None:
-    from app.cli import build_parser
+    from tandem.app.cli import build_parser
 
     serve_port = build_parser().parse_args(["serve"]).port
     exposed = [int(p.split("/")[0]) for rest in args_of("EXPOSE") for p in rest.split()]
@@ -173,9 +173,9 @@ def test_expose_and_healthcheck_match_the_server() -> None:
     assert int(url.group(1)) == serve_port
     path = url.group(2)
 
-    from app.config import ServerConfig
-    from app.server import create_app
-    from runtime.loop import EngineLoop
+    from tandem.app.config import ServerConfig
+    from tandem.app.server import create_app
+    from tandem.runtime.loop import EngineLoop
     from tests.app.fake_engine import FakeEngine
 
     app = create_app(ServerConfig(), EngineLoop(FakeEngine()))

@@ -7,7 +7,7 @@ import argparse
 import re
 from pathlib import Path
 
-from app.cli import build_parser
+from tandem.app.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DOC = (ROOT / "docs" / "configuration.md").read_text()

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ext.cpu.reference import quantize_activations, quantize_activations_row16  # noqa: E402
-from models.layers.mlp import GatedMLP  # noqa: E402
-from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.config import EngineConfig, ModelSpec  # noqa: E402
+from tandem.ext.cpu.reference import quantize_activations, quantize_activations_row16  # noqa: E402
+from tandem.models.layers.mlp import GatedMLP  # noqa: E402
+from tandem.runtime import LLM, SamplingParams  # noqa: E402
+from tandem.runtime.config import EngineConfig, ModelSpec  # noqa: E402
 
 TEXT = (
     "The history of the Roman Empire spans more than a thousand years. It began when Augustus "

@@ -20,8 +20,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from ext.cuda import paged_decode, paged_extend
-from ext.cuda.kernels import plan_decode
+from tandem.ext.cuda import paged_decode, paged_extend
+from tandem.ext.cuda.kernels import plan_decode
 
 COPY_BW = 3.0e12  # bytes/s, device-to-device copy on the lent H100 (reads + writes)
 H, KVH, D, BS = 32, 8, 128, 16

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ext.cpu import CpuExpertPool  # noqa: E402
+from tandem.ext.cpu import CpuExpertPool  # noqa: E402
 from tools.peers.cpu_bandwidth import read_bandwidth_gbps  # noqa: E402
 
 

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.config import ModelConfig  # noqa: E402
-from models.hf_export import to_hf_config_dict  # noqa: E402
-from runtime import LLM, SamplingParams  # noqa: E402
+from tandem.models.config import ModelConfig  # noqa: E402
+from tandem.models.hf_export import to_hf_config_dict  # noqa: E402
+from tandem.runtime import LLM, SamplingParams  # noqa: E402
 
 SHAPES = {
     "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ext.cuda import gguf_linear  # noqa: E402, F401  (registers torch.ops.tandem.gguf_linear)
-from models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor, ggml_block  # noqa: E402
+from tandem.ext.cuda import gguf_linear  # noqa: E402, F401  (registers torch.ops.tandem.gguf_linear)
+from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor, ggml_block  # noqa: E402
 
 HIDDEN, INTER, Q, KV, LAYERS, VOCAB = 4096, 14336, 4096, 1024, 32, 128256
 SHAPES = [(Q + 2 * KV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -168,8 +168,8 @@ def bench_bf16(bw: float, reps: int) -> dict:
 def bench_engine(path: str, bw: float, new: int = 128) -> dict:
     import time
 
-    from models.quant.linear import quantized_bytes
-    from runtime import LLM, SamplingParams
+    from tandem.models.quant.linear import quantized_bytes
+    from tandem.runtime import LLM, SamplingParams
 
     t = time.perf_counter()
     llm = LLM(path, device="cuda", max_model_len=1024)

@@ -31,14 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.config import ModelConfig  # noqa: E402
-from models.hf_export import to_hf_config_dict  # noqa: E402
-from models.loader import apply_fast_linears, build_model  # noqa: E402
-from models.loader.dummy import init_dummy_weights  # noqa: E402
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
-from runtime.cuda_runner import CudaRunnerOptions  # noqa: E402
-from runtime.llm import LLM  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from tandem.models.config import ModelConfig  # noqa: E402
+from tandem.models.hf_export import to_hf_config_dict  # noqa: E402
+from tandem.models.loader import apply_fast_linears, build_model  # noqa: E402
+from tandem.models.loader.dummy import init_dummy_weights  # noqa: E402
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
+from tandem.runtime.cuda_runner import CudaRunnerOptions  # noqa: E402
+from tandem.runtime.llm import LLM  # noqa: E402
+from tandem.runtime.sampling_params import SamplingParams  # noqa: E402
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

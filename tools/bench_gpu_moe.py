@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ext.cuda import skinny  # noqa: E402
-from models.layers.experts import TorchExpertBackend  # noqa: E402
-from models.layers.gpu_experts import grouped_experts  # noqa: E402
+from tandem.ext.cuda import skinny  # noqa: E402
+from tandem.models.layers.experts import TorchExpertBackend  # noqa: E402
+from tandem.models.layers.gpu_experts import grouped_experts  # noqa: E402
 from tools.bench_gpu import copy_bandwidth_gbps  # noqa: E402
 from tools.bench_hybrid_moe import expert_bytes, touched_experts  # noqa: E402
 

@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.hf_export import to_hf_config_dict  # noqa: E402
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
-from runtime.llm import LLM  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from tandem.models.hf_export import to_hf_config_dict  # noqa: E402
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
+from tandem.runtime.llm import LLM  # noqa: E402
+from tandem.runtime.sampling_params import SamplingParams  # noqa: E402
 from tools.bench_hybrid_moe import model_config  # noqa: E402
 from tools.bench_hybrid_moe import parse_args as model_args  # noqa: E402
 

@@ -45,11 +45,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.batch import ForwardBatch, KVCache  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.layers.cpu_experts import default_cuda_pool_threads  # noqa: E402
-from models.loader import apply_fast_linears, build_model  # noqa: E402
-from models.loader.dummy import init_dummy_weights  # noqa: E402
+from tandem.models.batch import ForwardBatch, KVCache  # noqa: E402
+from tandem.models.config import ModelConfig  # noqa: E402
+from tandem.models.layers.cpu_experts import default_cuda_pool_threads  # noqa: E402
+from tandem.models.loader import apply_fast_linears, build_model  # noqa: E402
+from tandem.models.loader.dummy import init_dummy_weights  # noqa: E402
 from tools.peers.cpu_bandwidth import read_bandwidth_gbps  # noqa: E402
 
 
@@ -469,7 +469,7 @@ def prefill_sweep(runner: Runner, backend, a: argparse.Namespace) -> dict[str, d
     """One-step prefill tok/s per --gpu-prefill mode and length (--prefill and --prefill-sweep),
     each after a warm-up step of the same length (the GPU path pins the pool's memory and
     allocates its buffers on first use), with the layers that went to the GPU."""
-    from models.layers.cpu_experts import parse_gpu_prefill
+    from tandem.models.layers.cpu_experts import parse_gpu_prefill
 
     lengths = sorted({a.prefill, *a.prefill_sweep})
     saved = backend._gpu_prefill_option
@@ -743,7 +743,7 @@ def run_hf(cfg: ModelConfig, a: argparse.Namespace) -> dict:
     at --batch; prefill = --prefill / time(prompt + 1 token)."""
     import transformers as hf
 
-    from models.hf_export import to_hf_config_dict
+    from tandem.models.hf_export import to_hf_config_dict
 
     d = to_hf_config_dict(cfg)
     model_type = d.pop("model_type")
@@ -825,7 +825,9 @@ def main(argv: list[str] | None = None) -> int:
     # Machine instances of one kind differ (BENCHMARKS: the pool's job took 294 us a layer on
     # one, 416-482 on another), so floors are also given at the rate read now, past the L3.
     on_cuda = torch.device(a.device).type == "cuda"
-    threads = a.threads or (default_cuda_pool_threads() if on_cuda else max(1, (os.cpu_count() or 2) - 1))
+    threads = a.threads or (
+        default_cuda_pool_threads() if on_cuda else max(1, (os.cpu_count() or 2) - 1)
+    )
     gbps = read_bandwidth_gbps(threads)
     if a.floor_gbps is None:
         a.floor_gbps = gbps

@@ -18,9 +18,9 @@ import statistics
 
 import torch
 
-from ext.cuda import mla_attention_cuda
-from ext.cuda.mla import plan_mla, rows_per_cta
-from ext.mla_ref import mla_attention_ref
+from tandem.ext.cuda import mla_attention_cuda
+from tandem.ext.cuda.mla import plan_mla, rows_per_cta
+from tandem.ext.mla_ref import mla_attention_ref
 
 L, R, BS = 512, 64, 16
 DTYPE = torch.bfloat16

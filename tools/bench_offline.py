@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.hf_export import to_hf_config_dict  # noqa: E402
-from models.hub import resolve_model  # noqa: E402
-from runtime import LLM, SamplingParams  # noqa: E402
+from tandem.models.hf_export import to_hf_config_dict  # noqa: E402
+from tandem.models.hub import resolve_model  # noqa: E402
+from tandem.runtime import LLM, SamplingParams  # noqa: E402
 from tools.peers import cpu_bandwidth  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -70,7 +70,7 @@ def bench_hf(
 ) -> tuple[float, float]:
     import transformers
 
-    from models.loader.gguf import load_gguf_weights
+    from tandem.models.loader.gguf import load_gguf_weights
 
     cfg = transformers.AutoConfig.for_model(**to_hf_config_dict(llm.engine.model_config))
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -130,7 +130,7 @@ def rss_bytes() -> int:
 def make_llm(args: argparse.Namespace, dtype_name: str, quantization: str = "auto") -> LLM:
     if args.cpu_experts is None:
         return LLM(args.model, dtype=dtype_name, device="cpu", quantization=quantization)
-    from runtime.config import EngineConfig, ModelSpec
+    from tandem.runtime.config import EngineConfig, ModelSpec
 
     spec = ModelSpec(
         model=args.model,
@@ -188,7 +188,7 @@ def main() -> None:
         f"{'engine':<26}{'batch-1 tok/s':>14}{f'{args.concurrency} concurrent':>16}"
         f"{'floor b1':>10}{'b1/floor':>10}"
     )
-    from models.quant.linear import quantized_bytes
+    from tandem.models.quant.linear import quantized_bytes
 
     for dtype_name, quant in [
         (d, q) for d in args.dtypes.split(",") for q in args.quantizations.split(",")

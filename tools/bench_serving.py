@@ -58,8 +58,8 @@ class BenchRequest:
 def load_tokenizer(name: str | None) -> Any:
     """The tokenizer of a model directory, a .gguf file or a known name (None: the default)."""
     sys.path.insert(0, str(ROOT))
-    from models.hub import resolve_model
-    from models.tokenizer import Tokenizer
+    from tandem.models.hub import resolve_model
+    from tandem.models.tokenizer import Tokenizer
 
     path = resolve_model(name)
     if path.is_file() and path.suffix == ".gguf":

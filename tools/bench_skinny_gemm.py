@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ext.cuda import skinny  # noqa: E402
+from tandem.ext.cuda import skinny  # noqa: E402
 
 SHAPES = {
     "8B": {

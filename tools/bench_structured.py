@@ -26,14 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.config import ModelConfig  # noqa: E402
-from models.loader import build_model  # noqa: E402
-from models.loader.dummy import init_dummy_weights  # noqa: E402
-from models.tokenizer import Tokenizer  # noqa: E402
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.grammar import apply_bitmask, fill_bitmask  # noqa: E402
-from runtime.sampling_params import GrammarSpec, SamplingParams  # noqa: E402
+from tandem.models.config import ModelConfig  # noqa: E402
+from tandem.models.loader import build_model  # noqa: E402
+from tandem.models.loader.dummy import init_dummy_weights  # noqa: E402
+from tandem.models.tokenizer import Tokenizer  # noqa: E402
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
+from tandem.runtime.engine import Engine  # noqa: E402
+from tandem.runtime.grammar import apply_bitmask, fill_bitmask  # noqa: E402
+from tandem.runtime.sampling_params import GrammarSpec, SamplingParams  # noqa: E402
 
 # JSON objects of this schema, one after another without end: EOS is banned by logit_bias,
 # so a constrained row decodes for the whole measurement.

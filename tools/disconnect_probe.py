@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp  # noqa: E402
 
-from app.config import ServerConfig  # noqa: E402
-from app.serve import add_serve_arguments, server_config_from_args, start_server  # noqa: E402
+from tandem.app.config import ServerConfig  # noqa: E402
+from tandem.app.serve import add_serve_arguments, server_config_from_args, start_server  # noqa: E402
 
 
 async def abandon(http: aiohttp.ClientSession, base: str, i: int) -> None:
@@ -52,7 +52,7 @@ async def abandon(http: aiohttp.ClientSession, base: str, i: int) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     if args.real:
-        from runtime.engine import Engine
+        from tandem.runtime.engine import Engine
 
         p = argparse.ArgumentParser()
         add_serve_arguments(p)

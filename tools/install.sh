@@ -12,6 +12,6 @@ extra=""
 [ "${1:-}" = "--dev" ] && extra="[dev]"
 "$PY" tools/torch_choice.py --install --python "$PY"
 "$PY" -m pip install -q -e ".${extra}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-"$PY" -c "import app, runtime, models, ext" || { echo "[tandem] install failed" >&2; exit 1; }
+"$PY" -c "import tandem.app, tandem.runtime, tandem.models, tandem.ext" || { echo "[tandem] install failed" >&2; exit 1; }
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 echo "[tandem] installed; torch $("$PY" -c 'import torch; print(torch.__version__)')" >&2

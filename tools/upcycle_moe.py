@@ -28,9 +28,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.engine_args import count_arg  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.hf_export import to_hf_config_dict  # noqa: E402
+from tandem.app.engine_args import count_arg  # noqa: E402
+from tandem.models.config import ModelConfig  # noqa: E402
+from tandem.models.hf_export import to_hf_config_dict  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -103,13 +103,13 @@ def upcycle_weights(
 
 def _dense_source(model: Path):
     """(ModelConfig, weight iterator, Tokenizer) of a .gguf file or an HF directory."""
-    from models.tokenizer import Tokenizer
+    from tandem.models.tokenizer import Tokenizer
 
     if model.suffix == ".gguf":
-        from models.loader.gguf import gguf_model_config, load_gguf_weights
+        from tandem.models.loader.gguf import gguf_model_config, load_gguf_weights
 
         return gguf_model_config(model), load_gguf_weights(model), Tokenizer.from_gguf(model)
-    from models.loader.safetensors import iter_safetensors_weights
+    from tandem.models.loader.safetensors import iter_safetensors_weights
 
     cfg = ModelConfig.from_pretrained(model)
     return cfg, iter_safetensors_weights(model, torch.float32), Tokenizer.from_pretrained(model)
@@ -140,7 +140,7 @@ def upcycle(
 ) -> Path:
     """Writes the Mixtral directory `out` from `model` (default: the default model)."""
     if model is None:
-        from models.hub import resolve_model
+        from tandem.models.hub import resolve_model
 
         model = resolve_model(None)
     dense_cfg, weights, tok = _dense_source(Path(model))

@@ -3,11 +3,11 @@ wrapper that emits content until a call may begin and parses the calls when the 
 
 from __future__ import annotations
 
-from app.tool_parsers.base import ParsedOutput, ToolCall, ToolParser, new_call_id
-from app.tool_parsers.deepseek import DeepSeekV3Parser
-from app.tool_parsers.hermes import HermesParser
-from app.tool_parsers.llama3 import Llama3JsonParser
-from app.tool_parsers.mistral import MistralParser
+from tandem.app.tool_parsers.base import ParsedOutput, ToolCall, ToolParser, new_call_id
+from tandem.app.tool_parsers.deepseek import DeepSeekV3Parser
+from tandem.app.tool_parsers.hermes import HermesParser
+from tandem.app.tool_parsers.llama3 import Llama3JsonParser
+from tandem.app.tool_parsers.mistral import MistralParser
 
 PARSERS: dict[str, type] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, DeepSeekV3Parser)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from app.tool_parsers.base import ParsedOutput, call_from_json, load_json
+from tandem.app.tool_parsers.base import ParsedOutput, call_from_json, load_json
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from app.tool_parsers.base import ParsedOutput, call_from_json, load_json
+from tandem.app.tool_parsers.base import ParsedOutput, call_from_json, load_json
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 

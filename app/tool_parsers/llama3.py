@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from app.tool_parsers.base import ParsedOutput, call_from_json
+from tandem.app.tool_parsers.base import ParsedOutput, call_from_json
 
 _TAG = "<|python_tag|>"
 

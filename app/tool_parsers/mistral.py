@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from app.tool_parsers.base import ParsedOutput, call_from_json, load_json
+from tandem.app.tool_parsers.base import ParsedOutput, call_from_json, load_json
 
 _TAG, _ARGS = "[TOOL_CALLS]", "[ARGS]"
 

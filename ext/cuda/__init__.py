@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ext.cuda._loader import cupy_available
-from ext.cuda.mla import mla_attention_cuda
-from ext.cuda.paged_attention import paged_attention_cuda, paged_decode, paged_extend, write_kv
+from tandem.ext.cuda._loader import cupy_available
+from tandem.ext.cuda.mla import mla_attention_cuda
+from tandem.ext.cuda.paged_attention import (
+    paged_attention_cuda,
+    paged_decode,
+    paged_extend,
+    write_kv,
+)
 
 
 def is_available() -> bool:

@@ -32,7 +32,7 @@ def cupy_module() -> Any:
         import cupy
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise RuntimeError(
-            "ext.cuda kernels need CuPy (pip install cupy-cuda12x or cupy-cuda13x)"
+            "tandem.ext.cuda kernels need CuPy (pip install cupy-cuda12x or cupy-cuda13x)"
         ) from e
     return cupy
 

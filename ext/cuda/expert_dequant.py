@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ext.cpu.layout import dequantize as dequantize_ref
-from ext.cuda._loader import i32, i64, launch, ptr
+from tandem.ext.cpu.layout import dequantize as dequantize_ref
+from tandem.ext.cuda._loader import i32, i64, launch, ptr
 
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _FMT = {"int8": 1, "int4": 2}

@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from ext.cuda._loader import f32, i32, i64, launch, ptr
+from tandem.ext.cuda._loader import f32, i32, i64, launch, ptr
 
 HEAD_DIMS = (64, 128)
 _DT = {torch.float16: 0, torch.bfloat16: 1}

@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-from ext.cuda._loader import f32, i32, i64, launch, ptr
+from tandem.ext.cuda._loader import f32, i32, i64, launch, ptr
 
 LATENT_DIMS = (128, 256, 512)  # kv_lora_rank values the kernel is built for
 ROPE_DIMS = (16, 32, 64)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ext.cuda._loader import i32, i64, launch, ptr
+from tandem.ext.cuda._loader import i32, i64, launch, ptr
 
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 MAX_EXPERTS = 1024

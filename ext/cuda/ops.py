@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ext.cuda import kernels
+from tandem.ext.cuda import kernels
 
 
 @torch.library.custom_op("tandem::write_kv", mutates_args=("k_cache", "v_cache"))

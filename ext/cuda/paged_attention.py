@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import ext.cuda.ops  # noqa: F401  (registers torch.ops.tandem.*)
+import tandem.ext.cuda.ops  # noqa: F401  (registers torch.ops.tandem.*)
 
 
 def write_kv(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ext.attention_ref import rotate_neox, write_kv
-from ext.cuda._loader import f32, i32, i64, launch, ptr
-from ext.cuda.norm import rms_norm_ref
+from tandem.ext.attention_ref import rotate_neox, write_kv
+from tandem.ext.cuda._loader import f32, i32, i64, launch, ptr
+from tandem.ext.cuda.norm import rms_norm_ref
 
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 HEAD_DIMS = (64, 128, 256)

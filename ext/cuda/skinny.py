@@ -15,9 +15,9 @@ import os
 
 import torch
 
-from ext.attention_ref import rotate_neox, write_kv
-from ext.cuda import moe_stage
-from ext.cuda._loader import i32, i64, launch, ptr
+from tandem.ext.attention_ref import rotate_neox, write_kv
+from tandem.ext.cuda import moe_stage
+from tandem.ext.cuda._loader import i32, i64, launch, ptr
 
 MAX_ROWS = 8
 _DT = {torch.float16: 0, torch.bfloat16: 1}

@@ -1,16 +1,16 @@
 """Model building blocks: norm, rotary, attention, gated MLP, MoE routing and expert backends."""
 
-from models.layers.attention import Attention
-from models.layers.experts import (
+from tandem.models.layers.attention import Attention
+from tandem.models.layers.experts import (
     ExpertBackend,
     TorchExpertBackend,
     get_expert_backend,
     register_expert_backend,
 )
-from models.layers.mlp import GatedMLP
-from models.layers.moe import SparseMoeBlock
-from models.layers.norm import RMSNorm
-from models.layers.rotary import RotaryEmbedding, rope_inv_freq
+from tandem.models.layers.mlp import GatedMLP
+from tandem.models.layers.moe import SparseMoeBlock
+from tandem.models.layers.norm import RMSNorm
+from tandem.models.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 __all__ = [
     "Attention",

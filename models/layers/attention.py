@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention_backend import AttentionBackend
-from models.batch import ForwardBatch
-from models.config import ModelConfig
-from models.layers.norm import RMSNorm
-from models.layers.parallel import get_tp, head_split, row_parallel, sharded_rms_norm
-from models.layers.rotary import RotaryEmbedding
+from tandem.models.attention_backend import AttentionBackend
+from tandem.models.batch import ForwardBatch
+from tandem.models.config import ModelConfig
+from tandem.models.layers.norm import RMSNorm
+from tandem.models.layers.parallel import get_tp, head_split, row_parallel, sharded_rms_norm
+from tandem.models.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):

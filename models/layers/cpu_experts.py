@@ -49,11 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.experts import register_expert_backend
+from tandem.models.layers.experts import register_expert_backend
 
 if TYPE_CHECKING:
-    from ext.cpu import CpuExpertPool, ExpertCache, StreamJob
-    from models.layers.gpu_prefill import GpuExpertPrefill
+    from tandem.ext.cpu import CpuExpertPool, ExpertCache, StreamJob
+    from tandem.models.layers.gpu_prefill import GpuExpertPrefill
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def _local_experts(hidden, local_ids, weights, w13, w2) -> torch.Tensor:
     grouped GEMMs above (those slots computed by expert 0 with weight 0). Otherwise dense for
     small T (every local expert on every token; no host sync either), grouped by expert with one
     sync above `DENSE_GPU_EXPERT_TOKENS`."""
-    from models.layers import gpu_experts
+    from tandem.models.layers import gpu_experts
 
     x = hidden.to(w13.dtype)
     kernels = os.environ.get("TANDEM_GPU_EXPERTS_DENSE") != "1"  # 1: the earlier paths (A/B)
@@ -444,7 +444,7 @@ class CpuPoolExpertBackend:
     @property
     def pool(self) -> CpuExpertPool:
         if self._pool is None:
-            from ext.cpu import CpuExpertPool  # lazy: builds the extension on first use
+            from tandem.ext.cpu import CpuExpertPool  # lazy: builds the extension on first use
 
             num_threads, isa = self._pool_args
             spin_us = self._spin_us if self._spin_us is not None else spin_us_from_env()
@@ -462,7 +462,7 @@ class CpuPoolExpertBackend:
         rebalance rewrites their tensors in place."""
         if not self.stream_ordered:
             return False
-        from ext.cpu import cuda_host_funcs_error, cuda_memops_error
+        from tandem.ext.cpu import cuda_host_funcs_error, cuda_memops_error
 
         check = cuda_memops_error if self.sync == "flags" else cuda_host_funcs_error
         return check() is None
@@ -473,7 +473,7 @@ class CpuPoolExpertBackend:
         pinned words, the pool polls) or "host_func" (cuLaunchHostFunc)."""
         if self._sync_option is not None:
             return self._sync_option
-        from ext.cpu import cuda_memops_error
+        from tandem.ext.cpu import cuda_memops_error
 
         return "flags" if cuda_memops_error() is None else "host_func"
 
@@ -504,8 +504,8 @@ class CpuPoolExpertBackend:
             self._skipped = {block.layer_idx for block in self._blocks(model)}
             return frozenset(self._skipped)
         if checkpoint_format == "gguf":
-            from models.gguf_reader import GGUFReader
-            from models.loader.gguf_experts import gguf_expert_layers
+            from tandem.models.gguf_reader import GGUFReader
+            from tandem.models.loader.gguf_experts import gguf_expert_layers
 
             self.gguf_source = checkpoint
             self._gguf_layers = frozenset(gguf_expert_layers(GGUFReader(checkpoint)))
@@ -569,7 +569,7 @@ class CpuPoolExpertBackend:
         (Qwen3-30B-A3B shape, int4, `tandem serve` on the H100 machine, same call: batch-1
         decode 58.4 tok/s unconfined, 64.1 confined; docs/BENCHMARKS.md). Returns the cpus,
         empty where nothing changed."""
-        from ext.cpu.pool import switch_from_env
+        from tandem.ext.cpu.pool import switch_from_env
 
         if not self._on_cuda or switch_from_env(CONFINE_ENV) is False:
             return []
@@ -596,7 +596,7 @@ class CpuPoolExpertBackend:
         key = self._layer_key(cache, layer, w13, w2) if cache is not None else ""
         if cache is None or not cache.load(self.pool, layer, key, _shape(w13)):
             if layer in self._gguf_layers:  # from the file's own blocks, decoded to fp32
-                from models.loader.gguf_experts import load_gguf_experts
+                from tandem.models.loader.gguf_experts import load_gguf_experts
 
                 load_gguf_experts(
                     self.gguf_source, self.pool, self.fmt, [layer], self._group_option
@@ -646,7 +646,7 @@ class CpuPoolExpertBackend:
         elif self.gguf_source is not None or self.cache_source is not None:
             weights_id = f"file:{w13.dtype}"
         else:
-            from ext.cpu.cache import weights_fingerprint
+            from tandem.ext.cpu.cache import weights_fingerprint
 
             weights_id = f"weights:{weights_fingerprint(w13, w2)}"
         return cache.layer_key(layer, tuple(w13.shape), tuple(w2.shape), weights_id)
@@ -663,8 +663,8 @@ class CpuPoolExpertBackend:
         instead of overwriting each other."""
         if self._cache is not None or self._cache_option is False:
             return self._cache
-        from ext.cpu import ExpertCache, default_cache_root, source_identity
-        from ext.cpu.cache import weights_fingerprint
+        from tandem.ext.cpu import ExpertCache, default_cache_root, source_identity
+        from tandem.ext.cpu.cache import weights_fingerprint
 
         src = self.gguf_source or self.cache_source
         if src is None and weights is None:
@@ -797,7 +797,7 @@ class CpuPoolExpertBackend:
             return False
         if self._gpu_prefill is None:
             try:
-                from models.layers.gpu_prefill import GpuExpertPrefill
+                from tandem.models.layers.gpu_prefill import GpuExpertPrefill
 
                 device = self._layer_counts(layer_idx).device
                 self._gpu_prefill = GpuExpertPrefill(self.pool, sorted(self._counts), device)
@@ -847,7 +847,7 @@ class CpuPoolExpertBackend:
             return None
         if self._use_gpu_prefill(layer_idx, hidden.shape[0]):
             return None  # `start` takes it to the GPU
-        from ext.cuda import moe_stage
+        from tandem.ext.cuda import moe_stage
 
         if not moe_stage.supported(hidden, logits, top_k):
             return None
@@ -877,7 +877,7 @@ class CpuPoolExpertBackend:
         else:
             self.pool.enqueue_wait(pending.stream, job)
         if pending.fused:
-            from ext.cuda import moe_stage
+            from tandem.ext.cuda import moe_stage
 
             return moe_stage.gather(st.out[:T], pending.extra, hidden.dtype, st.out_d)
         out = st.out_d[:T]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ext.cpu.linear import FORMATS, VNNI_ISAS, CpuLinearPool, PackedWeight, pack_weight
+from tandem.ext.cpu.linear import FORMATS, VNNI_ISAS, CpuLinearPool, PackedWeight, pack_weight
 
 # Largest M sent to the C++ kernel; above it torch's GEMM is as fast or faster (measured on a
 # 2-vCPU AVX-512 BF16 EPYC, docs/BENCHMARKS.md "Offline decode (CPU)").

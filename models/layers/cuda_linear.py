@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ext.cuda import (
+from tandem.ext.cuda import (
     qk_norm_rope,  # registers torch.ops.tandem.qk_norm_rope
     skinny,  # noqa: F401  (registers torch.ops.tandem.skinny_*)
 )
-from models.batch import ForwardBatch
-from models.layers.attention import Attention
-from models.layers.mlp import GatedMLP
+from tandem.models.batch import ForwardBatch
+from tandem.models.layers.attention import Attention
+from tandem.models.layers.mlp import GatedMLP
 
 # Rows of x at or below which the kernel beats cuBLAS on every Llama-3 8B/1B projection
 # (at 4 rows it wins on some and loses on others; docs/BENCHMARKS.md "GPU").

@@ -114,9 +114,9 @@ def register_expert_backend(name: str, factory: Callable[..., ExpertBackend]) ->
 
 def get_expert_backend(name: str, **kwargs: Any) -> ExpertBackend:
     if name == "cpu_pool" and name not in _EXPERT_BACKENDS:
-        import models.layers.cpu_experts  # noqa: F401  (registers itself; imports ext.cpu lazily)
+        import tandem.models.layers.cpu_experts  # noqa: F401  (registers itself; imports ext.cpu lazily)
     if name == "gpu" and name not in _EXPERT_BACKENDS:
-        import models.layers.gpu_experts  # noqa: F401  (registers itself)
+        import tandem.models.layers.gpu_experts  # noqa: F401  (registers itself)
     if name not in _EXPERT_BACKENDS:
         raise ValueError(
             f"unknown expert backend {name!r}; available: {', '.join(sorted(_EXPERT_BACKENDS))}"

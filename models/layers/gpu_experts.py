@@ -33,9 +33,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ext.cuda import is_available as cuda_kernels_available
-from ext.cuda import skinny  # registers torch.ops.tandem.moe_routed_experts
-from models.layers.experts import ExpertBias, TorchExpertBackend, register_expert_backend
+from tandem.ext.cuda import is_available as cuda_kernels_available
+from tandem.ext.cuda import skinny  # registers torch.ops.tandem.moe_routed_experts
+from tandem.models.layers.experts import ExpertBias, TorchExpertBackend, register_expert_backend
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ext.cpu.layout import ShardLayout, split_shard
+from tandem.ext.cpu.layout import ShardLayout, split_shard
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the expert cache's rea
 def _cuda_runtime():
     """CuPy's CUDA runtime module (page-locking, raw-pointer copies); CuPy is only needed
     on CUDA."""
-    from ext.cuda._loader import cupy_module
+    from tandem.ext.cuda._loader import cupy_module
 
     return cupy_module().cuda.runtime
 
@@ -156,7 +156,7 @@ class GpuExpertPrefill:
     def _register(self, addr: int, nbytes: int) -> None:
         if nbytes == 0:
             return
-        from ext.cuda._loader import cupy_module
+        from tandem.ext.cuda._loader import cupy_module
 
         rt = _cuda_runtime()
         with cupy_module().cuda.Device(self.device.index or 0):
@@ -214,7 +214,7 @@ class GpuExpertPrefill:
         w13q, s13, w2q, s2 = split_shard(raw, s)
         if s.fmt == "bf16" and dtype == torch.bfloat16:
             return w13q.view(torch.bfloat16), w2q.view(torch.bfloat16)
-        from ext.cuda import expert_dequant
+        from tandem.ext.cuda import expert_dequant
 
         out = []
         for name, q, sc, shape in (

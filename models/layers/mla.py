@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.attention_backend import AttentionBackend
-from models.batch import ForwardBatch
-from models.config import ModelConfig
-from models.layers.norm import RMSNorm
-from models.layers.rotary import RotaryEmbedding, _rope_type, _yarn_factor
+from tandem.models.attention_backend import AttentionBackend
+from tandem.models.batch import ForwardBatch
+from tandem.models.config import ModelConfig
+from tandem.models.layers.norm import RMSNorm
+from tandem.models.layers.rotary import RotaryEmbedding, _rope_type, _yarn_factor
 
 # transformers builds both latent norms with its RMSNorm's default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6

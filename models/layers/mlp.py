@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import UnsupportedModelError
-from models.layers.parallel import even_split, get_tp, row_parallel
+from tandem.models.config import UnsupportedModelError
+from tandem.models.layers.parallel import even_split, get_tp, row_parallel
 
 
 def check_activation(hidden_act: str) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.config import ModelConfig, UnsupportedModelError
-from models.layers.experts import ExpertBackend
-from models.layers.mlp import GatedMLP, check_activation
-from models.layers.moe_routing import deepseek_route
-from models.layers.parallel import even_split, get_tp
+from tandem.models.config import ModelConfig, UnsupportedModelError
+from tandem.models.layers.experts import ExpertBackend
+from tandem.models.layers.mlp import GatedMLP, check_activation
+from tandem.models.layers.moe_routing import deepseek_route
+from tandem.models.layers.parallel import even_split, get_tp
 
 
 class SparseMoeBlock(nn.Module):

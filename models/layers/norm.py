@@ -15,7 +15,7 @@ import os
 import torch
 from torch import nn
 
-from ext.cuda import norm as _cuda_norm  # registers torch.ops.tandem.rms_norm
+from tandem.ext.cuda import norm as _cuda_norm  # registers torch.ops.tandem.rms_norm
 
 FUSED_CUDA_NORM = os.environ.get("TANDEM_CUDA_NORM", "1") != "0"
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig, UnsupportedModelError
+from tandem.models.config import ModelConfig, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from models.decoder import DecoderForCausalLM
+    from tandem.models.decoder import DecoderForCausalLM
 
 # Architectures built from `DecoderForCausalLM`/`DecoderLayer`, whose layers shard themselves.
 TP_ARCHITECTURES = frozenset(

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ext.attention_ref import rotate_neox
-from models.config import UnsupportedModelError
+from tandem.ext.attention_ref import rotate_neox
+from tandem.models.config import UnsupportedModelError
 
 
 def _rope_type(scaling: dict[str, Any] | None) -> str:

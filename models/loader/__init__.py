@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.attention_backend import get_attention_backend
-from models.config import ModelConfig
-from models.layers.experts import get_expert_backend
-from models.layers.parallel import check_tensor_parallel, get_tp
-from models.loader.dummy import init_dummy_weights
-from models.loader.safetensors import iter_safetensors_weights
-from models.registry import get_model_class
-from models.weights import expert_layer, is_mtp
+from tandem.models.attention_backend import get_attention_backend
+from tandem.models.config import ModelConfig
+from tandem.models.layers.experts import get_expert_backend
+from tandem.models.layers.parallel import check_tensor_parallel, get_tp
+from tandem.models.loader.dummy import init_dummy_weights
+from tandem.models.loader.safetensors import iter_safetensors_weights
+from tandem.models.registry import get_model_class
+from tandem.models.weights import expert_layer, is_mtp
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,13 @@ def cpu_linear_format() -> str | None:
 
 
 def _apply_cpu_linear(model: nn.Module, fmt: str) -> None:
-    from models.layers.cpu_linear import use_cpu_linear
+    from tandem.models.layers.cpu_linear import use_cpu_linear
 
     if fmt != "auto":  # asked for by name: a failure is an error
         use_cpu_linear(model, fmt)
         return
     try:
-        from ext.cpu import supported_isas
+        from tandem.ext.cpu import supported_isas
 
         if not {"avx512", "amx"} & set(supported_isas()):
             return  # without native bf16 dot products torch's GEMM is as good
@@ -73,12 +73,12 @@ def _apply_cpu_linear(model: nn.Module, fmt: str) -> None:
 
 
 def _apply_cpu_quant(model: nn.Module) -> None:
-    from models.quant.linear import quant_modules
+    from tandem.models.quant.linear import quant_modules
 
     if not quant_modules(model):
         return
     try:
-        from models.quant.cpu import use_cpu_quant_kernels
+        from tandem.models.quant.cpu import use_cpu_quant_kernels
 
         use_cpu_quant_kernels(model)
     except Exception as exc:  # the torch reference serves the same packed weights, slower
@@ -88,11 +88,11 @@ def _apply_cpu_quant(model: nn.Module) -> None:
 
 
 def _apply_cuda_quant(model: nn.Module) -> None:
-    from ext.cuda import is_available
-    from models.quant.linear import quant_modules
+    from tandem.ext.cuda import is_available
+    from tandem.models.quant.linear import quant_modules
 
     if quant_modules(model) and is_available():
-        from models.quant.cuda import use_cuda_quant_kernels
+        from tandem.models.quant.cuda import use_cuda_quant_kernels
 
         use_cuda_quant_kernels(model)
 
@@ -103,11 +103,11 @@ def _apply_cuda_linear(model: nn.Module) -> None:
         return
     if value not in ("auto", "1", "on"):
         raise ValueError(f"{CUDA_LINEAR_ENV} must be auto or 0, got {value!r}")
-    from ext.cuda import is_available
+    from tandem.ext.cuda import is_available
 
     if not is_available():
         return
-    from models.layers.cuda_linear import use_cuda_skinny_linear
+    from tandem.models.layers.cuda_linear import use_cuda_skinny_linear
 
     use_cuda_skinny_linear(model)
 
@@ -131,7 +131,7 @@ def read_model_config(model_path: str | Path, load_format: str = "auto") -> Mode
     fmt = resolve_load_format(model_path, load_format) if load_format != "dummy" else "dummy"
     path = Path(model_path)
     if fmt == "gguf":
-        from models.loader.gguf import gguf_model_config
+        from tandem.models.loader.gguf import gguf_model_config
 
         return gguf_model_config(path)
     if fmt == "safetensors":
@@ -211,7 +211,7 @@ def load_model(
         kept = {}
 
     def prepare(m: nn.Module) -> None:
-        from models.quant.swap import quantize_modules
+        from tandem.models.quant.swap import quantize_modules
 
         packed.update(quantize_modules(m, kept, device, dtype))
 
@@ -262,7 +262,7 @@ def make_batch_invariant(model: nn.Module, device: torch.device | str, dtype: to
     (models/layers/invariant_linear.py) and the cupy attention through one kernel for every
     batch. CPU: the default path already is (bf16 VNNI linears and the "cpu" attention kernel on
     an AVX-512 BF16 CPU); anything else is refused, as is a backend with no invariant path."""
-    from models.layers.attention import Attention
+    from tandem.models.layers.attention import Attention
 
     kind = torch.device(device).type
     layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -274,13 +274,13 @@ def make_batch_invariant(model: nn.Module, device: torch.device | str, dtype: to
             raise ValueError(f"--deterministic on CUDA needs the cupy attention, got {backends}")
         for m in layers:
             m.backend.batch_invariant = True
-        from models.layers.invariant_linear import use_batch_invariant
+        from tandem.models.layers.invariant_linear import use_batch_invariant
 
         use_batch_invariant(model)
         return
     if kind == "cpu":
-        from models.layers.cpu_linear import CpuDenseLinear
-        from models.quant.linear import QuantLinear
+        from tandem.models.layers.cpu_linear import CpuDenseLinear
+        from tandem.models.quant.linear import QuantLinear
 
         apply_fast_linears(model, device, dtype)
         fmts = {m.packed.fmt for m in model.modules() if isinstance(m, CpuDenseLinear)}
@@ -348,7 +348,7 @@ def _packed_tensors(path: Path, fmt: str, quantization: str) -> dict[str, str]:
         raise ValueError(f"quantization 'gguf' needs a GGUF checkpoint, got format {fmt!r}")
     if quantization == "none" or fmt != "gguf":
         return {}
-    from models.loader.gguf import gguf_packed_tensors
+    from tandem.models.loader.gguf import gguf_packed_tensors
 
     return gguf_packed_tensors(path)
 
@@ -363,7 +363,7 @@ def _checkpoint_weights(
     """(HF name, tensor) of a "gguf" or "safetensors" checkpoint; `select(name)` False: not
     read at all; names in `packed` come as `models.quant.tensor.QuantizedTensor`s."""
     if fmt == "gguf":
-        from models.loader.gguf import load_gguf_weights
+        from tandem.models.loader.gguf import load_gguf_weights
 
         return load_gguf_weights(path, dtype, select, frozenset(packed))
     return iter_safetensors_weights(path, dtype, select)

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from models.layers.norm import RMSNorm
+from tandem.models.layers.norm import RMSNorm
 
 CHUNK = 1 << 24  # elements per host chunk (one generator each)
 _MASK = (1 << 63) - 1

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from models.config import ModelConfig, UnsupportedModelError
-from models.gguf_dequant import SUPPORTED_TYPES, dequantize_tensor, one_thread
-from models.gguf_reader import GGUFReader, GGUFTensorInfo, ggml_type_name
-from models.loader import gguf_deepseek2
-from models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor
+from tandem.models.config import ModelConfig, UnsupportedModelError
+from tandem.models.gguf_dequant import SUPPORTED_TYPES, dequantize_tensor, one_thread
+from tandem.models.gguf_reader import GGUFReader, GGUFTensorInfo, ggml_type_name
+from tandem.models.loader import gguf_deepseek2
+from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 

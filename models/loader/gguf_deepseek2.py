@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from models.config import ModelConfig, UnsupportedModelError
-from models.gguf_reader import GGUFReader
+from tandem.models.config import ModelConfig, UnsupportedModelError
+from tandem.models.gguf_reader import GGUFReader
 
 ARCH = "deepseek2"
 # gating function ids of llama.cpp's expert_gating_func

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.gguf_dequant import dequantize_tensor
-from models.gguf_reader import GGUFReader, ggml_type_name
+from tandem.models.gguf_dequant import dequantize_tensor
+from tandem.models.gguf_reader import GGUFReader, ggml_type_name
 
 if TYPE_CHECKING:
-    from ext.cpu import CpuExpertPool
+    from tandem.ext.cpu import CpuExpertPool
 
 # GGUF type -> (pool format, int4 group size)
 AUTO_FORMATS: dict[str, tuple[str, int]] = {

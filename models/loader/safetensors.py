@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from models.config import UnsupportedModelError
-from models.quant.fp8 import FP8_DTYPES, dequant_fp8_blockwise
+from tandem.models.config import UnsupportedModelError
+from tandem.models.quant.fp8 import FP8_DTYPES, dequant_fp8_blockwise
 
 INDEX_NAME = "model.safetensors.index.json"
 # Tensors kept in their stored float32 whatever the model dtype: DeepSeek-V3's router

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ext.cpu.qlinear import QTYPES, CpuQuantLinearPool
-from models.quant.linear import QuantLinear, quant_modules
-from models.quant.tensor import QuantizedTensor
+from tandem.ext.cpu.qlinear import QTYPES, CpuQuantLinearPool
+from tandem.models.quant.linear import QuantLinear, quant_modules
+from tandem.models.quant.tensor import QuantizedTensor
 
 
 class CpuQuantKernel:

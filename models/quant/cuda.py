@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ext.cuda import gguf_linear  # noqa: F401  (registers torch.ops.tandem.gguf_linear)
-from models.quant.linear import QuantLinear, quant_modules
-from models.quant.tensor import QuantizedTensor
+from tandem.ext.cuda import gguf_linear  # noqa: F401  (registers torch.ops.tandem.gguf_linear)
+from tandem.models.quant.linear import QuantLinear, quant_modules
+from tandem.models.quant.tensor import QuantizedTensor
 
 
 class CudaQuantKernel:

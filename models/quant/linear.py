@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import UnsupportedModelError
-from models.quant.tensor import QuantizedTensor, ggml_block
+from tandem.models.config import UnsupportedModelError
+from tandem.models.quant.tensor import QuantizedTensor, ggml_block
 
 # kernel(x [M, K] float, segment) -> [M, segment.rows] in x's dtype
 QuantKernel = Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.quant.linear import QuantEmbedding, QuantLinear, QuantLogits
+from tandem.models.quant.linear import QuantEmbedding, QuantLinear, QuantLogits
 
 
 def _swap_linear(

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from models.config import UnsupportedModelError
-from models.gguf_dequant import dequantize
-from models.gguf_reader import GGML_TYPES
+from tandem.models.config import UnsupportedModelError
+from tandem.models.gguf_dequant import dequantize
+from tandem.models.gguf_reader import GGML_TYPES
 
 # GGUF types served quantized (the rest are dequantized at load or refused with a message).
 GGUF_KEPT_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")

@@ -10,9 +10,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from app.config import ServerConfig
-from app.server import create_app
-from runtime.loop import EngineLoop
+from tandem.app.config import ServerConfig
+from tandem.app.server import create_app
+from tandem.runtime.loop import EngineLoop
 from tests.app.fake_engine import FakeEngine
 
 

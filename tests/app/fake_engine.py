@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from runtime.sampling_params import SamplingParams, SamplingParamsError
-from runtime.types import EngineStats, RequestDelta, TokenLogprob
+from tandem.runtime.sampling_params import SamplingParams, SamplingParamsError
+from tandem.runtime.types import EngineStats, RequestDelta, TokenLogprob
 
 EOS_ID = 0
 BOS_ID = 1

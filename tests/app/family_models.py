@@ -11,12 +11,12 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as RustTokenizer
 
-from models.config import ModelConfig
-from models.loader import build_model
-from models.loader.dummy import init_dummy_weights
-from models.tokenizer import Tokenizer
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from runtime.engine import Engine
+from tandem.models.config import ModelConfig
+from tandem.models.loader import build_model
+from tandem.models.loader.dummy import init_dummy_weights
+from tandem.models.tokenizer import Tokenizer
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.engine import Engine
 
 CORPUS = [
     '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}',

@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 
-from app.config import ServerConfig
-from app.server import create_app
-from runtime.loop import EngineLoop
+from tandem.app.config import ServerConfig
+from tandem.app.server import create_app
+from tandem.runtime.loop import EngineLoop
 from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine
 
 STREAM = {

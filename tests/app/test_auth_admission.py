@@ -8,7 +8,7 @@ import threading
 import aiohttp
 import pytest
 
-from app.auth import key_matches
+from tandem.app.auth import key_matches
 from tests.app.conftest import MakeHarness
 from tests.app.fake_engine import FakeEngine
 

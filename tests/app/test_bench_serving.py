@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config import ServerConfig
-from app.serve import RunningServer, start_server
+from tandem.app.config import ServerConfig
+from tandem.app.serve import RunningServer, start_server
 from tests.app.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[2]

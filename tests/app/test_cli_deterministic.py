@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from app.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.app.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def _spec(*argv: str):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-import app.serve
-from app.cli import main
+from tandem.app import serve as app_serve
+from tandem.app.cli import main
 
 
 def test_ctrl_c_while_loading_exits_130_without_a_traceback(monkeypatch, capsys):
     def loading(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(app.serve, "run_server", loading)
+    monkeypatch.setattr(app_serve, "run_server", loading)
     # before: the KeyboardInterrupt escaped main(), a 20-80 line traceback on stderr
     assert main(["serve", "--model", "unused"]) == 130
     err = capsys.readouterr().err
@@ -23,6 +23,6 @@ def test_other_errors_still_propagate(monkeypatch):
     def broken(args):
         raise KeyError("x")
 
-    monkeypatch.setattr(app.serve, "run_server", broken)
+    monkeypatch.setattr(app_serve, "run_server", broken)
     with pytest.raises(KeyError):
         main(["serve", "--model", "unused"])

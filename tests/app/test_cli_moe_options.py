@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.cli import main
-from models.config import ModelConfig
-from models.hf_export import to_hf_config_dict
+from tandem.app.cli import main
+from tandem.models.config import ModelConfig
+from tandem.models.hf_export import to_hf_config_dict
 
 COMMON = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -80,7 +80,7 @@ def test_bad_moe_options_are_one_line_errors(capsys, moe_dir: Path, args, says: 
 
 def test_more_pool_threads_than_cpus_is_an_error(capsys, moe_dir: Path) -> None:
     """Workers past the process's cpus share them (999 on 2 cpus decoded ~8x slower)."""
-    from runtime.engine_setup import allowed_cpu_count
+    from tandem.runtime.engine_setup import allowed_cpu_count
 
     too_many = str(allowed_cpu_count() + 1)
     err = _error(capsys, "--model", str(moe_dir), "--cpu-experts", "all", "--cpu-threads", too_many)
@@ -104,8 +104,8 @@ def test_pool_options_without_the_pool_are_an_error(capsys, moe_dir: Path, args)
     that says what selects the pool. With ModelSpec(expert_backend="cpu_pool") they apply."""
     err = _error(capsys, "--model", str(moe_dir), *args)
     assert "only apply to the CPU expert pool" in err and "--cpu-experts all" in err
-    from runtime.config import ModelSpec
-    from runtime.engine_setup import check_expert_options
+    from tandem.runtime.config import ModelSpec
+    from tandem.runtime.engine_setup import check_expert_options
 
     cfg = ModelConfig(**COMMON, architecture="Qwen3MoeForCausalLM", num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
@@ -135,8 +135,8 @@ def test_good_options_still_run(capsys, moe_dir: Path) -> None:
 @pytest.mark.parametrize("group", [None, 32])
 def test_int4_group_size_reaches_the_pool(moe_dir: Path, group: int | None) -> None:
     """--cpu-expert-group-size: the pool's int4 layers take it (default 64)."""
-    from runtime.config import EngineConfig, ModelSpec
-    from runtime.llm import LLM
+    from tandem.runtime.config import EngineConfig, ModelSpec
+    from tandem.runtime.llm import LLM
 
     spec = ModelSpec(model=str(moe_dir), load_format="dummy", device="cpu", dtype="float32",
                      cpu_experts="all", cpu_expert_format="int4", cpu_expert_group_size=group)  # fmt: skip
@@ -147,8 +147,8 @@ def test_int4_group_size_reaches_the_pool(moe_dir: Path, group: int | None) -> N
 
 def test_no_cpu_pool_build_is_a_one_line_error(capsys, moe_dir: Path, monkeypatch) -> None:
     """No compiler (or a failed build) with --cpu-experts all: one line, not a traceback."""
-    from ext.cpu import CpuExtensionError
-    from ext.cpu import pool as pool_mod
+    from tandem.ext.cpu import CpuExtensionError
+    from tandem.ext.cpu import pool as pool_mod
 
     def no_compiler():
         raise CpuExtensionError("no C++ compiler found (set CXX or install g++)")
@@ -161,8 +161,8 @@ def test_no_cpu_pool_build_is_a_one_line_error(capsys, moe_dir: Path, monkeypatc
 def test_expert_format_defaults_to_the_checkpoints_own() -> None:
     """--cpu-expert-format auto (the default): a GGUF's Q4_0/Q8_0 experts stay int4/int8 in the
     pool (models/loader/gguf_experts.AUTO_FORMATS) instead of widening to bf16."""
-    from app.cli import build_parser
-    from runtime.config import ModelSpec
+    from tandem.app.cli import build_parser
+    from tandem.runtime.config import ModelSpec
 
     for command in (["generate", "hi"], ["serve"], ["chat"]):
         assert build_parser().parse_args(command).cpu_expert_format == "auto"
@@ -172,9 +172,9 @@ def test_expert_format_defaults_to_the_checkpoints_own() -> None:
 def test_zero_cpu_experts_from_python_is_not_all() -> None:
     """ModelSpec(cpu_experts=0) (an int, from the Python API) means no expert on the pool, not
     "all": on a CPU-only machine that leaves experts on a missing GPU."""
-    from models.config import ModelConfig
-    from runtime.config import ModelSpec
-    from runtime.engine_setup import check_expert_options
+    from tandem.models.config import ModelConfig
+    from tandem.runtime.config import ModelSpec
+    from tandem.runtime.engine_setup import check_expert_options
 
     cfg = ModelConfig(**COMMON, architecture="Qwen3MoeForCausalLM", num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
@@ -187,9 +187,9 @@ def test_zero_cpu_experts_from_python_is_not_all() -> None:
 def test_cpu_threads_from_python_is_checked_by_name(threads) -> None:
     """ModelSpec(cpu_threads=...) from the Python API (the CLI's argparse checks its own) is
     refused before any weight is read, naming the option, not the pool's num_threads."""
-    from models.config import ModelConfig
-    from runtime.config import ModelSpec
-    from runtime.engine_setup import check_expert_options
+    from tandem.models.config import ModelConfig
+    from tandem.runtime.config import ModelSpec
+    from tandem.runtime.engine_setup import check_expert_options
 
     cfg = ModelConfig(**COMMON, architecture="Qwen3MoeForCausalLM", num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip

@@ -15,11 +15,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from app.cli import build_parser
-from app.config import ServerConfig
-from app.metrics import add_label
-from app.serve import start_server
-from app.version import tandem_version
+from tandem.app.cli import build_parser
+from tandem.app.config import ServerConfig
+from tandem.app.metrics import add_label
+from tandem.app.serve import start_server
+from tandem.app.version import tandem_version
 from tests.app.conftest import MakeHarness
 from tests.app.fake_engine import FakeEngine
 
@@ -29,7 +29,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 def run_tandem(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
+        [sys.executable, "-m", "tandem.app.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -41,7 +41,7 @@ def run_tandem(*args: str) -> subprocess.CompletedProcess:
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
-    from app.serve import resolve_model_argument
+    from tandem.app.serve import resolve_model_argument
 
     args = build_parser().parse_args(["serve", *argv])
     resolve_model_argument(args)
@@ -58,7 +58,7 @@ def test_model_is_positional_or_dash_m() -> None:
 
 
 def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
-    from app.serve import server_config_from_args
+    from tandem.app.serve import server_config_from_args
 
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0].content }}")
@@ -246,7 +246,7 @@ def test_add_label() -> None:
 
 
 def test_progress_lines_show_without_verbose_and_phases_with_it() -> None:
-    from app.cli import log_filter
+    from tandem.app.cli import log_filter
 
     def record(level: int, **extra: object) -> logging.LogRecord:
         rec = logging.LogRecord("x", level, __file__, 1, "msg", None, None)
@@ -260,8 +260,8 @@ def test_progress_lines_show_without_verbose_and_phases_with_it() -> None:
 
 
 def test_startup_phase_names_the_phase_and_its_duration(caplog) -> None:
-    from runtime.startup import startup_phase
+    from tandem.runtime.startup import startup_phase
 
-    with caplog.at_level(logging.INFO, logger="runtime.startup"), startup_phase("weights"):
+    with caplog.at_level(logging.INFO, logger="tandem.runtime.startup"), startup_phase("weights"):
         pass
     assert re.search(r"start-up: weights done in \d+\.\d\ds", caplog.text)

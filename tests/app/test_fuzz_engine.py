@@ -22,9 +22,9 @@ import pytest
 import requests
 from hypothesis import HealthCheck, Phase, given, settings
 
-from app.config import ServerConfig
-from app.serve import RunningServer, start_server
-from runtime.engine import Engine
+from tandem.app.config import ServerConfig
+from tandem.app.serve import RunningServer, start_server
+from tandem.runtime.engine import Engine
 from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine
 
 TIMEOUT_S = 30.0

@@ -14,8 +14,8 @@ import aiohttp
 import orjson
 import pytest
 
-from app.config import ServerConfig
-from app.serve import RunningServer, start_server
+from tandem.app.config import ServerConfig
+from tandem.app.serve import RunningServer, start_server
 from tests.app.fake_engine import FakeEngine
 from tests.app.stall import largest_gap_during
 from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine

@@ -14,12 +14,12 @@ import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 
-import runtime.engine as engine_module
-from app.config import ServerConfig
-from app.server import create_app
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.engine import Engine
-from runtime.loop import EngineLoop
+import tandem.runtime.engine as engine_module
+from tandem.app.config import ServerConfig
+from tandem.app.server import create_app
+from tandem.runtime.detokenizer import IncrementalDetokenizer
+from tandem.runtime.engine import Engine
+from tandem.runtime.loop import EngineLoop
 from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine
 
 GOOD = {"prompt": "Hello world! The quick", "max_tokens": 40, "temperature": 0, "ignore_eos": True}

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from runtime import limits
-from runtime.sampling_params import SamplingParams, SamplingParamsError
+from tandem.runtime import limits
+from tandem.runtime.sampling_params import SamplingParams, SamplingParamsError
 from tests.app.conftest import Harness
 from tests.app.test_errors import expect_error
 

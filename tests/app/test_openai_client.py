@@ -16,8 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from app.config import ServerConfig
-from app.serve import RunningServer, start_server
+from tandem.app.config import ServerConfig
+from tandem.app.serve import RunningServer, start_server
 from tests.app.fake_engine import REPLY, FakeEngine
 
 KEY = "sk-test-key"
@@ -27,8 +27,8 @@ KEY = "sk-test-key"
 def engine(request: pytest.FixtureRequest) -> Any:
     if request.param == "fake":
         return FakeEngine(max_model_len=4096)
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
+    from tandem.runtime.config import EngineConfig
+    from tandem.runtime.engine import Engine
 
     return Engine(EngineConfig())  # no model named: the default model
 

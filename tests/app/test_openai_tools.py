@@ -16,8 +16,8 @@ import jsonschema
 import openai
 import pytest
 
-from app.config import ServerConfig
-from app.serve import RunningServer, start_server
+from tandem.app.config import ServerConfig
+from tandem.app.serve import RunningServer, start_server
 from tests.app import fake_engine
 from tests.app.fake_engine import FakeEngine, FakeTokenizer
 from tests.app.family_models import FAMILIES, family_engine
@@ -59,8 +59,8 @@ PERSON = {
 @pytest.fixture(scope="module", params=["default", *FAMILIES])
 def engine(request: pytest.FixtureRequest) -> Any:
     if request.param == "default":
-        from runtime.config import EngineConfig
-        from runtime.engine import Engine
+        from tandem.runtime.config import EngineConfig
+        from tandem.runtime.engine import Engine
 
         return Engine(EngineConfig())
     return family_engine(FAMILIES[request.param])

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from app.config import ServerConfig
-from app.serve import RunningServer, start_server
+from tandem.app.config import ServerConfig
+from tandem.app.serve import RunningServer, start_server
 from tests.app.fake_engine import FakeEngine
 
 NUM_CASES = 500

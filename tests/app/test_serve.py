@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
-from app.serve import add_serve_arguments, server_config_from_args
+from tandem.app.serve import add_serve_arguments, server_config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,8 +71,8 @@ SERVER_SCRIPT = """
 import asyncio, logging, sys
 sys.path.insert(0, {root!r})
 logging.basicConfig(level=logging.INFO)
-from app.config import ServerConfig
-from app.serve import serve_until_signal
+from tandem.app.config import ServerConfig
+from tandem.app.serve import serve_until_signal
 from tests.app.fake_engine import FakeEngine
 sys.exit(asyncio.run(serve_until_signal(ServerConfig(port=0, shutdown_timeout=1.0),
                                         FakeEngine(step_delay=0.01))))
@@ -202,8 +202,8 @@ DYING_SCRIPT = """
 import asyncio, logging, sys
 sys.path.insert(0, {root!r})
 logging.basicConfig(level=logging.INFO)  # the ready line is INFO
-from app.config import ServerConfig
-from app.serve import serve_until_signal
+from tandem.app.config import ServerConfig
+from tandem.app.serve import serve_until_signal
 from tests.app.fake_engine import FakeEngine
 
 class Dying(FakeEngine):
@@ -217,7 +217,7 @@ sys.exit(asyncio.run(serve_until_signal(ServerConfig(port=0), Dying(step_delay=0
 
 
 async def test_an_engine_failure_ends_streams_generically_and_exits_non_zero() -> None:
-    from app.serve import ENGINE_DEAD_EXIT
+    from tandem.app.serve import ENGINE_DEAD_EXIT
 
     async with _spawned(sys.executable, "-c", DYING_SCRIPT.format(root=str(ROOT))) as proc:
         base = await _listening_at(proc)

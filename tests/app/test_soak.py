@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from app.config import ServerConfig
-from app.serve import RunningServer, start_server
+from tandem.app.config import ServerConfig
+from tandem.app.serve import RunningServer, start_server
 from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine
 
 PROMPTS = [

@@ -180,7 +180,7 @@ async def test_slow_reader_coalesces_without_slowing_others(make_harness: MakeHa
 
 
 async def test_a_disconnect_abort_is_logged_at_info(make_harness: MakeHarness, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="app")
+    caplog.set_level(logging.INFO, logger="tandem.app")
     h = await make_harness(FakeEngine(step_delay=0.002))
     resp = await h.client.post(
         "/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True}

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from app.chat_output import ChatOutput, ChatOutputOptions
-from app.reasoning import ReasoningStream
-from app.structured import ToolRequest
-from app.tool_parsers import (
+from tandem.app.chat_output import ChatOutput, ChatOutputOptions
+from tandem.app.reasoning import ReasoningStream
+from tandem.app.structured import ToolRequest
+from tandem.app.tool_parsers import (
     PARSERS,
     ToolCallStream,
     parser_for_template,
 )
-from app.tool_parsers.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
+from tandem.app.tool_parsers.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 W = {"city": "Paris", "unit": "c"}
 WJ = json.dumps(W)

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from app.config import ServerConfig
-from app.serve import RunningServer, start_server
+from tandem.app.config import ServerConfig
+from tandem.app.serve import RunningServer, start_server
 from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine
 
 SYSTEM = "A slow reader never stalls the engine; its deltas coalesce until it reads. " * 3

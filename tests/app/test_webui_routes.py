@@ -7,11 +7,11 @@ import argparse
 import re
 from pathlib import Path
 
-import app.webui
-from app.serve import add_serve_arguments, server_config_from_args
+from tandem.app import webui as app_webui
+from tandem.app.serve import add_serve_arguments, server_config_from_args
 from tests.app.conftest import MakeHarness
 
-UI_DIR = Path(app.webui.__file__).parent
+UI_DIR = Path(app_webui.__file__).parent
 
 
 async def test_page_and_files_are_served_with_a_csp(make_harness: MakeHarness) -> None:

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from models.config import ModelConfig
-from models.loader import build_model
-from models.loader.dummy import init_dummy_weights
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from runtime.engine import Engine
+from tandem.models.config import ModelConfig
+from tandem.models.loader import build_model
+from tandem.models.loader.dummy import init_dummy_weights
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.engine import Engine
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

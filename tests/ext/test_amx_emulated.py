@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ext.cpu import supported_isas
+from tandem.ext.cpu import supported_isas
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL_TESTS = [

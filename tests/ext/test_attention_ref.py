@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from ext.attention_ref import paged_attention, plan_paged_attention, write_kv
+from tandem.ext.attention_ref import paged_attention, plan_paged_attention, write_kv
 
 
 def _naive(q, k_cache, v_cache, query_lens, seq_lens, block_tables, scale, window=None, sinks=None):

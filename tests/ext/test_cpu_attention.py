@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ext.attention_ref import paged_attention
-from ext.cpu.attention import paged_attention_cpu
+from tandem.ext.attention_ref import paged_attention
+from tandem.ext.cpu.attention import paged_attention_cpu
 
 
 def _case(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seed: int):

@@ -24,9 +24,9 @@ import random
 import pytest
 import torch
 
-from ext.cpu import CpuExpertPool, moe_reference, quantize, supported_isas
-from ext.cpu import pool as pool_mod
-from ext.cpu.reference import int_path_activations
+from tandem.ext.cpu import CpuExpertPool, moe_reference, quantize, supported_isas
+from tandem.ext.cpu import pool as pool_mod
+from tandem.ext.cpu.reference import int_path_activations
 
 INT_PATHS = {"avx512": "vnni", "amx": "amx-int8"}  # kernel set -> its integer path
 INT_ISAS = [isa for isa in supported_isas() if isa in INT_PATHS]

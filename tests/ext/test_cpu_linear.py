@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ext.cpu import quantize, supported_isas
-from ext.cpu.linear import CpuLinearPool, pack_weight
+from tandem.ext.cpu import quantize, supported_isas
+from tandem.ext.cpu.linear import CpuLinearPool, pack_weight
 
 ISAS = supported_isas()
 FORMATS = ("bf16", "int8", "int4")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext.cpu import (
+from tandem.ext.cpu import (
     CpuExpertPool,
     CpuExtensionError,
     cuda_host_funcs_error,
@@ -24,7 +24,7 @@ from ext.cpu import (
     quantize,
     supported_isas,
 )
-from ext.cpu import build as cpu_build
+from tandem.ext.cpu import build as cpu_build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -777,7 +777,7 @@ def test_confine_others_moves_unpinned_threads_to_the_spare_cpus() -> None:
     code = textwrap.dedent(
         """
         import os, threading
-        from ext.cpu import CpuExpertPool
+        from tandem.ext.cpu import CpuExpertPool
         allowed = os.sched_getaffinity(0)
         pool = CpuExpertPool(num_threads=1)
         spare = pool.spare_cpus

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from ext.cpu import supported_isas
-from ext.cpu.qlinear import CpuQuantLinearPool
-from models.quant.tensor import QuantizedTensor
+from tandem.ext.cpu import supported_isas
+from tandem.ext.cpu.qlinear import CpuQuantLinearPool
+from tandem.models.quant.tensor import QuantizedTensor
 from tests.models.quant_cases import pack
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]

@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
-from ext.cuda import kernels
+import tandem.ext.cuda as cuda_ext
+from tandem.ext.cuda import kernels
 
 _requires_cuda = pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy")
 
@@ -385,7 +385,7 @@ def test_paged_attention_cuda_dispatch():
 @gpu_test
 def test_matches_attention_ref():
     """Parity with the project's pure-torch backend (ext/attention_ref.py) on a mixed batch."""
-    attention_ref = pytest.importorskip("ext.attention_ref")
+    attention_ref = pytest.importorskip("tandem.ext.attention_ref")
     H, kvh, d = 32, 8, 128
     query_lens = [ql for _, ql in MIXED]
     seq_lens = [p + ql for p, ql in MIXED]

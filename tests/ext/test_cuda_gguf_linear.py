@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
+import tandem.ext.cuda as cuda_ext
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,7 +17,7 @@ TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _weight(qtype: str, n: int, k: int, seed: int):
-    from models.quant.tensor import QuantizedTensor
+    from tandem.models.quant.tensor import QuantizedTensor
     from tests.models.quant_cases import pack
 
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
@@ -28,7 +28,7 @@ def _weight(qtype: str, n: int, k: int, seed: int):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 64, 300])
 def test_matches_dequantize_then_matmul(qtype: str, rows: int) -> None:
-    from ext.cuda import gguf_linear  # noqa: F401
+    from tandem.ext.cuda import gguf_linear  # noqa: F401
 
     k = 768 if qtype.endswith("_K") else 96 + 32 * (rows % 3)
     n = 37 + rows % 5
@@ -44,7 +44,7 @@ def test_matches_dequantize_then_matmul(qtype: str, rows: int) -> None:
 
 
 def test_inside_a_cuda_graph() -> None:
-    from ext.cuda import gguf_linear  # noqa: F401
+    from tandem.ext.cuda import gguf_linear  # noqa: F401
 
     w = _weight("Q4_K", 300, 512, 0)
     x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext.cpu import CpuExpertPool, ExpertCache, default_cache_root
-from ext.cpu.cache import EXPERT_CACHE_ENV, STALE_TEMP_SECONDS
-from ext.cpu.pool import check_layer_file
+from tandem.ext.cpu import CpuExpertPool, ExpertCache, default_cache_root
+from tandem.ext.cpu.cache import EXPERT_CACHE_ENV, STALE_TEMP_SECONDS
+from tandem.ext.cpu.pool import check_layer_file
 
 CASES = [("bf16", 64), ("int8", 64), ("int4", 32), ("int4", 64)]
 E, INTER, H = 6, 160, 200  # I and H not multiples of 64: padding is saved too
@@ -248,7 +248,7 @@ def test_source_identity_covers_weights_and_config_only(tmp_path: Path) -> None:
     """A checkpoint directory's identity (the expert cache's key) changes with its weight files
     and config.json, not with its tokenizer or README: editing a chat template reconverted
     every layer and left the old entry on disk."""
-    from ext.cpu.cache import source_identity
+    from tandem.ext.cpu.cache import source_identity
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"0" * 64)

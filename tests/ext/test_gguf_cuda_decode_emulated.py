@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.quant.tensor import QuantizedTensor
+from tandem.models.quant.tensor import QuantizedTensor
 from tests.models.quant_cases import pack
 
 CU = Path(__file__).resolve().parents[2] / "ext" / "cuda" / "gguf_linear.cu"

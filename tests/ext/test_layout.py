@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ext.cpu import CpuExpertPool
-from ext.cpu.layout import blocked_to_hf, dequantize, shard_weights, split_shard
-from ext.cpu.layout import packed_index as ext_packed_index
+from tandem.ext.cpu import CpuExpertPool
+from tandem.ext.cpu.layout import blocked_to_hf, dequantize, shard_weights, split_shard
+from tandem.ext.cpu.layout import packed_index as ext_packed_index
 
 CASES = [("bf16", 64), ("int8", 64), ("int4", 64), ("int4", 32)]
 SHAPES = [(4, 96, 80, 0), (3, 200, 128, 2), (2, 64, 64, 0), (5, 33, 70, 3)]
@@ -97,7 +97,7 @@ def test_cuda_widening_kernel_equals_reference(fmt, group, dtype, E, R, K, packe
     """The kernel writes every element (poisoned output) exactly as the reference rounds it,
     from strided views like the raw shard's (rows padded, experts apart), for natural and
     packed rows (K 1216: two full super-blocks and one of 6 blocks)."""
-    from ext.cuda import expert_dequant
+    from tandem.ext.cuda import expert_dequant
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")

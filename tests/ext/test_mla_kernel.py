@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ext.cuda as cuda_ext
-from ext.cuda import mla as mla_cuda
-from ext.mla_ref import gather_latent, mla_attention_ref
+import tandem.ext.cuda as cuda_ext
+from tandem.ext.cuda import mla as mla_cuda
+from tandem.ext.mla_ref import gather_latent, mla_attention_ref
 
 TOL = 1e-2
 
@@ -220,7 +220,7 @@ def test_fake_impl_launches_nothing():
 
 
 def test_backend_support_check():
-    from models.cupy_backend import cupy_backend_supports_mla
+    from tandem.models.cupy_backend import cupy_backend_supports_mla
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not cupy_backend_supports_mla(512, 64, 128, torch.bfloat16, cpu)
@@ -369,9 +369,9 @@ def test_cuda_graph_capture_replay(H):
 def test_cupy_backend_mla_matches_reference():
     """`CupyAttentionBackend.mla` on a ForwardBatch (decode-only and mixed), against the ext
     reference and, where the torch backend has `mla`, against it too."""
-    from models.attention_backend import TorchAttentionBackend
-    from models.batch import ForwardBatch, KVCache
-    from models.cupy_backend import CupyAttentionBackend
+    from tandem.models.attention_backend import TorchAttentionBackend
+    from tandem.models.batch import ForwardBatch, KVCache
+    from tandem.models.cupy_backend import CupyAttentionBackend
 
     H, L, R = 16, 512, 64
     for pairs in ([(100, 1), (5000, 1), (0, 1)], MIXED):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
-from ext.cuda import moe_stage
+import tandem.ext.cuda as cuda_ext
+from tandem.ext.cuda import moe_stage
 
 _requires_cuda = pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy")
 
@@ -28,7 +28,7 @@ def test_supported_needs_cuda_16bit_and_sane_k():
 
 
 def test_backend_route_and_start_declines_on_cpu():
-    from models.layers.cpu_experts import CpuPoolExpertBackend
+    from tandem.models.layers.cpu_experts import CpuPoolExpertBackend
 
     b = CpuPoolExpertBackend()
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
@@ -93,8 +93,8 @@ def test_moe_block_with_fused_stage_equals_torch_router(name, gpu_experts, tmp_p
     equals the same block routed in torch (TANDEM_FUSED_MOE_STAGE=0), up to the last bit of
     bf16 (the kernel's softmax rounds differently in fp32, so a weight may differ in its last
     float bits)."""
-    from models.layers import cpu_experts
-    from models.loader import load_model
+    from tandem.models.layers import cpu_experts
+    from tandem.models.loader import load_model
     from tests.models.moe_cases import _save
 
     _save(name, tmp_path)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext.cpu import CpuExpertPool, moe_reference, supported_isas
-from ext.cpu.layout import packed_index
-from ext.cpu.reference import int_path_activations
+from tandem.ext.cpu import CpuExpertPool, moe_reference, supported_isas
+from tandem.ext.cpu.layout import packed_index
+from tandem.ext.cpu.reference import int_path_activations
 
 INT_ISAS = [isa for isa in supported_isas() if isa in ("avx512", "amx")]
 needs_int_path = pytest.mark.skipif(not INT_ISAS, reason="CPU has no AVX-512 VNNI")
@@ -144,7 +144,7 @@ def test_pack_rows_option_is_checked() -> None:
 
 
 def test_env_var(monkeypatch) -> None:
-    from ext.cpu import pool as pool_mod
+    from tandem.ext.cpu import pool as pool_mod
 
     monkeypatch.setenv(pool_mod.PACK_ROWS_ENV, "off")
     with CpuExpertPool(1) as pool:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
-from ext.cuda import qk_norm_rope as qnr
+import tandem.ext.cuda as cuda_ext
+from tandem.ext.cuda import qk_norm_rope as qnr
 
 _requires_cuda = pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy")
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
-from ext.cuda import norm
-from models.layers import norm as model_norm
-from models.layers.norm import RMSNorm
+import tandem.ext.cuda as cuda_ext
+from tandem.ext.cuda import norm
+from tandem.models.layers import norm as model_norm
+from tandem.models.layers.norm import RMSNorm
 
 _requires_cuda = pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy")
 

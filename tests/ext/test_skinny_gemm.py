@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-import ext.cuda as cuda_ext
-from ext.cuda import skinny
-from models.layers.cuda_linear import SkinnyGatedMLP, SkinnyLinear, use_cuda_skinny_linear
+import tandem.ext.cuda as cuda_ext
+from tandem.ext.cuda import skinny
+from tandem.models.layers.cuda_linear import SkinnyGatedMLP, SkinnyLinear, use_cuda_skinny_linear
 
 _requires_cuda = pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy")
 
@@ -55,7 +55,7 @@ def test_swap_is_a_noop_off_cuda():
 
 
 def _qkv_inputs(device, dtype, t, heads, kv_heads, d, k=256, bias=True, seed=0):
-    from models.layers.rotary import RotaryEmbedding
+    from tandem.models.layers.rotary import RotaryEmbedding
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     rows = (heads + 2 * kv_heads) * d
@@ -75,7 +75,7 @@ def _qkv_inputs(device, dtype, t, heads, kv_heads, d, k=256, bias=True, seed=0):
 
 def _qkv_expected(x, w, b, cos, sin, heads, kv_heads, d):
     """float32: q rotated, k rotated, v (as [T, heads, D])."""
-    from models.layers.rotary import RotaryEmbedding
+    from tandem.models.layers.rotary import RotaryEmbedding
 
     t = x.shape[0]
     qkv = x.float() @ w.float().t() + (0 if b is None else b.float())
@@ -195,9 +195,9 @@ def test_op_falls_back_and_traces():
 
 @gpu_test
 def test_model_swap_keeps_logits():
-    from models.config import ModelConfig
-    from models.loader import build_model
-    from models.loader.dummy import init_dummy_weights
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader import build_model
+    from tandem.models.loader.dummy import init_dummy_weights
 
     cfg = ModelConfig.from_hf_dict(
         {

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models.batch import ForwardBatch, KVCache
-from models.config import ModelConfig
+from tandem.models.batch import ForwardBatch, KVCache
+from tandem.models.config import ModelConfig
 
 
 class PagedRunner:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import transformers as hf
 
-from ext.cpu import quantize
+from tandem.ext.cpu import quantize
 
 COMMON = dict(
     vocab_size=128,
@@ -147,8 +147,8 @@ def _max_rel_diff(hf_model, seqs, rows) -> float:
 
 
 def _llm(path: Path, **spec: object):
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.llm import LLM
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.llm import LLM
 
     ec = EngineConfig(
         model=ModelSpec(**{"model": str(path), "device": "cpu", "dtype": "float32", **spec}),

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from models.quant.reference import quantize_k
+from tandem.models.quant.reference import quantize_k
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 256, 512, 4, 2, 64, 96
 

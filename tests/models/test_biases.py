@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers as hf
 
-from models.config import ModelConfig
-from models.loader import load_model
+from tandem.models.config import ModelConfig
+from tandem.models.loader import load_model
 from tests.models.test_hf_parity import _save_hf_model
 
 TINY = dict(
@@ -66,7 +66,7 @@ def test_dummy_weights_fill_the_biases(tmp_path) -> None:
 def test_cpu_fast_linears_add_the_biases(tmp_path, paged_runner, monkeypatch) -> None:
     """bf16 on the CPU: decode rows (M <= 4) go through ext/cpu's kernel, which must add every
     bias; its logits against the same bf16 model on torch's linears."""
-    from models.layers.cpu_linear import CpuDenseLinear
+    from tandem.models.layers.cpu_linear import CpuDenseLinear
 
     _save_hf_model(hf.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True), tmp_path)
     models = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import transformers as hf
 
-from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 REQUIRED = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 HF_CLASSES = {

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ext.cpu.linear import CpuLinearPool
-from models.hub import resolve_model
-from models.layers.cpu_linear import CpuDenseLinear, use_cpu_linear
-from models.loader import load_model
+from tandem.ext.cpu.linear import CpuLinearPool
+from tandem.models.hub import resolve_model
+from tandem.models.layers.cpu_linear import CpuDenseLinear, use_cpu_linear
+from tandem.models.loader import load_model
 
 PROMPTS = [
     [504, 3575, 282, 4649, 314],
@@ -86,7 +86,7 @@ def test_only_bf16_cpu_models_are_swapped() -> None:
 
 
 def test_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
-    from models.loader import cpu_linear_format
+    from tandem.models.loader import cpu_linear_format
 
     monkeypatch.setenv("TANDEM_CPU_LINEAR", "int8")
     assert cpu_linear_format() == "int8"
@@ -102,8 +102,8 @@ def _num_fast(model) -> int:
 
 
 def test_default_is_auto_and_swaps_bf16_cpu_models_only(monkeypatch) -> None:
-    from ext.cpu import supported_isas
-    from models.loader import cpu_linear_format
+    from tandem.ext.cpu import supported_isas
+    from tandem.models.loader import cpu_linear_format
 
     monkeypatch.delenv("TANDEM_CPU_LINEAR", raising=False)
     assert cpu_linear_format() == "auto"
@@ -116,13 +116,13 @@ def test_default_is_auto_and_swaps_bf16_cpu_models_only(monkeypatch) -> None:
 
 
 def test_auto_falls_back_to_torch_with_a_warning(monkeypatch, caplog) -> None:
-    import ext.cpu
+    from tandem.ext import cpu as ext_cpu
 
     def broken() -> list[str]:
         raise RuntimeError("no compiler")
 
     monkeypatch.delenv("TANDEM_CPU_LINEAR", raising=False)
-    monkeypatch.setattr(ext.cpu, "supported_isas", broken)
+    monkeypatch.setattr(ext_cpu, "supported_isas", broken)
     with caplog.at_level("WARNING"):
         model, _ = load_model(
             resolve_model(None), dtype=torch.bfloat16, device="cpu", quantization="none"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.layers.cpu_experts import CpuPoolExpertBackend
-from models.loader import load_model
+from tandem.models.layers.cpu_experts import CpuPoolExpertBackend
+from tandem.models.loader import load_model
 from tests.models.moe_cases import _llm, _run, _save
 
 
@@ -22,7 +22,7 @@ def test_second_start_loads_converted_experts_from_the_cache(
     """The first LLM converts each MoE layer and saves it under $TANDEM_HOME/expert_cache; the
     second maps the saved layers (no conversion) and generates the same greedy tokens. A
     corrupted file falls back to converting; TANDEM_EXPERT_CACHE=0 turns the cache off."""
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.sampling_params import SamplingParams
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("TANDEM_EXPERT_CACHE", raising=False)
@@ -60,7 +60,7 @@ def test_second_start_loads_converted_experts_from_the_cache(
 
 def _count_reads(monkeypatch) -> list[tuple[str, int]]:
     """(name, bytes) of every tensor the safetensors loader reads from now on."""
-    import models.loader.safetensors as st_loader
+    import tandem.models.loader.safetensors as st_loader
 
     reads: list[tuple[str, int]] = []
     real = st_loader.safe_open
@@ -89,7 +89,7 @@ def _count_reads(monkeypatch) -> list[tuple[str, int]]:
 
 
 def _expert_layers_read(reads: list[tuple[str, int]]) -> set[int]:
-    from models.weights import expert_layer
+    from tandem.models.weights import expert_layer
 
     return {expert_layer(n) for n, _ in reads} - {None}
 
@@ -105,7 +105,7 @@ def test_cache_hit_reads_no_expert_tensor(
     layer "on the GPU" for Mixtral, placed from the pool's weights either way). A layer whose
     file is damaged before the start is read and converted again, alone; one damaged after the
     loader's header check (the read has skipped it) is re-read alone, with a warning."""
-    from models.layers.cpu_experts import CpuPoolExpertBackend
+    from tandem.models.layers.cpu_experts import CpuPoolExpertBackend
 
     # a directory of its own (TANDEM_HOME would also move the built extension: a rebuild)
     monkeypatch.setenv("TANDEM_EXPERT_CACHE", str(tmp_path / "expert_cache"))
@@ -186,9 +186,9 @@ def test_skipped_layers_are_not_expected(tmp_path: Path) -> None:
     expert of that layer is still an error, and so is a missing expert of another layer."""
     from safetensors.torch import load_file, save_file
 
-    from models.config import ModelConfig, UnsupportedModelError
-    from models.loader import build_model
-    from models.weights import expert_layer
+    from tandem.models.config import ModelConfig, UnsupportedModelError
+    from tandem.models.loader import build_model
+    from tandem.models.weights import expert_layer
 
     _save("qwen2_moe", tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
@@ -263,8 +263,8 @@ def test_gguf_experts_are_never_decoded_by_the_loader(
 ) -> None:
     """A GGUF's stacked experts go into the pool from the file's blocks: the loader never
     decodes them into torch (first start), and a cache hit reads them not at all (second)."""
-    import models.loader.gguf as gguf_loader
-    import models.loader.gguf_experts as gguf_experts
+    import tandem.models.loader.gguf as gguf_loader
+    import tandem.models.loader.gguf_experts as gguf_experts
 
     # a directory of its own (TANDEM_HOME would also move the built extension: a rebuild)
     monkeypatch.setenv("TANDEM_EXPERT_CACHE", str(tmp_path / "expert_cache"))

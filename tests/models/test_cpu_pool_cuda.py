@@ -11,12 +11,12 @@ import pytest
 import torch
 import transformers as hf
 
-from models.loader import load_model
+from tandem.models.loader import load_model
 from tests.models.moe_cases import _save
 
 
 def _one_sequence_batch(n: int, device: str, kv) -> tuple[torch.Tensor, torch.Tensor, object]:
-    from models.batch import ForwardBatch
+    from tandem.models.batch import ForwardBatch
 
     blocks = -(-n // kv.block_size)
     batch = ForwardBatch(
@@ -38,7 +38,7 @@ def _one_sequence_batch(n: int, device: str, kv) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("gpu_experts", [0, 3])
 def test_cuda_hybrid_matches_hf(gpu_experts: int, tmp_path: Path) -> None:
     """On CUDA: pinned copies, pool on the CPU, GPU-resident experts (3 of 8) meanwhile, sum."""
-    from models.batch import KVCache
+    from tandem.models.batch import KVCache
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
@@ -89,7 +89,7 @@ def _mixtral_cuda_config() -> hf.MixtralConfig:
 
 
 def _cuda_engine_config(path: Path):
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 
     return EngineConfig(
         model=ModelSpec(
@@ -109,9 +109,9 @@ def test_engine_on_cuda_with_cpu_experts_decodes_in_graphs_with_and_without_over
     output is the same with overlap, without it, and with graphs off (eager)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from runtime.cuda_runner import CudaRunnerOptions
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.cuda_runner import CudaRunnerOptions
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     hf.AutoModelForCausalLM.from_config(_mixtral_cuda_config()).save_pretrained(tmp_path)
@@ -152,7 +152,7 @@ def test_moe_block_in_a_cuda_graph_matches_eager_and_torch(
     and any GPU-resident experts in between): replays with new inputs equal the eager block,
     and the torch expert backend on the pool's own weights; with GPU experts, also after a
     rebalance moved them (in place)."""
-    from models.layers.experts import TorchExpertBackend
+    from tandem.models.layers.experts import TorchExpertBackend
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -230,9 +230,9 @@ def test_cuda_runner_decode_graphs_with_cpu_pool_match_hf(tmp_path: Path) -> Non
     logits HF transformers computes for the same sequences, to bf16 accuracy."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from runtime.cuda_runner import CudaRunnerOptions
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.cuda_runner import CudaRunnerOptions
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     hf_model = hf.AutoModelForCausalLM.from_config(_mixtral_cuda_config()).eval()

@@ -19,9 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext.cpu import quantize, supported_isas
-from models.layers.cpu_experts import CpuPoolExpertBackend, hybrid_moe_metrics, num_gpu_experts
-from models.loader import load_model
+from tandem.ext.cpu import quantize, supported_isas
+from tandem.models.layers.cpu_experts import (
+    CpuPoolExpertBackend,
+    hybrid_moe_metrics,
+    num_gpu_experts,
+)
+from tandem.models.loader import load_model
 from tests.models.moe_cases import (
     CASES,
     ODD_CASES,
@@ -151,7 +155,7 @@ def test_split_placement_and_rebalance_match_hf(name: str, tmp_path: Path, paged
 def test_dense_and_grouped_local_experts_agree(tokens: int) -> None:
     """GPU-resident experts: the dense path (graph sizes, no host sync) equals the grouped one,
     including tokens routed to several local experts and slots routed elsewhere (-1)."""
-    from models.layers.cpu_experts import _dense_experts, _grouped_experts, _local_experts
+    from tandem.models.layers.cpu_experts import _dense_experts, _grouped_experts, _local_experts
 
     g = torch.Generator().manual_seed(tokens)
     G, H, inter, k = 4, 32, 24, 3
@@ -188,7 +192,7 @@ def test_engine_greedy_equals_torch_backend(name: str, tmp_path: Path, monkeypat
     all`): 6 concurrent requests (chunked prefill, mixed steps), then a second round on the same
     pool. The expert weights are bf16 values and the scalar pool computes in fp32, so greedy
     tokens equal the torch backend's."""
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.sampling_params import SamplingParams
 
     monkeypatch.setenv("TANDEM_CPU_ISA", "scalar")
     _save(name, tmp_path)
@@ -204,7 +208,7 @@ def test_engine_greedy_equals_torch_backend(name: str, tmp_path: Path, monkeypat
         assert got == ref
     stats = backend.stats()
     assert stats.pool_threads == 1 and stats.pool_busy_seconds > 0
-    from runtime.metrics import render_hybrid_moe
+    from tandem.runtime.metrics import render_hybrid_moe
 
     engine_stats = llm.engine.stats()
     assert engine_stats.hybrid is not None and engine_stats.hybrid.layer_calls > 0
@@ -224,9 +228,9 @@ def test_gguf_experts_into_pool(qtype: str, tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from ext.cpu import CpuExpertPool
-    from models.gguf_dequant import dequantize
-    from models.loader.gguf_experts import AUTO_FORMATS, load_gguf_experts
+    from tandem.ext.cpu import CpuExpertPool
+    from tandem.models.gguf_dequant import dequantize
+    from tandem.models.loader.gguf_experts import AUTO_FORMATS, load_gguf_experts
 
     Q = gguf.GGMLQuantizationType
     qt = Q[qtype]
@@ -289,7 +293,7 @@ def test_backend_confines_the_process_on_cuda_only_and_close_undoes_it() -> None
     code = textwrap.dedent(
         """
         import os, torch
-        from models.layers.cpu_experts import CpuPoolExpertBackend
+        from tandem.models.layers.cpu_experts import CpuPoolExpertBackend
         allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
         b = CpuPoolExpertBackend(fmt="bf16", num_threads=1)
         assert b.confine() == []  # the model is not on CUDA

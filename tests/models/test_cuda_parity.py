@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
-from models.batch import KVCache
-from models.loader import build_model, load_model
-from models.loader.dummy import init_dummy_weights
+import tandem.ext.cuda as cuda_ext
+from tandem.models.batch import KVCache
+from tandem.models.loader import build_model, load_model
+from tandem.models.loader.dummy import init_dummy_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -138,7 +138,7 @@ def _prompts(vocab: int, seed: int) -> dict[int, list[int]]:
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_cupy_matches_torch_backend(name: str, block_size: int, paged_runner) -> None:
-    from models.config import ModelConfig
+    from tandem.models.config import ModelConfig
 
     config = ModelConfig.from_hf_dict(_hf_config(name).to_dict() | {"architectures": None})
     results = {}
@@ -192,9 +192,9 @@ def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypa
     Attention (its fused rms_norm on the q and k slices of the qkv rows)."""
     import transformers as hf
 
-    from models.config import ModelConfig
-    from models.layers.attention import Attention
-    from models.layers.cuda_linear import (
+    from tandem.models.config import ModelConfig
+    from tandem.models.layers.attention import Attention
+    from tandem.models.layers.cuda_linear import (
         NormRopeAttention,
         SkinnyAttention,
         SkinnyGatedMLP,

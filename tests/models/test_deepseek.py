@@ -13,10 +13,10 @@ import pytest
 import torch
 import transformers as hf
 
-from models.batch import KVCache
-from models.config import ModelConfig
-from models.layers.moe_routing import deepseek_route
-from models.loader import load_model
+from tandem.models.batch import KVCache
+from tandem.models.config import ModelConfig
+from tandem.models.layers.moe_routing import deepseek_route
+from tandem.models.loader import load_model
 from tests.models.deepseek_cases import CASES, save_deepseek
 
 PROMPT_LENS = [5, 17, 33, 9]
@@ -119,7 +119,7 @@ def test_latent_kv_sizing() -> None:
 def test_mtp_layers_are_ignored_and_unknown_tensors_refused(tmp_path: Path, paged_runner) -> None:
     from safetensors.torch import load_file, save_file
 
-    from models.config import UnsupportedModelError
+    from tandem.models.config import UnsupportedModelError
 
     save_deepseek("v3", tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.loader import load_model
+from tandem.models.loader import load_model
 from tests.models.test_cuda_parity import BF16_TOL, _prompts, _rel, _run
 
 pytestmark = [
@@ -48,7 +48,7 @@ class _CudaRunner:
     """tests/models/conftest.py's paged runner with the latent cache and batch on CUDA."""
 
     def __init__(self, base_cls, model, config, block_size: int) -> None:
-        from models.batch import KVCache
+        from tandem.models.batch import KVCache
 
         self.inner = base_cls(model, config, block_size=block_size, num_blocks=128, seed=3)
         self.inner.kv_cache = KVCache.for_model(config, 128, block_size, torch.bfloat16, "cuda")
@@ -100,9 +100,9 @@ def test_deepseek_cuda_matches_hf(attn: str, experts: str, tmp_path: Path, paged
 
 
 def test_engine_on_cuda_batched_equals_one_by_one(tmp_path: Path) -> None:
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
     from tests.models.deepseek_cases import save_deepseek
 
     save_deepseek("v3", tmp_path)
@@ -132,7 +132,7 @@ def test_engine_on_cuda_batched_equals_one_by_one(tmp_path: Path) -> None:
 
 
 def _small_v3():
-    from models.config import ModelConfig
+    from tandem.models.config import ModelConfig
 
     return ModelConfig.from_hf_dict({
         "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 512, "hidden_size": 256,
@@ -150,12 +150,12 @@ def test_cuda_runner_graphs_match_eager_and_torch_backend(experts: str) -> None:
     against the same model eager (greedy tokens of 24 requests; bf16: a rare late flip is
     rounding, a systematic difference a bug), and the first token against the torch attention
     backend. Every expert a token (top-8 of 8): no routing flip from bf16 rounding."""
-    from models.loader import build_model
-    from models.loader.dummy import init_dummy_weights
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.cuda_runner import CudaRunnerOptions
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from tandem.models.loader import build_model
+    from tandem.models.loader.dummy import init_dummy_weights
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.cuda_runner import CudaRunnerOptions
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
 
     cfg = _small_v3()
     g = torch.Generator().manual_seed(0)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.config import UnsupportedModelError
-from models.loader import load_model
-from models.quant.fp8 import dequant_fp8_blockwise
+from tandem.models.config import UnsupportedModelError
+from tandem.models.loader import load_model
+from tandem.models.quant.fp8 import dequant_fp8_blockwise
 from tests.models.deepseek_cases import save_deepseek
 
 BLOCK = (16, 16)  # the tiny shapes (24, 40, 64 ...) leave partial edge blocks
@@ -119,9 +119,9 @@ def test_fp8_checkpoint_matches_hf(experts: str, tmp_path: Path, paged_runner) -
 def test_fp8_experts_reach_the_pool_one_layer_at_a_time(tmp_path: Path, monkeypatch) -> None:
     """--cpu-experts all on an FP8 safetensors checkpoint: a layer's experts are read (and
     decoded) right before that layer is converted into the pool, never all layers first."""
-    import models.loader as loader
-    from ext.cpu import CpuExpertPool
-    from models.weights import expert_layer
+    import tandem.models.loader as loader
+    from tandem.ext.cpu import CpuExpertPool
+    from tandem.models.weights import expert_layer
 
     _fp8_checkpoint(tmp_path)
     events: list[tuple[str, int]] = []

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.loader.gguf import gguf_model_config
+from tandem.models.loader.gguf import gguf_model_config
 from tests.models.deepseek_cases import CASES, save_deepseek
 from tests.models.test_gguf import _assert_hf_logits, _gguf_tensors, _write_gguf
 
@@ -111,7 +111,7 @@ def test_deepseek2_gguf_matches_hf(name: str, split: bool, tmp_path: Path, paged
 def test_deepseek2_gguf_experts_into_the_pool(tmp_path: Path, paged_runner) -> None:
     """--cpu-experts all on a deepseek2 GGUF: the routed experts go from the file's stacked
     tensors straight into the pool (float32 -> bf16, exact for bf16-valued experts)."""
-    from models.loader import load_model
+    from tandem.models.loader import load_model
 
     path, ref = _deepseek2_gguf("v3", True, tmp_path, bf16_experts=True)
     model, config = load_model(
@@ -128,8 +128,8 @@ def test_deepseek2_gguf_experts_into_the_pool(tmp_path: Path, paged_runner) -> N
 
 
 def test_split_layout_without_v_b_is_refused(tmp_path: Path) -> None:
-    from models.config import UnsupportedModelError
-    from models.loader import load_model
+    from tandem.models.config import UnsupportedModelError
+    from tandem.models.loader import load_model
 
     path, _ = _deepseek2_gguf("v2_lite", True, tmp_path)
     import gguf

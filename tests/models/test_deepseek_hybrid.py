@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext.cpu import quantize
-from models.layers.cpu_experts import CpuPoolExpertBackend
-from models.loader import load_model
-from runtime.sampling_params import SamplingParams
+from tandem.ext.cpu import quantize
+from tandem.models.layers.cpu_experts import CpuPoolExpertBackend
+from tandem.models.loader import load_model
+from tandem.runtime.sampling_params import SamplingParams
 from tests.models.deepseek_cases import save_deepseek
 from tests.models.test_deepseek import _run_mixed, max_rel_diff
 
@@ -66,8 +66,8 @@ def test_split_placement_matches_hf(tmp_path: Path, paged_runner) -> None:
 
 
 def _llm(path: Path, num_blocks: int, **spec: object):
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.llm import LLM
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.llm import LLM
 
     ec = EngineConfig(
         model=ModelSpec(**{"model": str(path), "device": "cpu", "dtype": "float32", **spec}),

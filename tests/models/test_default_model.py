@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.hf_export import to_hf_config_dict
-from models.hub import resolve_model
-from models.loader.gguf import load_gguf_weights
-from runtime import LLM, SamplingParams
+from tandem.models.hf_export import to_hf_config_dict
+from tandem.models.hub import resolve_model
+from tandem.models.loader.gguf import load_gguf_weights
+from tandem.runtime import LLM, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

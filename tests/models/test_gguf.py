@@ -12,12 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from models import gguf_dequant
-from models.config import UnsupportedModelError
-from models.gguf_dequant import dequantize
-from models.gguf_reader import GGML_TYPES, GGUFReader
-from models.hub import resolve_model
-from models.loader.gguf import gguf_model_config, load_gguf_weights, unpermute_qk
+from tandem.models import gguf_dequant
+from tandem.models.config import UnsupportedModelError
+from tandem.models.gguf_dequant import dequantize
+from tandem.models.gguf_reader import GGML_TYPES, GGUFReader
+from tandem.models.hub import resolve_model
+from tandem.models.loader.gguf import gguf_model_config, load_gguf_weights, unpermute_qk
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,7 @@ def test_reader_all_value_types_and_custom_alignment(tmp_path: Path) -> None:
     assert r.alignment == 64 and r.data_offset % 64 == 0
     assert all(info.offset % 64 == 0 for info in r.tensors.values())
     assert r.tensors["a"].shape == (5, 6) and r.tensors["a"].torch_shape == (6, 5)
-    from models.gguf_dequant import dequantize_tensor
+    from tandem.models.gguf_dequant import dequantize_tensor
 
     np.testing.assert_array_equal(dequantize_tensor(r, r.tensors["a"]).numpy(), a)
     np.testing.assert_array_equal(dequantize_tensor(r, r.tensors["b"], torch.float16).numpy(), b)
@@ -301,7 +301,7 @@ def _gguf_tensors(ref, layer_tensors) -> dict[str, np.ndarray]:
 
 def _assert_hf_logits(path: Path, ref, ids: list[int], paged_runner) -> None:
     """The GGUF at `path`, loaded and run on `ids`, gives the HF model's logits."""
-    from models.loader import load_model
+    from tandem.models.loader import load_model
 
     model, config = load_model(path, dtype=torch.float32, device="cpu")
     ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
@@ -417,7 +417,7 @@ def test_qk_unpermute_matches_rope_conventions(smollm_path: Path) -> None:
     reader = GGUFReader(smollm_path)
     cfg = gguf_model_config(reader)
     hd, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    from models.gguf_dequant import dequantize_tensor
+    from tandem.models.gguf_dequant import dequantize_tensor
 
     wq = dequantize_tensor(reader, reader.tensors["blk.2.attn_q.weight"])  # [heads*hd, hidden]
     wk = dequantize_tensor(reader, reader.tensors["blk.2.attn_k.weight"])  # [kv_heads*hd, hidden]

@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers as hf
 
-from ext.cpu import quantize
-from models.config import ModelConfig
-from models.loader import load_model
+from tandem.ext.cpu import quantize
+from tandem.models.config import ModelConfig
+from tandem.models.loader import load_model
 from tests.models.test_deepseek import _run_mixed, max_rel_diff
 
 BASE = dict(

@@ -13,9 +13,9 @@ import torch
 import transformers as hf
 from safetensors.torch import load_file, save_file
 
-from models.config import ModelConfig, UnsupportedModelError
-from models.loader import load_model
-from models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from tandem.models.config import ModelConfig, UnsupportedModelError
+from tandem.models.loader import load_model
+from tandem.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 GPT_OSS = dict(
     vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
@@ -235,7 +235,7 @@ def test_mxfp4_checkpoint_missing_scales_is_named(tmp_path: Path) -> None:
 
 def test_cpu_pool_refuses_gpt_oss_by_name() -> None:
     """The pool's kernels have no expert biases nor the clamped SwiGLU: refused, not wrong."""
-    from models.gpt_oss import GptOssMoeBlock
+    from tandem.models.gpt_oss import GptOssMoeBlock
 
     class BiasFreeBackend:
         name = "cpu_pool"
@@ -250,8 +250,8 @@ def test_cpu_pool_refuses_gpt_oss_by_name() -> None:
 def test_grouped_experts_with_biases_match_the_reference() -> None:
     """The gpu backend's grouped-GEMM path for biased, clamped-SwiGLU experts (run here on the
     CPU, where torch has grouped GEMMs for float32) against the torch reference loop."""
-    from models.layers.experts import ClampedSwiGLU, ExpertBias, TorchExpertBackend
-    from models.layers.gpu_experts import grouped_experts, grouped_supported
+    from tandem.models.layers.experts import ClampedSwiGLU, ExpertBias, TorchExpertBackend
+    from tandem.models.layers.gpu_experts import grouped_experts, grouped_supported
 
     gen = torch.Generator().manual_seed(0)
     e, h, i, t, k = 6, 32, 16, 9, 2
@@ -279,7 +279,7 @@ def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner) -> None:
     """GPT-OSS on CUDA in bf16 with the engine's automatic backends (torch attention: the
     kernels have no windows nor sinks; the gpu experts' biased grouped GEMMs) against HF in
     float32 on the same bf16-rounded weights; every expert a token, so no routing flip."""
-    from runtime.engine_setup import _auto_attention_backend
+    from tandem.runtime.engine_setup import _auto_attention_backend
 
     cfg = hf.GptOssConfig(**{**GPT_OSS, "num_local_experts": 4, "num_experts_per_tok": 4})
     hf_model = _save_hf_model(cfg, tmp_path)
@@ -308,7 +308,7 @@ def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bo
     import gguf
     import numpy as np
 
-    from models.loader.gguf import gguf_model_config
+    from tandem.models.loader.gguf import gguf_model_config
 
     ref = _save_hf_model(hf.GptOssConfig(**GPT_OSS), tmp_path / "hf")
     names = {
@@ -394,8 +394,8 @@ def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bo
 )
 def test_engine_refuses_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
     """Refused before any weight is read or the pool built, naming what the pool lacks."""
-    from runtime.config import ModelSpec
-    from runtime.engine_setup import check_expert_options
+    from tandem.runtime.config import ModelSpec
+    from tandem.runtime.engine_setup import check_expert_options
 
     d = hf.GptOssConfig(**GPT_OSS).to_dict()
     d["architectures"] = ["GptOssForCausalLM"]

@@ -16,10 +16,10 @@ import pytest
 import torch
 import transformers as hf
 
-import ext.cuda as cuda_ext
-from ext.cuda import skinny
-from models.layers.experts import TorchExpertBackend, get_expert_backend
-from models.layers.gpu_experts import GpuExpertBackend, grouped_experts
+import tandem.ext.cuda as cuda_ext
+from tandem.ext.cuda import skinny
+from tandem.models.layers.experts import TorchExpertBackend, get_expert_backend
+from tandem.models.layers.gpu_experts import GpuExpertBackend, grouped_experts
 from tests.models.test_cpu_pool_cuda import _mixtral_cuda_config, _one_sequence_batch
 
 _requires_cuda = pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy")
@@ -95,7 +95,7 @@ def test_backend_options(monkeypatch) -> None:
 
 
 def test_auto_expert_backend_by_device() -> None:
-    from runtime.engine_setup import _auto_expert_backend
+    from tandem.runtime.engine_setup import _auto_expert_backend
 
     assert _auto_expert_backend(torch.device("cuda")) == "gpu"
     assert _auto_expert_backend(torch.device("cpu")) == "torch"
@@ -126,8 +126,8 @@ def test_moe_launcher_rejects_bad_operands() -> None:
 def test_moe_block_takes_the_backends_logits_path_where_it_answers() -> None:
     """SparseMoeBlock asks `forward_logits` first; None: torch routes and `forward` computes.
     The shared expert is added either way."""
-    from models.config import ModelConfig
-    from models.layers.moe import SparseMoeBlock
+    from tandem.models.config import ModelConfig
+    from tandem.models.layers.moe import SparseMoeBlock
 
     cfg = ModelConfig(
         architecture="Qwen2MoeForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=96,
@@ -157,7 +157,7 @@ def test_moe_block_takes_the_backends_logits_path_where_it_answers() -> None:
 
 
 def test_decode_launchers_reject_bad_operands() -> None:
-    from ext.cuda import moe_stage
+    from tandem.ext.cuda import moe_stage
 
     hidden, ids, weights, w13, w2 = _layer(2, 2, 4, 64, 32, torch.bfloat16)
     logits = torch.zeros(2, 4, dtype=torch.bfloat16)
@@ -255,7 +255,7 @@ def test_moe_kernel_in_a_cuda_graph() -> None:
 @pytest.mark.parametrize("t,e,k,renorm", [(1, 128, 8, True), (8, 128, 8, False), (3, 8, 2, True),
                                           (32, 64, 8, True), (5, 1024, 16, False)])  # fmt: skip
 def test_route_sort_matches_torch(t, e, k, renorm) -> None:
-    from ext.cuda import moe_stage
+    from tandem.ext.cuda import moe_stage
 
     g = torch.Generator().manual_seed(t + e)
     logits = torch.randn(t, e, generator=g).to(torch.bfloat16).cuda()
@@ -278,7 +278,7 @@ def test_route_sort_matches_torch(t, e, k, renorm) -> None:
 def test_moe_decode_experts_from_logits(dtype, t, k, e, h, inter) -> None:
     """Route + sort, gate_up runs, down summed per token (out poisoned: every row written)
     against torch's router and the float32 reference."""
-    from ext.cuda import moe_stage
+    from tandem.ext.cuda import moe_stage
 
     hidden, _, _, w13, w2 = _layer(t, k, e, h, inter, dtype, "cuda", seed=t + k)
     g = torch.Generator().manual_seed(7)
@@ -299,7 +299,7 @@ def test_moe_decode_experts_from_logits(dtype, t, k, e, h, inter) -> None:
 
 @gpu_test
 def test_moe_decode_experts_in_a_cuda_graph() -> None:
-    from ext.cuda import moe_stage
+    from tandem.ext.cuda import moe_stage
 
     hidden, _, _, w13, w2 = _layer(2, 8, 64, 256, 64, torch.bfloat16, "cuda")
     logits = torch.randn(2, 64, device="cuda").to(torch.bfloat16)
@@ -345,7 +345,7 @@ def test_decode_kernels_only_while_the_slots_fill_half_the_experts() -> None:
             assert out is None and backend.calls["decode"] == before
             continue
         assert backend.calls["decode"] == before + 1
-        from ext.cuda import moe_stage
+        from tandem.ext.cuda import moe_stage
 
         ids, weights = moe_stage.route_ref(logits[:t], 2, True)
         assert _rel(out, _reference(hidden[:t], ids, weights, w13, w2)) < 1e-2
@@ -369,12 +369,12 @@ def test_engine_on_cuda_decodes_moe_in_graphs(tmp_path: Path) -> None:
     """A tiny Mixtral on CUDA (bf16) picks the gpu backend, captures its decode graphs with the
     experts inside, and decodes what the torch reference backend decodes eagerly; its logits
     match HF's."""
-    from models.batch import KVCache
-    from models.loader import load_model
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.cuda_runner import CudaRunnerOptions
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from tandem.models.batch import KVCache
+    from tandem.models.loader import load_model
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.cuda_runner import CudaRunnerOptions
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     hf_model = hf.AutoModelForCausalLM.from_config(_mixtral_cuda_config()).eval()
@@ -422,8 +422,8 @@ def test_each_moe_architecture_through_the_gpu_backend_matches_hf(arch: str, tmp
     Qwen2-MoE's gated shared expert and unnormalised top-k, Mixtral, OLMoE's whole-row q/k
     norms, clip_qkv and unnormalised top-k) in bf16 on CUDA through the decode kernels, the
     routed kernels and the grouped GEMMs, against HF in float32."""
-    from models.batch import KVCache
-    from models.loader import load_model
+    from tandem.models.batch import KVCache
+    from tandem.models.loader import load_model
     from tests.models.moe_cases import _save
 
     hf_model = _save(arch, tmp_path)
@@ -444,10 +444,10 @@ def test_engine_on_cuda_compiles_the_moe_decode(tmp_path: Path) -> None:
     kernels are custom ops), captured in graphs, no fallback, and greedy output as the
     uncompiled graphs'. (TANDEM_COMPILE_PREFILL with a MoE model hits the recompile limit and
     runs prefill eagerly, counted: the layers' graph breaks guard per layer.)"""
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.cuda_runner import CudaRunnerOptions
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.cuda_runner import CudaRunnerOptions
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     hf.AutoModelForCausalLM.from_config(_mixtral_cuda_config()).save_pretrained(tmp_path)
@@ -478,7 +478,7 @@ def test_gpu_resident_share_of_a_hybrid_layer(t: int) -> None:
     """cpu_pool's GPU-resident experts (local ids, -1 = on the CPU pool) through the routed
     kernels (T <= 8: slots elsewhere skipped) or the grouped GEMMs (weight 0 for them), against
     the dense reference."""
-    from models.layers.cpu_experts import _dense_experts, _local_experts
+    from tandem.models.layers.cpu_experts import _dense_experts, _local_experts
 
     hidden, ids, weights, w13, w2 = _layer(t, 8, 16, 256, 64, torch.bfloat16, "cuda", seed=t)
     local = torch.where(ids % 3 == 0, ids // 3, -1)  # experts 0, 3, ..., 15 of 16 are "here"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext.cpu import CpuExpertPool, moe_reference
-from models.layers.cpu_experts import CpuPoolExpertBackend, parse_gpu_prefill
-from models.layers.gpu_prefill import GpuExpertPrefill, experts_from_shards
+from tandem.ext.cpu import CpuExpertPool, moe_reference
+from tandem.models.layers.cpu_experts import CpuPoolExpertBackend, parse_gpu_prefill
+from tandem.models.layers.gpu_prefill import GpuExpertPrefill, experts_from_shards
 
 
 def _layer(pool: CpuExpertPool, layer: int, E: int, inter: int, H: int, fmt: str, group: int = 64):
@@ -48,7 +48,7 @@ def test_experts_from_shards_equal_the_reference(fmt, E, inter, H, k, T, split, 
         shards = []
         for s in pool.layer_shards(0):
             if s.Is:
-                from ext.cpu.layout import shard_weights
+                from tandem.ext.cpu.layout import shard_weights
 
                 shards.append(shard_weights(pool.shard_memory(s), s, torch.float32))
         got = experts_from_shards(x, ids, w, shards, {"grouped": grouped})
@@ -154,7 +154,7 @@ def test_gpu_prefill_option_parsing(monkeypatch) -> None:
 def test_cli_takes_gpu_prefill() -> None:
     import argparse
 
-    from app.engine_args import add_engine_arguments, engine_config_from_args
+    from tandem.app.engine_args import add_engine_arguments, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
@@ -224,8 +224,8 @@ def test_model_prefill_on_gpu_is_as_close_to_hf_as_the_pool(fmt: str, tmp_path: 
     the GPU (calls and bytes counted) and is as close to HF in float32 as the same model with
     the path off (the pool); both differ from HF by the bf16 model's own rounding (~7% of the
     largest logit for this random model, the same on the CPU), so each is held to the other."""
-    from models.batch import KVCache
-    from models.loader import load_model
+    from tandem.models.batch import KVCache
+    from tandem.models.loader import load_model
     from tests.models.test_cpu_pool_cuda import _one_sequence_batch
 
     _cuda()
@@ -267,10 +267,10 @@ def test_engine_with_gpu_prefill_decodes_in_graphs(tmp_path: Path) -> None:
     """The engine on CUDA with int4 CPU experts: long prompts prefill on the GPU (counted),
     decode steps keep the pool inside the graphs, and the greedy tokens equal the same engine
     with the GPU path off (bf16: a late flip is rounding)."""
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.cuda_runner import CudaRunnerOptions
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.cuda_runner import CudaRunnerOptions
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
 
     _cuda()
     _qwen3_bf16(tmp_path)

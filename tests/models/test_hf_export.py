@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import transformers as hf
 
-from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from models.hf_export import to_hf_config_dict
+from tandem.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.models.hf_export import to_hf_config_dict
 from tests.models.deepseek_cases import CASES as DEEPSEEK_CASES
 
 TINY = dict(

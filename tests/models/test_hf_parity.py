@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as hf
 
-from models.loader import load_model
+from tandem.models.loader import load_model
 
 COMMON = dict(
     vocab_size=128,
@@ -214,8 +214,8 @@ def test_forward_returns_only_logits_rows(tmp_path: Path, paged_runner) -> None:
 
 def test_rope_types_without_support_are_named() -> None:
     """dynamic NTK changes its frequencies with the sequence length: refused by name."""
-    from models.config import UnsupportedModelError
-    from models.layers.rotary import rope_attention_factor, rope_inv_freq
+    from tandem.models.config import UnsupportedModelError
+    from tandem.models.layers.rotary import rope_attention_factor, rope_inv_freq
 
     with pytest.raises(UnsupportedModelError, match="'dynamic'"):
         rope_inv_freq(64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from models import hub
-from models.hub import DEFAULT_MODEL, resolve_model, tandem_home
+from tandem.models import hub
+from tandem.models.hub import DEFAULT_MODEL, resolve_model, tandem_home
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 
@@ -121,7 +121,7 @@ def test_subprocess_output_goes_to_stderr(capfd: pytest.CaptureFixture) -> None:
 
 @pytest.mark.slow
 def test_real_fetch(home: Path, capfd: pytest.CaptureFixture) -> None:
-    from models.gguf_reader import GGUFReader
+    from tandem.models.gguf_reader import GGUFReader
 
     path = resolve_model(None)
     out, _ = capfd.readouterr()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers.invariant_linear import (
+from tandem.models.layers.invariant_linear import (
     TILE_ROWS,
     BatchInvariantLinear,
     invariant_linear,

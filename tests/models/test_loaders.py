@@ -13,11 +13,15 @@ import torch
 import transformers as hf
 from safetensors.torch import load_file, save_file
 
-from models.config import ModelConfig, UnsupportedModelError
-from models.layers.experts import TorchExpertBackend, get_expert_backend, register_expert_backend
-from models.loader import build_model, load_model
-from models.loader.safetensors import iter_safetensors_weights
-from models.registry import get_model_class
+from tandem.models.config import ModelConfig, UnsupportedModelError
+from tandem.models.layers.experts import (
+    TorchExpertBackend,
+    get_expert_backend,
+    register_expert_backend,
+)
+from tandem.models.loader import build_model, load_model
+from tandem.models.loader.safetensors import iter_safetensors_weights
+from tandem.models.registry import get_model_class
 
 TINY = dict(
     vocab_size=128,
@@ -243,7 +247,7 @@ def test_dummy_values_do_not_depend_on_fill_order_chunks_or_threads(monkeypatch)
     """Each parameter has its own generator (seed, name): filling a subset later gives the same
     values as filling everything at once. Host tensors above CHUNK elements are filled in fixed
     chunks from a thread pool; the thread count does not change the values."""
-    import models.loader.dummy as dummy
+    import tandem.models.loader.dummy as dummy
 
     cfg = _moe_config()
     monkeypatch.setattr(dummy, "CHUNK", 100)  # w13 (4 * 32 * 32) and w2 go through chunks
@@ -280,7 +284,7 @@ def test_dummy_experts_fill_the_cpu_pool_layer_by_layer(
     ref, _ = load_model(
         tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", config=cfg
     )
-    import models.loader.dummy as dummy
+    import tandem.models.loader.dummy as dummy
 
     filled: list[set[str]] = []
     real = dummy.init_dummy_weights
@@ -290,7 +294,7 @@ def test_dummy_experts_fill_the_cpu_pool_layer_by_layer(
         filled.append({n for n in names if n.endswith((".w13", ".w2"))})
         real(model, seed, std, select)
 
-    monkeypatch.setattr("models.loader.init_dummy_weights", spy)
+    monkeypatch.setattr("tandem.models.loader.init_dummy_weights", spy)
     with caplog.at_level(logging.WARNING):
         model, _ = load_model(
             tmp_path,
@@ -344,7 +348,7 @@ def test_backend_registries(tmp_path: Path, paged_runner) -> None:
     with pytest.raises(ValueError, match="nope"):
         build_model(cfg, dtype=torch.float32, device="cpu", attn_backend="nope")
     model = build_model(cfg, dtype=torch.float32, device="cpu", expert_backend="counting")
-    from models.loader.dummy import init_dummy_weights
+    from tandem.models.loader.dummy import init_dummy_weights
 
     init_dummy_weights(model)
     runner = paged_runner(model, cfg, block_size=4)

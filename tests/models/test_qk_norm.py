@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers as hf
 
-from models.config import ModelConfig
-from models.loader import build_model, load_model
+from tandem.models.config import ModelConfig
+from tandem.models.loader import build_model, load_model
 from tests.models.test_hf_parity import OLMOE, _save_hf_model
 
 TINY = dict(
@@ -69,7 +69,7 @@ def test_olmoe_config_follows_transformers_defaults() -> None:
 def test_fused_norm_rope_steps_aside_for_whole_row_norms(tmp_path: Path, paged_runner) -> None:
     """NormRopeAttention's kernel normalizes each head alone; on OLMoE's layers it must take the
     plain path (the swap never picks it for them; its forward checks again)."""
-    from models.layers.cuda_linear import NormRopeAttention
+    from tandem.models.layers.cuda_linear import NormRopeAttention
 
     _save_hf_model(hf.OlmoeConfig(**OLMOE), tmp_path)
     model, config = load_model(tmp_path, dtype=torch.float32, device="cpu")

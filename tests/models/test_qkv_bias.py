@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers as hf
 
-from models.config import ModelConfig
-from models.loader import load_model
+from tandem.models.config import ModelConfig
+from tandem.models.loader import load_model
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
+import tandem.ext.cuda as cuda_ext
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,8 +21,8 @@ pytestmark = [
 def test_packed_model_on_cuda_close_to_dequantized(
     tmp_path: Path, qtype: str, moe: bool, paged_runner
 ):
-    from models.loader import load_model
-    from models.quant.linear import QuantLinear, quantized_bytes
+    from tandem.models.loader import load_model
+    from tandem.models.quant.linear import QuantLinear, quantized_bytes
     from tests.models.quant_cases import write_tiny_gguf
     from tests.models.test_cuda_parity import CudaPagedRunner
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from models.config import UnsupportedModelError
-from models.loader import load_model
-from models.quant.linear import QuantEmbedding, QuantLinear, quantized_bytes
-from models.quant.reference import quantize_k
+from tandem.models.config import UnsupportedModelError
+from tandem.models.loader import load_model
+from tandem.models.quant.linear import QuantEmbedding, QuantLinear, quantized_bytes
+from tandem.models.quant.reference import quantize_k
 from tests.models.quant_cases import write_tiny_gguf
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -93,7 +93,7 @@ def test_cpu_kernel_model_close_to_torch_reference(
     the difference is bf16 rounding of activations and outputs in another summation order).
     MoE: a near-tie in the router may pick another expert for a token under that rounding, so
     there up to a tenth of the tokens (at least one) may fall outside it."""
-    from models.quant.cpu import use_cpu_quant_kernels
+    from tandem.models.quant.cpu import use_cpu_quant_kernels
 
     path = write_tiny_gguf(tmp_path / "m.gguf", qtype, moe=moe, head_type="Q8_0" if moe else None)
     fast, cfg = load_model(path, dtype=torch.bfloat16, device="cpu")

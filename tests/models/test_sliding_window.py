@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers as hf
 
-from models.config import ModelConfig
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+from tandem.models.config import ModelConfig
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.llm import LLM
+from tandem.runtime.sampling_params import SamplingParams
 
 TINY = dict(
     vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,

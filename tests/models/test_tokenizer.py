@@ -7,8 +7,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from models.hub import resolve_model
-from models.tokenizer import Tokenizer
+from tandem.models.hub import resolve_model
+from tandem.models.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

@@ -13,10 +13,10 @@ import random
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, given, settings
 
-from runtime.config import CacheConfig, SchedulerConfig
-from runtime.request import RequestStatus
-from runtime.scheduler import RequestTooLongError, Scheduler
-from runtime.types import SchedulerOutput
+from tandem.runtime.config import CacheConfig, SchedulerConfig
+from tandem.runtime.request import RequestStatus
+from tandem.runtime.scheduler import RequestTooLongError, Scheduler
+from tandem.runtime.types import SchedulerOutput
 from tests.runtime.test_scheduler import (
     assert_idle,
     make,
@@ -211,10 +211,10 @@ def test_random_async_workloads_equal_reference(workload, seed):
 def _tiny_llm(tok, overlap: bool, **kw):
     import torch
 
-    from models.loader import build_model
-    from models.loader.dummy import init_dummy_weights
-    from runtime.config import EngineConfig, ModelSpec
-    from runtime.llm import LLM
+    from tandem.models.loader import build_model
+    from tandem.models.loader.dummy import init_dummy_weights
+    from tandem.runtime.config import EngineConfig, ModelSpec
+    from tandem.runtime.llm import LLM
     from tests.runtime.test_engine import tiny_config
 
     cfg = tiny_config(tok.vocab_size)
@@ -231,7 +231,7 @@ def _tiny_llm(tok, overlap: bool, **kw):
 
 
 def test_overlapped_engine_equals_sync_engine(byte_bpe):
-    from runtime.sampling_params import SamplingParams
+    from tandem.runtime.sampling_params import SamplingParams
 
     rnd = random.Random(3)
     prompts = [[rnd.randrange(1, byte_bpe.vocab_size) for _ in range(rnd.randint(2, 40))]

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.hf_export import to_hf_config_dict
-from runtime import LLM, SamplingParams
-from runtime.engine_setup import resolve_dtype
+from tandem.models.config import ModelConfig
+from tandem.models.hf_export import to_hf_config_dict
+from tandem.runtime import LLM, SamplingParams
+from tandem.runtime.engine_setup import resolve_dtype
 
 NEW_TOKENS = 12
 

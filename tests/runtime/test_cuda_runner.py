@@ -12,13 +12,13 @@ import gc
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
-from models.config import ModelConfig
-from models.loader import build_model
-from models.loader.dummy import init_dummy_weights
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+import tandem.ext.cuda as cuda_ext
+from tandem.models.config import ModelConfig
+from tandem.models.loader import build_model
+from tandem.models.loader.dummy import init_dummy_weights
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.llm import LLM
+from tandem.runtime.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,7 +47,7 @@ def model():
 def make_llm(model, *, graphs: bool = True, num_blocks: int | None = 512, util: float = 0.9,
              max_num_seqs: int = 32, budget: int = 256, overlap: bool = True,
              options=None) -> LLM:  # fmt: skip
-    from runtime.cuda_runner import CudaRunnerOptions
+    from tandem.runtime.cuda_runner import CudaRunnerOptions
 
     ec = EngineConfig(
         model=ModelSpec(model="small", device="cuda", dtype="bfloat16"),
@@ -185,7 +185,7 @@ def test_compiled_prefill_equals_eager(small_logit_model) -> None:
     model = small_logit_model
     # TANDEM_COMPILE_PREFILL=1: prefill and mixed steps under torch.compile(dynamic=True);
     # recompiles are counted, a failure falls back to eager counted, never silently.
-    from runtime.cuda_runner import PREFILL_RECOMPILES, CudaRunnerOptions
+    from tandem.runtime.cuda_runner import PREFILL_RECOMPILES, CudaRunnerOptions
 
     opts = CudaRunnerOptions(cuda_graphs=True, compile_mode="default", compile_prefill=True)
     ps = prompts(12, seed=21)

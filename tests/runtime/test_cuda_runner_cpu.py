@@ -13,12 +13,12 @@ import random
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.loader import build_model
-from models.loader.dummy import init_dummy_weights
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
+from tandem.models.config import ModelConfig
+from tandem.models.loader import build_model
+from tandem.models.loader.dummy import init_dummy_weights
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.engine import Engine
+from tandem.runtime.sampling_params import SamplingParams
 
 VOCAB = 256
 CFG = ModelConfig(
@@ -71,7 +71,7 @@ def model():
 
 
 def make_engine(model, *, cuda_runner: bool, overlap: bool, budget: int, num_blocks: int):
-    from runtime.cuda_runner import CudaModelRunner, CudaRunnerOptions
+    from tandem.runtime.cuda_runner import CudaModelRunner, CudaRunnerOptions
 
     ec = EngineConfig(
         model=ModelSpec(model="small", device="cpu", dtype="float32"),

@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from runtime.cuda_sampler import CudaSampler, GpuRow
-from runtime.sampler import Sampler, SampleRow
-from runtime.sampling_params import SamplingParams
+from tandem.runtime.cuda_sampler import CudaSampler, GpuRow
+from tandem.runtime.sampler import Sampler, SampleRow
+from tandem.runtime.sampling_params import SamplingParams
 
 V = 96
 EOS = 2

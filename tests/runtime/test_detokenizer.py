@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from runtime.detokenizer import IncrementalDetokenizer
+from tandem.runtime.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world! The quick brown fox.",

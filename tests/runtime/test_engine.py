@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.loader import build_model
-from models.loader.dummy import init_dummy_weights
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams, SamplingParamsError
-from runtime.scheduler import RequestTooLongError
+from tandem.models.config import ModelConfig
+from tandem.models.loader import build_model
+from tandem.models.loader.dummy import init_dummy_weights
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.llm import LLM
+from tandem.runtime.sampling_params import SamplingParams, SamplingParamsError
+from tandem.runtime.scheduler import RequestTooLongError
 
 
 def tiny_config(vocab: int) -> ModelConfig:

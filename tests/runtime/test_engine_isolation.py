@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import MAX_FAILED_STEPS, Engine, EngineStepError
-from runtime.sampling_params import SamplingParams
+from tandem.runtime.engine import MAX_FAILED_STEPS, Engine, EngineStepError
+from tandem.runtime.sampling_params import SamplingParams
 from tests.app.tiny_engine import TinyTokenizer, make_tiny_engine
 
 MARKER = 7
@@ -105,7 +105,7 @@ def test_a_forward_that_always_fails_is_an_engine_failure(tokenizer) -> None:
 
 
 def test_sampler_marks_bad_rows_and_samples_the_rest() -> None:
-    from runtime.sampler import FAILED_ROW, Sampler, SampleRow
+    from tandem.runtime.sampler import FAILED_ROW, Sampler, SampleRow
 
     logits = torch.randn(3, 50)
     logits[1, 4] = float("nan")

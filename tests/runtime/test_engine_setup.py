@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from models.config import ModelConfig
-from models.hf_export import to_hf_config_dict
-from models.tokenizer import Tokenizer
-from runtime import LLM, SamplingParams
-from runtime.config import EngineConfig, ModelSpec, SchedulerConfig
-from runtime.engine_setup import load_tokenizer, resolve_max_model_len, resolve_tokenizer
+from tandem.models.config import ModelConfig
+from tandem.models.hf_export import to_hf_config_dict
+from tandem.models.tokenizer import Tokenizer
+from tandem.runtime import LLM, SamplingParams
+from tandem.runtime.config import EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.engine_setup import load_tokenizer, resolve_max_model_len, resolve_tokenizer
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_pool_threads_that_would_starve_the_engine_are_clamped(caplog) -> None:
 
     import torch
 
-    from runtime.engine_setup import clamp_pool_threads
+    from tandem.runtime.engine_setup import clamp_pool_threads
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     caplog.set_level(logging.WARNING)

@@ -3,10 +3,10 @@ keep more than its share while another group waits below its own."""
 
 from __future__ import annotations
 
-from runtime.config import CacheConfig, SchedulerConfig
-from runtime.request import Request
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
+from tandem.runtime.config import CacheConfig, SchedulerConfig
+from tandem.runtime.request import Request
+from tandem.runtime.sampling_params import SamplingParams
+from tandem.runtime.scheduler import Scheduler
 
 PARAMS = SamplingParams(max_tokens=1000, ignore_eos=True)
 

@@ -10,9 +10,9 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.kv_cache import BlockPool, hash_block
-from runtime.request import Request
-from runtime.sampling_params import SamplingParams
+from tandem.runtime.kv_cache import BlockPool, hash_block
+from tandem.runtime.request import Request
+from tandem.runtime.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from models.config import ModelConfig
-from models.hf_export import to_hf_config_dict
-from runtime.config import EngineConfig, ModelSpec
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+from tandem.models.config import ModelConfig
+from tandem.models.hf_export import to_hf_config_dict
+from tandem.runtime.config import EngineConfig, ModelSpec
+from tandem.runtime.llm import LLM
+from tandem.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture

@@ -9,15 +9,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from runtime.loop import (
+from tandem.runtime.loop import (
     EngineDeadError,
     EngineLoop,
     LoopClosedError,
     QueueFullError,
 )
-from runtime.sampling_params import SamplingParams
-from runtime.stream import RequestStream
-from runtime.types import RequestDelta
+from tandem.runtime.sampling_params import SamplingParams
+from tandem.runtime.stream import RequestStream
+from tandem.runtime.types import RequestDelta
 from tests.app.fake_engine import REPLY, FakeEngine
 
 
@@ -239,8 +239,8 @@ async def test_request_stream_ends_after_every_choice_finished() -> None:
 async def test_metrics_before_the_first_step_are_the_engines() -> None:
     """A scrape before any request sees the engine's families (the CPU expert pool's), not an
     empty EngineStats(): before, the hybrid families were missing until the first step."""
-    from models.layers.cpu_experts import HybridMoeStats
-    from runtime.types import EngineStats
+    from tandem.models.layers.cpu_experts import HybridMoeStats
+    from tandem.runtime.types import EngineStats
 
     class HybridFake(FakeEngine):
         def stats(self) -> EngineStats:

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from models.layers.cpu_experts import HybridMoeStats
-from runtime.metrics import ServingMetrics, render_metrics
-from runtime.types import EngineStats
+from tandem.models.layers.cpu_experts import HybridMoeStats
+from tandem.runtime.metrics import ServingMetrics, render_metrics
+from tandem.runtime.types import EngineStats
 
 
 def test_hybrid_counters_appear_only_for_a_hybrid_engine():

@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
-from runtime.sampling_params import SamplingParams
+import tandem.ext.cuda as cuda_ext
+from tandem.runtime.sampling_params import SamplingParams
 from tests.runtime.test_cuda_runner import VOCAB, small_config
 
 pytestmark = [
@@ -25,8 +25,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def model():
-    from models.loader import build_model
-    from models.loader.dummy import init_dummy_weights
+    from tandem.models.loader import build_model
+    from tandem.models.loader.dummy import init_dummy_weights
 
     m = build_model(small_config(), dtype=torch.bfloat16, device="cuda", attn_backend="cupy")
     init_dummy_weights(m, seed=0, std=0.5)  # large logit margins: greedy is robust to rounding
@@ -34,9 +34,9 @@ def model():
 
 
 def make_engine(model, *, overlap: bool, graphs: bool = True, budget: int = 256):
-    from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-    from runtime.cuda_runner import CudaRunnerOptions
-    from runtime.engine import Engine
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.cuda_runner import CudaRunnerOptions
+    from tandem.runtime.engine import Engine
 
     ec = EngineConfig(
         model=ModelSpec(model="small", device="cuda", dtype="bfloat16"),

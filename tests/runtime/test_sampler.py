@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sampler import Sampler, SampleRow
-from runtime.sampling_params import SamplingParams
+from tandem.runtime.sampler import Sampler, SampleRow
+from tandem.runtime.sampling_params import SamplingParams
 
 V = 64
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.sampling_params import SamplingParams, SamplingParamsError, expand_n
+from tandem.runtime.sampling_params import SamplingParams, SamplingParamsError, expand_n
 
 
 @pytest.mark.parametrize(

@@ -13,11 +13,11 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 
-from runtime.config import CacheConfig, SchedulerConfig
-from runtime.request import Request, RequestStatus
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import RequestTooLongError, Scheduler
-from runtime.types import SchedulerOutput
+from tandem.runtime.config import CacheConfig, SchedulerConfig
+from tandem.runtime.request import Request, RequestStatus
+from tandem.runtime.sampling_params import SamplingParams
+from tandem.runtime.scheduler import RequestTooLongError, Scheduler
+from tandem.runtime.types import SchedulerOutput
 
 VOCAB = 11
 

@@ -8,7 +8,7 @@ import time
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from runtime.detokenizer import IncrementalDetokenizer
+from tandem.runtime.detokenizer import IncrementalDetokenizer
 
 
 class Chars:

@@ -10,11 +10,11 @@ import jsonschema
 import pytest
 import torch
 
-from models.tokenizer import SYNTHETIC_CHAT_TEMPLATE, Tokenizer
-from runtime.cuda_sampler import CudaSampler
-from runtime.grammar import GrammarCompiler, GrammarError, apply_bitmask, fill_bitmask
-from runtime.sampler import Sampler, SampleRow
-from runtime.sampling_params import GrammarSpec, SamplingParams, SamplingParamsError
+from tandem.models.tokenizer import SYNTHETIC_CHAT_TEMPLATE, Tokenizer
+from tandem.runtime.cuda_sampler import CudaSampler
+from tandem.runtime.grammar import GrammarCompiler, GrammarError, apply_bitmask, fill_bitmask
+from tandem.runtime.sampler import Sampler, SampleRow
+from tandem.runtime.sampling_params import GrammarSpec, SamplingParams, SamplingParamsError
 from tests.runtime.test_engine import make_llm
 
 SCHEMAS = [
@@ -307,7 +307,7 @@ def test_the_loop_compiles_off_the_event_loop(llm) -> None:
     import asyncio
     import threading
 
-    from runtime.loop import EngineLoop
+    from tandem.runtime.loop import EngineLoop
 
     seen: list[threading.Thread] = []
     compiler = llm.engine.grammar_compiler

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 import torch
 
-import ext.cuda as cuda_ext
-from models.tokenizer import Tokenizer
-from runtime.sampling_params import GrammarSpec, SamplingParams
+import tandem.ext.cuda as cuda_ext
+from tandem.models.tokenizer import Tokenizer
+from tandem.runtime.sampling_params import GrammarSpec, SamplingParams
 from tests.runtime.test_cuda_runner import VOCAB, small_config
 from tests.runtime.test_overlap_gpu import make_engine, run
 from tests.runtime.test_structured import SCHEMAS
@@ -28,8 +28,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def model():
-    from models.loader import build_model
-    from models.loader.dummy import init_dummy_weights
+    from tandem.models.loader import build_model
+    from tandem.models.loader.dummy import init_dummy_weights
 
     m = build_model(small_config(), dtype=torch.bfloat16, device="cuda", attn_backend="cupy")
     init_dummy_weights(m, seed=0, std=0.5)
@@ -43,8 +43,8 @@ def engine_with_tokenizer(model, overlap: bool):
 
 
 def test_device_sampler_masks_like_the_reference(model) -> None:
-    from runtime.cuda_sampler import CudaSampler
-    from runtime.sampler import Sampler, SampleRow
+    from tandem.runtime.cuda_sampler import CudaSampler
+    from tandem.runtime.sampler import Sampler, SampleRow
 
     engine = engine_with_tokenizer(model, overlap=False)
     compiled = engine.grammar_compiler.compile(GrammarSpec("regex", "[0-9]{2,4}"))

@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers as hf
 
-from models.config import ModelConfig, UnsupportedModelError
-from models.layers.parallel import check_tensor_parallel
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+from tandem.models.config import ModelConfig, UnsupportedModelError
+from tandem.models.layers.parallel import check_tensor_parallel
+from tandem.runtime.llm import LLM
+from tandem.runtime.sampling_params import SamplingParams
 
 COMMON = dict(
     vocab_size=127,  # not a multiple of 2: the vocab split pads

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.config import CacheConfig, SchedulerConfig
-from runtime.kv_cache import NULL_BLOCK_ID
-from runtime.request import Request
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
-from runtime.types import SchedulerOutput
+from tandem.runtime.config import CacheConfig, SchedulerConfig
+from tandem.runtime.kv_cache import NULL_BLOCK_ID
+from tandem.runtime.request import Request
+from tandem.runtime.sampling_params import SamplingParams
+from tandem.runtime.scheduler import Scheduler
+from tandem.runtime.types import SchedulerOutput
 from tests.runtime.test_async_scheduler import run_async
 
 VOCAB = 13

@@ -11,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from models.config import ModelConfig  # noqa: E402
-from models.hf_export import to_hf_config_dict  # noqa: E402
+from tandem.models.config import ModelConfig  # noqa: E402
+from tandem.models.hf_export import to_hf_config_dict  # noqa: E402
 from tools import act_quant_error  # noqa: E402
 
 

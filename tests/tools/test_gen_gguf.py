@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import LLM, SamplingParams
+from tandem.runtime import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 

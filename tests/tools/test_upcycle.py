@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext.cpu import supported_isas
-from runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+from tandem.ext.cpu import supported_isas
+from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from tandem.runtime.llm import LLM
+from tandem.runtime.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -117,7 +117,7 @@ def test_dense_models_with_biases_are_refused(bias: str) -> None:
     """Mixtral has no attention or MLP biases: upcycling a model with them would drop them."""
     import dataclasses
 
-    from models.config import ModelConfig
+    from tandem.models.config import ModelConfig
 
     dense = ModelConfig(
         architecture="LlamaForCausalLM",

@@ -3,7 +3,7 @@
 # lacks from .device-wheels/ (no package registry there; ../shared/tools/device-wheels.sh fills
 # it), records the machine in $OUT/device.txt and defines run_tests (below).
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$(bash tools/ns_path.sh)${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .device-wheels ]; then
   python3 -m pip install -q --no-index --no-deps .device-wheels/*.whl 2>&1 | grep -v WARNING
 fi

@@ -55,7 +55,7 @@ case "$IS_MOE" in
     else SERVER_ARGS="--cpu-experts all --cpu-expert-format ${EXPERT_FORMAT:=int4} $SERVER_ARGS"; fi ;;
 esac
 mkdir -p "$MODEL_DIR"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$(bash tools/ns_path.sh)${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 

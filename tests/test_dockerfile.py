@@ -101,6 +101,8 @@ def test_every_copy_source_exists_and_is_not_dockerignored() -> None:
     # what `pip install -e .` and the package need is in the image
     for needed in (
         "pyproject.toml",
+        "setup.py",  # maps the folders under the package name `tandem`
+        "__init__.py",  # the `tandem` package itself
         "README.md",
         "tools/install.sh",
         "tools/torch_choice.py",  # install.sh's torch decision
@@ -115,14 +117,14 @@ def test_every_copy_source_exists_and_is_not_dockerignored() -> None:
 def test_install_and_warm_build_use_real_entry_points() -> None:
     runs = " ".join(args_of("RUN"))
     assert "bash tools/install.sh" in runs
-    warm = re.search(r'python -c "(from ext\.cpu import CpuExpertPool;[^"]*)"', runs)
+    warm = re.search(r'python -c "(from tandem\.ext\.cpu import CpuExpertPool;[^"]*)"', runs)
     assert warm, "no warm build of the CPU expert pool"
     assert "CpuExpertPool(num_threads=1).close()" in warm.group(1)
     from tandem.ext.cpu import CpuExpertPool
 
     assert "num_threads" in inspect.signature(CpuExpertPool).parameters
     assert callable(CpuExpertPool.close)
-    assert "from models.hub import resolve_model" in runs
+    assert "from tandem.models.hub import resolve_model" in runs
 
 
 def test_model_cache_is_a_volume_that_tandem_home_points_at(monkeypatch) -> None:

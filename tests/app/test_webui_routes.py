@@ -63,7 +63,7 @@ def test_no_ui_flag() -> None:
 
 def test_package_data_ships_the_page() -> None:
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
-    patterns = re.search(r"^app = \[(.*)\]$", text, re.M).group(1)
+    patterns = re.search(r'^"tandem.app" = \[(.*)\]$', text, re.M).group(1)
     shipped = {p.strip().strip('"').split("*")[1] for p in patterns.split(",")}
     for path in UI_DIR.iterdir():
         if path.suffix != ".py" and path.is_file():

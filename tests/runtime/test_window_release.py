@@ -112,7 +112,7 @@ def test_windowed_requests_hold_bounded_blocks(
 
 
 def test_release_before_is_idempotent_and_free_skips_released() -> None:
-    s = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 16, window=WINDOW)
+    s = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4), 16, window=WINDOW)
     r = Request("a", list(range(1, 30)), SamplingParams(max_tokens=1))
     s.add_request(r)
     pool = s.block_pool

@@ -28,7 +28,9 @@ from tandem.models.weights import load_hf_weights
 
 
 class DecoderLayer(nn.Module):
-    moe_cls: type[nn.Module] = SparseMoeBlock  # a family with another MoE block sets its own
+    # a family with another attention (DeepSeek's MLA) or MoE block (DeepSeek, GLM) sets its own
+    attn_cls: type[nn.Module] = Attention
+    moe_cls: type[nn.Module] = SparseMoeBlock
 
     def __init__(
         self,
@@ -39,7 +41,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, attn_backend)
+        self.self_attn = self.attn_cls(config, layer_idx, attn_backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_idx):

@@ -45,7 +45,7 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
     --gpu-prefill token count without a GPU)."""
     gpu_prefill = None  # auto; 0: off; N: steps of N+ tokens compute pool layers on the GPU
     if spec.gpu_prefill is not None:
-        from tandem.models.layers.cpu_experts import parse_gpu_prefill
+        from tandem.models.layers.cpu_expert_options import parse_gpu_prefill
 
         gpu_prefill = parse_gpu_prefill(spec.gpu_prefill)
     pool_options = [
@@ -103,7 +103,7 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
             f"--cpu-experts/--gpu-experts apply to mixture-of-experts models; "
             f"{config.architecture} is dense"
         )
-    from tandem.models.layers.cpu_experts import num_gpu_experts
+    from tandem.models.layers.cpu_expert_options import num_gpu_experts
 
     gpu = num_gpu_experts(
         config.num_experts,

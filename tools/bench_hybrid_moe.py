@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.models.batch import ForwardBatch, KVCache  # noqa: E402
 from tandem.models.config import ModelConfig  # noqa: E402
-from tandem.models.layers.cpu_experts import default_cuda_pool_threads  # noqa: E402
+from tandem.models.layers.cpu_expert_options import default_cuda_pool_threads  # noqa: E402
 from tandem.models.loader import apply_fast_linears, build_model  # noqa: E402
 from tandem.models.loader.dummy import init_dummy_weights  # noqa: E402
 from tools.peers.cpu_bandwidth import read_bandwidth_gbps  # noqa: E402
@@ -469,7 +469,7 @@ def prefill_sweep(runner: Runner, backend, a: argparse.Namespace) -> dict[str, d
     """One-step prefill tok/s per --gpu-prefill mode and length (--prefill and --prefill-sweep),
     each after a warm-up step of the same length (the GPU path pins the pool's memory and
     allocates its buffers on first use), with the layers that went to the GPU."""
-    from tandem.models.layers.cpu_experts import parse_gpu_prefill
+    from tandem.models.layers.cpu_expert_options import parse_gpu_prefill
 
     lengths = sorted({a.prefill, *a.prefill_sweep})
     saved = backend._gpu_prefill_option

@@ -46,93 +46,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.layers.cpu_expert_options import (
+    CONFINE_ENV,
+    CPU_SPIN_US,
+    CUDA_SPIN_US,
+    FORMATS,
+    FUSED_MOE_STAGE,
+    GPU_PREFILL_ENV,
+    GPU_PREFILL_MIN_TOKENS,
+    GPU_PREFILL_TOKENS,
+    SYNC_ENV,
+    SYNC_MODES,
+    default_cuda_pool_threads,
+    num_gpu_experts,
+    parse_cpu_experts,
+    parse_gpu_prefill,
+    spin_us_from_env,
+)
 from tandem.models.layers.experts import register_expert_backend
+from tandem.models.layers.local_experts import _local_experts
 
 if TYPE_CHECKING:
     from tandem.ext.cpu import CpuExpertPool, ExpertCache, StreamJob
     from tandem.models.layers.gpu_prefill import GpuExpertPrefill
 
 logger = logging.getLogger(__name__)
-
-FORMATS = ("bf16", "int8", "int4", "auto")  # auto: from the GGUF type (bf16 otherwise)
-SYNC_ENV = "TANDEM_POOL_SYNC"
-# The router + the pool's input staging in one CUDA kernel (route_and_start); 0: torch router
-FUSED_MOE_STAGE = os.environ.get("TANDEM_FUSED_MOE_STAGE", "1") != "0"
-SYNC_MODES = ("flags", "host_func")
-# Prefill-sized steps on CUDA: the layer's packed experts go to the GPU and are computed there
-# (models/layers/gpu_prefill.py) from this many tokens; "auto": GPU_PREFILL_TOKENS by format,
-# "off" (or 0): never.
-GPU_PREFILL_ENV = "TANDEM_GPU_PREFILL"
-# On CUDA, once the experts are in: the process's other threads (interpreter, event loop, CUDA
-# driver) confined to the cpus the pool's workers leave (auto = on | off; see `confine`).
-CONFINE_ENV = "TANDEM_POOL_CONFINE"
-# Where shipping a whole layer over PCIe (~55 GB/s) beats the pool, Qwen3-30B-A3B shape on the
-# device (docs/BENCHMARKS.md, "GPU prefill from the pool's weights"): a layer of int4 experts is
-# ~320 MB (6 ms), int8 ~620 MB, bf16 ~1.2 GB (22 ms), against the pool's time at that many
-# tokens (measured: int4 pool ahead at 300 tokens, behind at 512; int8 ahead at 512, behind at
-# 1024; bf16 about even at 1024).
-GPU_PREFILL_TOKENS = {"int4": 384, "int8": 640, "bf16": 1024}
-# Never at or below the largest decode graph (runtime/cuda_graphs.py: 256 rows): a graph's
-# eager warm-up and its capture must take the same path (the pool's, inside graphs).
-GPU_PREFILL_MIN_TOKENS = 257
-
-
-def parse_gpu_prefill(value: str | int | None) -> int | None:
-    """'auto' / None -> None (by format); 'off' -> 0; N -> N (>= 0)."""
-    if value is None or value == "auto":
-        return None
-    if value == "off":
-        return 0
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0:
-        raise ValueError(f"gpu_prefill must be 'auto', 'off' or a token count >= 0, got {value!r}")
-    return n
-
-
-def parse_cpu_experts(value: str | int | None) -> int | None:
-    """'all' / None -> None (every expert not placed on the GPU); 'N' or N -> N."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
-        return None
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0:
-        raise ValueError(f"cpu_experts must be 'all' or a non-negative int, got {value!r}")
-    return n
-
-
-def num_gpu_experts(
-    num_experts: int, cpu_experts: str | int | None, gpu_experts: int | None
-) -> int:
-    """How many of a layer's experts stay on the GPU. `gpu_experts` wins; `cpu_experts=N`
-    alone leaves E - N on the GPU; both given must add up to E ('all' takes the rest)."""
-    cpu_n = parse_cpu_experts(cpu_experts)
-    if gpu_experts is not None and gpu_experts < 0:
-        raise ValueError(f"gpu_experts must be >= 0, got {gpu_experts}")
-    if cpu_n is not None and cpu_n > num_experts:
-        raise ValueError(
-            f"cpu_experts={cpu_n} exceeds the {num_experts} experts of a layer "
-            "(use cpu_experts='all')"
-        )
-    if gpu_experts is not None and gpu_experts > num_experts:
-        raise ValueError(f"gpu_experts={gpu_experts} exceeds the {num_experts} experts of a layer")
-    if gpu_experts is None:
-        gpu = 0 if cpu_n is None else num_experts - min(cpu_n, num_experts)
-    else:
-        gpu = min(gpu_experts, num_experts)
-        if cpu_n is not None and cpu_n + gpu != num_experts:
-            raise ValueError(
-                f"cpu_experts={cpu_n} + gpu_experts={gpu} must equal the {num_experts} experts "
-                "of a layer (or use cpu_experts='all')"
-            )
-    return gpu
 
 
 def _shape(w13: torch.Tensor) -> tuple[int, int, int]:
@@ -237,123 +177,6 @@ class _Pending:
     stream: int = 0
     extra: torch.Tensor | None = None  # [T, H] f32: the GPU-resident experts' part
     fused: bool = False  # started by route_and_start: finish gathers with one kernel
-
-
-# Where the gpu backend's kernels do not apply (fp32, no CuPy), up to this many tokens the
-# GPU-resident experts run densely (every local expert on every token, weighted by the routing,
-# zero where not routed): no host sync, so decode steps with experts split between GPU and CPU
-# can be captured in CUDA graphs. G experts x T tokens of
-# work: for G = 16 and T = 256 about 40 GFLOP, ~0.1 ms on an H100.
-DENSE_GPU_EXPERT_TOKENS = 256
-
-
-def _local_experts(hidden, local_ids, weights, w13, w2) -> torch.Tensor:
-    """The GPU-resident experts' share of the MoE output, [T, H] float32, without a host sync
-    where the gpu backend's paths take it (fp16/bf16 on CUDA): its routed kernels up to
-    GEMV_MAX_TOKENS tokens (slots routed elsewhere skipped: only the hit experts are read), its
-    grouped GEMMs above (those slots computed by expert 0 with weight 0). Otherwise dense for
-    small T (every local expert on every token; no host sync either), grouped by expert with one
-    sync above `DENSE_GPU_EXPERT_TOKENS`."""
-    from tandem.models.layers import gpu_experts
-
-    x = hidden.to(w13.dtype)
-    kernels = os.environ.get("TANDEM_GPU_EXPERTS_DENSE") != "1"  # 1: the earlier paths (A/B)
-    take = kernels and gpu_experts.routed_kernels_take(x, w13, w2)
-    if take and x.shape[0] <= gpu_experts.GEMV_MAX_TOKENS:
-        out = torch.ops.tandem.moe_routed_experts(x, local_ids, weights.float(), w13, w2, True)
-        return out.float()
-    if kernels and x.is_cuda and gpu_experts.grouped_supported(x, w13, w2):
-        here = local_ids >= 0
-        return gpu_experts.grouped_experts(
-            x, local_ids.clamp(min=0), weights.float() * here, w13, w2
-        ).float()
-    if hidden.shape[0] <= DENSE_GPU_EXPERT_TOKENS:
-        return _dense_experts(hidden, local_ids, weights, w13, w2)
-    return _grouped_experts(hidden, local_ids, weights, w13, w2)
-
-
-def _dense_experts(
-    hidden: torch.Tensor,  # [T, H], device
-    local_ids: torch.Tensor,  # [T, k] int64, -1 = not here
-    weights: torch.Tensor,  # [T, k] float32
-    w13: torch.Tensor,  # [G, 2I, H]
-    w2: torch.Tensor,  # [G, H, I]
-) -> torch.Tensor:
-    """sum over slots routed to one of the G experts; [T, H] float32, without a host sync."""
-    G, T = w13.shape[0], hidden.shape[0]
-    # route[t, g] = the routing weight of expert g for token t (0 where not routed)
-    route = torch.zeros(T, G + 1, dtype=torch.float32, device=hidden.device)
-    route.scatter_add_(1, local_ids + 1, weights.float())
-    x = hidden.to(w13.dtype).unsqueeze(0).expand(G, T, hidden.shape[1])  # [G, T, H]
-    gate, up = torch.bmm(x, w13.transpose(1, 2)).chunk(2, dim=-1)  # [G, T, I] each
-    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [G, T, H]
-    return torch.einsum("gth,tg->th", y.float(), route[:, 1:])
-
-
-def _grouped_experts(
-    hidden: torch.Tensor,  # [T, H], device
-    local_ids: torch.Tensor,  # [T, k] int64, -1 = not here
-    weights: torch.Tensor,  # [T, k] float32
-    w13: torch.Tensor,  # [G, 2I, H]
-    w2: torch.Tensor,  # [G, H, I]
-) -> torch.Tensor:
-    """sum over slots routed to one of the G experts; [T, H] float32. One host sync (counts)."""
-    G, top_k = w13.shape[0], local_ids.shape[1]
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    flat = local_ids.reshape(-1) + 1  # 0 = elsewhere
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=G + 1).tolist()
-    flat_w = weights.reshape(-1)
-    start = counts[0]
-    for g in range(G):
-        n = counts[g + 1]
-        if n == 0:
-            continue
-        slots = order[start : start + n]
-        start += n
-        tokens = slots // top_k
-        x = hidden.index_select(0, tokens)
-        gate, up = F.linear(x, w13[g]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[g]).float() * flat_w.index_select(0, slots)[:, None]
-        out.index_add_(0, tokens, y)
-    return out
-
-
-# Pool workers' spin before sleeping when the model is on CUDA: a layer's GPU part and the
-# transfers between two pool jobs take 0.1-0.2 ms at batch 1, about the pool's default spin
-# (200 us), and a worker that fell asleep costs a wake-up at the next layer (Qwen3-30B-A3B
-# shape, int4, 12 workers: 19.1 tok/s with 200 us, 25.6 with 2000 us, same device call).
-CUDA_SPIN_US = 2000
-# With the model on the CPU the forward waits for each layer's job, and the next job comes only
-# after torch's threads have run the next layer's attention on the same cores: workers spinning
-# then only slow that down. They sleep at once instead (2-core VM, upcycled SmolLM2, int4:
-# batch-1 decode 25-27 tok/s spinning 200 us, 32-34 with 0; on the 16-core device the same A/B
-# swung too widely between repeats to read; docs/BENCHMARKS.md, session 6).
-CPU_SPIN_US = 0
-# Overrides the workers' spin (microseconds) either way.
-SPIN_ENV = "TANDEM_POOL_SPIN_US"
-
-
-def spin_us_from_env() -> int | None:
-    raw = os.environ.get(SPIN_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise ValueError(f"{SPIN_ENV} must be a non-negative integer (microseconds), got {raw!r}")
-    return int(raw)
-
-
-def default_cuda_pool_threads() -> int:
-    """Pool workers when the model runs on CUDA: every usable core but two. The thread that
-    starts the pool's jobs (the poller of flag jobs, or the CUDA driver's host-function thread)
-    and the engine's thread need cores of their own; with one worker per core but one, a
-    descheduled worker stalls each layer's job (Qwen3-30B-A3B shape, int4, 16 cores: batch-1 decode 8.3 tok/s with 15 workers, 28.4 with
-    14, 24.9 with 12; docs/BENCHMARKS.md "Hybrid MoE")."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus - 2)
 
 
 class CpuPoolExpertBackend:

@@ -20,11 +20,8 @@ import pytest
 import torch
 
 from tandem.ext.cpu import quantize, supported_isas
-from tandem.models.layers.cpu_experts import (
-    CpuPoolExpertBackend,
-    hybrid_moe_metrics,
-    num_gpu_experts,
-)
+from tandem.models.layers.cpu_expert_options import num_gpu_experts
+from tandem.models.layers.cpu_experts import CpuPoolExpertBackend, hybrid_moe_metrics
 from tandem.models.loader import load_model
 from tests.models.moe_cases import (
     CASES,
@@ -155,7 +152,7 @@ def test_split_placement_and_rebalance_match_hf(name: str, tmp_path: Path, paged
 def test_dense_and_grouped_local_experts_agree(tokens: int) -> None:
     """GPU-resident experts: the dense path (graph sizes, no host sync) equals the grouped one,
     including tokens routed to several local experts and slots routed elsewhere (-1)."""
-    from tandem.models.layers.cpu_experts import _dense_experts, _grouped_experts, _local_experts
+    from tandem.models.layers.local_experts import _dense_experts, _grouped_experts, _local_experts
 
     g = torch.Generator().manual_seed(tokens)
     G, H, inter, k = 4, 32, 24, 3

@@ -478,7 +478,7 @@ def test_gpu_resident_share_of_a_hybrid_layer(t: int) -> None:
     """cpu_pool's GPU-resident experts (local ids, -1 = on the CPU pool) through the routed
     kernels (T <= 8: slots elsewhere skipped) or the grouped GEMMs (weight 0 for them), against
     the dense reference."""
-    from tandem.models.layers.cpu_experts import _dense_experts, _local_experts
+    from tandem.models.layers.local_experts import _dense_experts, _local_experts
 
     hidden, ids, weights, w13, w2 = _layer(t, 8, 16, 256, 64, torch.bfloat16, "cuda", seed=t)
     local = torch.where(ids % 3 == 0, ids // 3, -1)  # experts 0, 3, ..., 15 of 16 are "here"

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tandem.ext.cpu import CpuExpertPool, moe_reference
-from tandem.models.layers.cpu_experts import CpuPoolExpertBackend, parse_gpu_prefill
+from tandem.models.layers.cpu_expert_options import parse_gpu_prefill
+from tandem.models.layers.cpu_experts import CpuPoolExpertBackend
 from tandem.models.layers.gpu_prefill import GpuExpertPrefill, experts_from_shards
 
 

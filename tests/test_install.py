@@ -5,6 +5,7 @@ generic (a `models` or `runtime` of its own) lands at the top of site-packages."
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_fresh_install_imports_as_tandem_only(tmp_path: Path) -> None:
     wheels, target = tmp_path / "wheels", tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(ROOT)], check=True)
+    # built from a copy: setuptools leaves build/ and *.egg-info beside the sources it builds
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.so", "build", "*.egg-info")
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "__init__.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("app", "runtime", "models", "ext"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(src)], check=True)
     (wheel,) = wheels.glob("tandem_serve-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True)
     top = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info")}

@@ -8,14 +8,14 @@ tensor before its address reaches C++. Knows nothing about models.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .build import load_extension
-from .pool import ISA_ENV, ISAS
+from .pool_env import isa_from_env
+from .tensor_checks import output_buffer
 
 FORMATS = ("bf16", "int8", "int4", "bf16_vnni")
 _FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "bf16_vnni": 3}
@@ -112,10 +112,7 @@ class CpuLinearPool:
             num_threads = torch.get_num_threads()
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-        if isa is None:
-            isa = os.environ.get(ISA_ENV, "") or None
-        if isa is not None and isa not in ISAS:
-            raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+        isa = isa_from_env(isa)
         if not isinstance(parallel_min_rows, int) or parallel_min_rows < 1:
             raise ValueError(f"parallel_min_rows must be a positive int, got {parallel_min_rows!r}")
         self._pool = load_extension().LinearPool(num_threads, isa or "", parallel_min_rows)
@@ -148,16 +145,7 @@ class CpuLinearPool:
         if M == 0:
             raise ValueError("x must have at least one row")
         x = x.contiguous()
-        if out is None:
-            out = torch.empty(M, N, dtype=x.dtype)
-        elif (
-            not isinstance(out, torch.Tensor)
-            or out.device.type != "cpu"
-            or out.dtype not in (torch.float32, torch.bfloat16)
-            or tuple(out.shape) != (M, N)
-            or not out.is_contiguous()
-        ):
-            raise ValueError(f"out must be a contiguous [{M}, {N}] float32/bfloat16 CPU tensor")
+        out = output_buffer(out, M, N, x.dtype)
         if bias is not None and (
             not isinstance(bias, torch.Tensor)
             or bias.dtype != torch.float32

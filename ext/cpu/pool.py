@@ -30,6 +30,7 @@ from .pool_env import (  # noqa: F401  (re-exported: ext.cpu.pool.X stays valid)
     _check_amx_tile_env,
     _int_min_tokens_from_env,
     _pack_rows_from_env,
+    isa_from_env,
     switch_from_env,
 )
 from .stream_jobs import (  # noqa: F401
@@ -133,10 +134,7 @@ class CpuExpertPool(StreamJobMethods):
         apart, so spinning keeps the workers hot from one layer's job to the next."""
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
-        if isa is None:
-            isa = os.environ.get(ISA_ENV, "") or None
-        if isa is not None and isa not in ISAS:
-            raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+        isa = isa_from_env(isa)
         _check_amx_tile_env()
         ext = load_extension()
         # ValueError if unavailable

@@ -12,6 +12,16 @@ INT_PATH_ENV = "TANDEM_CPU_INT_PATH"
 ISAS = ("scalar", "avx2", "avx512", "amx")
 
 
+def isa_from_env(isa: str | None) -> str | None:
+    """A pool's `isa` argument: None takes $TANDEM_CPU_ISA (unset or empty: the best the CPU
+    has, None); anything else must be one of ISAS (ValueError naming them)."""
+    if isa is None:
+        isa = os.environ.get(ISA_ENV, "") or None
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    return isa
+
+
 _ENV_ON = ("on", "1", "yes", "true")
 _ENV_OFF = ("off", "0", "no", "false")
 

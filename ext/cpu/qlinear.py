@@ -6,12 +6,11 @@ released. Validates every tensor before its address reaches C++. Knows nothing a
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .build import load_extension
-from .pool import ISA_ENV, ISAS
+from .pool_env import isa_from_env
+from .tensor_checks import output_buffer
 
 # ggml type name -> (id, elements per block, bytes per block)
 QTYPES: dict[str, tuple[int, int, int]] = {
@@ -30,10 +29,7 @@ class CpuQuantLinearPool:
     def __init__(self, num_threads: int = 1, isa: str | None = None) -> None:
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-        if isa is None:
-            isa = os.environ.get(ISA_ENV, "") or None
-        if isa is not None and isa not in ISAS:
-            raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+        isa = isa_from_env(isa)
         self._pool = load_extension().QLinearPool(num_threads, isa or "")
 
     @property
@@ -70,16 +66,7 @@ class CpuQuantLinearPool:
             raise ValueError(f"data must be a contiguous [N, {K // block * size}] uint8 CPU tensor")
         N = data.shape[0]
         x = x.contiguous()
-        if out is None:
-            out = torch.empty(M, N, dtype=x.dtype)
-        elif (
-            not isinstance(out, torch.Tensor)
-            or out.device.type != "cpu"
-            or out.dtype not in (torch.float32, torch.bfloat16)
-            or tuple(out.shape) != (M, N)
-            or not out.is_contiguous()
-        ):
-            raise ValueError(f"out must be a contiguous [{M}, {N}] float32/bfloat16 CPU tensor")
+        out = output_buffer(out, M, N, x.dtype)
         self._pool.run(
             type_id, data.data_ptr(), data.shape[1], N, K, x.data_ptr(),
             x.dtype == torch.bfloat16, M, out.data_ptr(), out.dtype == torch.bfloat16,

@@ -29,3 +29,19 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
     return a0 < b1 and b0 < a1
+
+
+def output_buffer(out: Any, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A linear's result: a new [rows, cols] `dtype` CPU tensor when `out` is None, else `out`
+    checked to be a contiguous [rows, cols] float32/bfloat16 CPU tensor."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype)
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.device.type != "cpu"
+        or out.dtype not in (torch.float32, torch.bfloat16)
+        or tuple(out.shape) != (rows, cols)
+        or not out.is_contiguous()
+    ):
+        raise ValueError(f"out must be a contiguous [{rows}, {cols}] float32/bfloat16 CPU tensor")
+    return out

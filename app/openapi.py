@@ -126,34 +126,22 @@ _RESPONSE_FORMAT = {
         },
     ],
 }
+# vLLM's constraint kinds: each a `guided_<kind>` field and a member of `structured_outputs`
+_CONSTRAINTS: dict[str, Any] = {
+    "json": {"type": "object", "nullable": True},
+    "regex": {"type": "string", "minLength": 1, "nullable": True},
+    "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}, "nullable": True},
+    "grammar": {"type": "string", "minLength": 1, "nullable": True},
+}
 _GUIDED: dict[str, Any] = {
-    "guided_json": {"type": "object", "nullable": True},
-    "guided_regex": {"type": "string", "minLength": 1, "nullable": True},
-    "guided_choice": {
-        "type": "array",
-        "minItems": 1,
-        "items": {"type": "string"},
-        "nullable": True,
-    },
-    "guided_grammar": {"type": "string", "minLength": 1, "nullable": True},
+    **{f"guided_{kind}": schema for kind, schema in _CONSTRAINTS.items()},
     "structured_outputs": {
         "type": "object",
         "nullable": True,
         "additionalProperties": False,
         "maxProperties": 1,
-        "properties": {
-            # a null member is ignored by the server (app/structured.py), as vLLM does
-            "json": {"type": "object", "nullable": True},
-            "json_object": {"type": "boolean", "nullable": True},
-            "regex": {"type": "string", "minLength": 1, "nullable": True},
-            "choice": {
-                "type": "array",
-                "minItems": 1,
-                "items": {"type": "string"},
-                "nullable": True,
-            },
-            "grammar": {"type": "string", "minLength": 1, "nullable": True},
-        },
+        # a null member is ignored by the server (app/structured.py), as vLLM does
+        "properties": {**_CONSTRAINTS, "json_object": {"type": "boolean", "nullable": True}},
     },
 }
 _TOOLS = {

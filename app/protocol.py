@@ -460,6 +460,8 @@ def parse_generation(
         # both are checked; the newer name wins when both are set (a null one counts as unset)
         newer = _opt(body, "max_completion_tokens", (int,), "an integer")
         older = _opt(body, "max_tokens", (int,), "an integer")
+        if newer is not None and older is not None and older < 1:  # the loser is checked too
+            raise _bad("max_tokens", f"max_tokens must be an integer >= 1, got {older!r}")
         max_tokens = newer if newer is not None else older
         max_param = "max_completion_tokens" if newer is not None else "max_tokens"
         logprobs = _opt(body, "logprobs", (bool,), "a boolean") or False

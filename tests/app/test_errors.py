@@ -62,6 +62,8 @@ async def test_invalid_json_and_non_object(harness: Harness) -> None:
         (COMP, {"prompt": "a", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         # found by schemathesis: a field was ignored instead of checked
         (CHAT, {"messages": MSG, "max_completion_tokens": 4, "max_tokens": [5]}, "max_tokens"),
+        # found by schemathesis: an out-of-range max_tokens beside a valid max_completion_tokens
+        (CHAT, {"messages": MSG, "max_completion_tokens": 4, "max_tokens": 0}, "max_tokens"),
         (COMP, {"prompt": "a", "max_tokens": "16"}, "max_tokens"),
         (COMP, {"prompt": "a", "user": 0}, "user"),
         (CHAT, {"messages": MSG, "metadata": "x"}, "metadata"),

@@ -6,6 +6,7 @@ qk_nope_head_dim so a swapped W_UK / W_UV cannot pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,12 +67,15 @@ CASES = {
 }  # fmt: skip
 
 
-def save_deepseek(name: str, path: Path, bf16_experts: bool = False) -> torch.nn.Module:
-    """Saves a random HF model of case `name` to `path` and returns it. Norms, biases and the
-    correction bias get random values (HF starts them at 1 / 0), so a dropped one shows;
-    `bf16_experts` rounds the routed experts to bf16 (the pool's bf16 format is then exact)."""
+def save_random_hf(
+    config: hf.PretrainedConfig,
+    path: Path,
+    experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.nn.Module:
+    """Saves a random HF model of `config` to `path` and returns it. Norms, biases and the
+    router's correction bias get random values (HF starts them at 1 / 0), so a dropped one
+    shows; `experts` replaces each routed-expert weight (e.g. rounded to a pool format)."""
     torch.manual_seed(0)
-    config = CASES[name]()
     model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -79,10 +83,19 @@ def save_deepseek(name: str, path: Path, bf16_experts: bool = False) -> torch.nn
                 p.normal_(0.0, 0.1)
             elif "norm." in n:
                 p.normal_(1.0, 0.2)
-            elif bf16_experts and ".experts." in n:
-                p.copy_(p.to(torch.bfloat16).float())
+            elif experts is not None and ".experts." in n:
+                p.copy_(experts(p))
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return model
+
+
+def save_deepseek(name: str, path: Path, bf16_experts: bool = False) -> torch.nn.Module:
+    """`save_random_hf` of case `name`; `bf16_experts` rounds the routed experts to bf16 (the
+    pool's bf16 format is then exact)."""
+    config = CASES[name]()
+    return save_random_hf(
+        config, path, (lambda w: w.to(torch.bfloat16).float()) if bf16_experts else None
+    )

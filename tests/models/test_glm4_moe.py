@@ -15,6 +15,7 @@ import transformers as hf
 from tandem.ext.cpu import quantize
 from tandem.models.config import ModelConfig
 from tandem.models.loader import load_model
+from tests.models.deepseek_cases import save_random_hf
 from tests.models.test_deepseek import _run_mixed, max_rel_diff
 
 BASE = dict(
@@ -35,25 +36,13 @@ CASES = {
 
 
 def save_glm(name: str, path: Path, expert_fmt: str | None = None) -> torch.nn.Module:
-    """A random HF Glm4Moe model of case `name` saved to `path`; biases, norms and the
-    correction bias get random values so a dropped one shows; `expert_fmt` rounds the routed
-    experts to that pool format (the pool is then exact)."""
-    torch.manual_seed(0)
+    """`save_random_hf` of GLM case `name`; `expert_fmt` rounds the routed experts to that pool
+    format (the pool is then exact)."""
     config = hf.Glm4MoeConfig(**{**BASE, **CASES[name]})
-    model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(".bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm." in n:
-                p.normal_(1.0, 0.2)
-            elif expert_fmt and ".experts." in n:
-                p.copy_(quantize(p.to(torch.bfloat16).float(), expert_fmt, 64))
-        for n, b in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    return model
+    rounded = (
+        (lambda w: quantize(w.to(torch.bfloat16).float(), expert_fmt, 64)) if expert_fmt else None
+    )
+    return save_random_hf(config, path, rounded)
 
 
 @pytest.mark.parametrize("name,block_size", [("grouped", 4), ("grouped", 16), ("qk_norm", 16)])

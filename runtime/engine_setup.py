@@ -192,15 +192,6 @@ def load_engine_model(
     attn = spec.attention_backend
     if attn == "auto":
         attn = _auto_attention_backend(device, dtype, model_config)
-    elif (
-        attn == "cupy"
-        and model_config is not None
-        and (model_config.sliding_layers or model_config.attention_sinks)
-    ):
-        raise ValueError(
-            f"the cupy attention backend has no sliding window nor attention sinks, which "
-            f"{model_config.architecture} here needs; use attention_backend 'torch' or 'auto'"
-        )
     experts = spec.expert_backend
     if experts == "auto":  # the CPU pool when asked for; on CUDA every expert on the GPU
         asked = spec.cpu_experts is not None or spec.gpu_experts is not None
@@ -373,10 +364,8 @@ def _auto_expert_backend(device) -> str:
 
 
 def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> str:
-    """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch". The
-    kernels have no sliding windows nor sinks yet: a model with either (GPT-OSS; Mistral,
-    Mixtral, Qwen with their windows) attends with the torch reference, correct but eager.
-    On the CPU in bf16, "cpu" (the batch-invariant C++ kernel, next to the batch-invariant bf16
+    """ "cupy" on CUDA where its kernels serve this head_dim and dtype (sliding windows and
+    sinks included), else "torch". On the CPU in bf16, "cpu" (the batch-invariant C++ kernel, next to the batch-invariant bf16
     linears) where the extension builds and the model has neither (float32 keeps torch's
     GEMMs, not invariant, and the torch reference)."""
     plain = model_config is None or not (
@@ -388,8 +377,6 @@ def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> 
         ok = plain and dtype == torch.bfloat16 and cpu_backend_supports(dtype)
         return "cpu" if ok else "torch"
     if device.type != "cuda":
-        return "torch"
-    if model_config is not None and (model_config.sliding_layers or model_config.attention_sinks):
         return "torch"
     from tandem.models.cupy_backend import cupy_backend_supports, cupy_backend_supports_mla
 

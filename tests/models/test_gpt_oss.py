@@ -275,13 +275,17 @@ def test_grouped_experts_with_biases_match_the_reference() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner) -> None:
-    """GPT-OSS on CUDA in bf16 with the engine's automatic backends (torch attention: the
-    kernels have no windows nor sinks; the gpu experts' biased grouped GEMMs) against HF in
-    float32 on the same bf16-rounded weights; every expert a token, so no routing flip."""
+@pytest.mark.parametrize("head_dim,expected", [(16, "torch"), (64, "cupy")])
+def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner, head_dim: int, expected: str) -> None:
+    """GPT-OSS on CUDA in bf16 with the engine's automatic backends (head_dim 64: the cupy
+    kernels with windows and sinks; 16: the torch reference; the gpu experts' biased grouped
+    GEMMs) against HF in float32 on the same bf16-rounded weights, decoding past the window;
+    every expert a token, so no routing flip."""
     from tandem.runtime.engine_setup import _auto_attention_backend
 
-    cfg = hf.GptOssConfig(**{**GPT_OSS, "num_local_experts": 4, "num_experts_per_tok": 4})
+    cfg = hf.GptOssConfig(
+        **{**GPT_OSS, "num_local_experts": 4, "num_experts_per_tok": 4, "head_dim": head_dim}
+    )
     hf_model = _save_hf_model(cfg, tmp_path)
     with torch.no_grad():
         for param in hf_model.parameters():
@@ -289,7 +293,7 @@ def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner) -> None:
     device = torch.device("cuda")
     tconfig = ModelConfig.from_pretrained(tmp_path)
     attn = _auto_attention_backend(device, torch.bfloat16, tconfig)
-    assert attn == "torch"
+    assert attn == expected
     model, config = load_model(
         tmp_path, dtype=torch.bfloat16, device=device, attn_backend=attn, expert_backend="gpu"
     )

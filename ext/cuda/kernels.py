@@ -154,7 +154,8 @@ def _check_window_sinks(window: int, sinks: torch.Tensor | None, q: torch.Tensor
     if sinks is None:
         return None
     _check(
-        tuple(sinks.shape) == (q.shape[1],), f"sinks must be [{q.shape[1]}], got {tuple(sinks.shape)}"
+        tuple(sinks.shape) == (q.shape[1],),
+        f"sinks must be [{q.shape[1]}], got {tuple(sinks.shape)}",
     )
     _check(sinks.device == q.device, f"sinks is on {sinks.device}, expected {q.device}")
     return sinks.to(torch.float32).contiguous()

@@ -36,9 +36,17 @@ CONFIGS = {
         architecture="MistralForCausalLM", sliding_layers=(0, 1), **COMMON
     ),
     "gpt_oss": lambda: ModelConfig(
-        architecture="GptOssForCausalLM", sliding_layers=(0,), attention_sinks=True,
-        attention_bias=True, o_proj_bias=True, moe_bias=True, swiglu_limit=7.0,
-        num_experts=4, num_experts_per_tok=4, moe_intermediate_size=128, **COMMON,
+        architecture="GptOssForCausalLM",
+        sliding_layers=(0,),
+        attention_sinks=True,
+        attention_bias=True,
+        o_proj_bias=True,
+        moe_bias=True,
+        swiglu_limit=7.0,
+        num_experts=4,
+        num_experts_per_tok=4,
+        moe_intermediate_size=128,
+        **COMMON,
     ),  # fmt: skip
 }
 

@@ -71,7 +71,8 @@ class CupyAttentionBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q [T, H, D], k/v [T, KVH, D] in the cache dtype, cuda
-        write_kv(batch.kv_cache.k[layer_idx], batch.kv_cache.v[layer_idx], k, v, batch.slot_mapping)
+        _, slot_mapping = batch.kv_tables(window)
+        write_kv(batch.kv_cache.k[layer_idx], batch.kv_cache.v[layer_idx], k, v, slot_mapping)
         return self.attend(layer_idx, q, batch, scale, window, sinks)
 
     def attend(
@@ -86,6 +87,7 @@ class CupyAttentionBackend:
         """Attention of q `[T, H, D]` over a cache that already holds this step's k/v (written
         by the caller, e.g. the fused qkv + rotary + KV-write decode kernel); `window` and
         `sinks` as in `AttentionBackend.forward` (the kernels read only the window's blocks)."""
+        block_tables, _ = batch.kv_tables(window)
         if self.batch_invariant:
             return paged_extend(
                 q,
@@ -93,7 +95,7 @@ class CupyAttentionBackend:
                 batch.kv_cache.v[layer_idx],
                 batch.query_start_loc,
                 batch.seq_lens,
-                batch.block_tables,
+                block_tables,
                 max(batch.max_query_len, 1),
                 scale,
                 window=window,
@@ -105,7 +107,7 @@ class CupyAttentionBackend:
             batch.kv_cache.v[layer_idx],
             batch.query_start_loc,
             batch.seq_lens,
-            batch.block_tables,
+            block_tables,
             batch.max_query_len,
             scale,
             max_seq_len=batch.max_seq_len or None,

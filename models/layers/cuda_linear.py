@@ -76,7 +76,7 @@ class SkinnyAttention(Attention):
             sin.reshape(t, d),
             batch.kv_cache.k[self.layer_idx],
             batch.kv_cache.v[self.layer_idx],
-            batch.slot_mapping,
+            batch.kv_tables(self.window)[1],
             self.num_heads,
             self.num_kv_heads,
         )
@@ -111,7 +111,7 @@ class NormRopeAttention(Attention):
             sin,
             batch.kv_cache.k[self.layer_idx],
             batch.kv_cache.v[self.layer_idx],
-            batch.slot_mapping,
+            batch.kv_tables(self.window)[1],
             self.num_heads,
             self.num_kv_heads,
             self.q_norm.eps,

@@ -406,3 +406,60 @@ def test_engine_refuses_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
     with pytest.raises(ValueError, match="expert biases nor the clamped SwiGLU"):
         check_expert_options(ModelSpec(**spec), torch.device("cpu"), ModelConfig.from_hf_dict(d))
     check_expert_options(ModelSpec(), torch.device("cpu"), ModelConfig.from_hf_dict(d))
+
+
+def test_engine_bounds_the_windowed_layers_cache(tmp_path: Path) -> None:
+    """Through the engine: the windowed layers (0 and 2) keep a pool of their own, sized for
+    the window, while the full layer's pool grows with the context; greedy tokens past the
+    window equal transformers' (the unbounded reference), a repeated prompt hits the prefix
+    cache, and both pools are free afterwards."""
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
+
+    hf_model = _save_hf_model(hf.GptOssConfig(**GPT_OSS), tmp_path)
+    ec = EngineConfig(
+        model=ModelSpec(model=str(tmp_path), device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, cpu_kv_bytes=1 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16),
+    )
+    llm = LLM(engine_config=ec)
+    eng = llm.engine
+    layout = eng.layout
+    assert eng.kv_cache.window_layers == (0, 2)
+    # 2 sequences x (ceil(7 / 4) + 2) + one step's 4 blocks + the null block
+    assert layout.num_window_blocks == 2 * 4 + 4 + 1
+    assert layout.bytes_per_block == 2 * 4 * 2 * 16 * 4  # the full layer only
+    assert layout.bytes_per_window_block == 2 * layout.bytes_per_block
+    assert eng.kv_cache.k[0].shape[0] == eng.kv_cache.k[2].shape[0] == layout.num_window_blocks
+    assert eng.kv_cache.k[1].shape[0] == layout.num_blocks > layout.num_window_blocks
+    sched = eng.scheduler
+    held: list[int] = []
+    step = eng.step
+
+    def counting_step():
+        result = step()
+        held.append(sched.window_pool.num_usable_blocks - sched.window_pool.num_free_blocks)
+        return result
+
+    eng.step = counting_step
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    # the same prompt again at once: its window's blocks are still cached in the window pool
+    short = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[0]], short)
+    hits = sched.prefix_cache_hits
+    outs += llm.generate([prompts[0]], params)
+    assert sched.prefix_cache_hits - hits == 20  # 5 full blocks of the 21-token prompt
+    for prompt, out in zip(prompts + [prompts[0]], outs, strict=True):
+        ref = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40
+        )
+        assert list(out.outputs[0].token_ids) == ref[0, len(prompt) :].tolist()
+    assert max(held) <= layout.num_window_blocks - 1
+    assert max(held) < 2 * (61 // 4)  # what two 61-token sequences would hold unreleased
+    for pool in (sched.block_pool, sched.window_pool):
+        pool.check_invariants()
+        assert pool.num_free_blocks == pool.num_usable_blocks

@@ -36,6 +36,7 @@ import itertools
 
 from tandem.runtime.config import CacheConfig, SchedulerConfig
 from tandem.runtime.kv_cache import BlockPool
+from tandem.runtime.kv_pools import KVPools
 from tandem.runtime.request import Request, RequestStatus
 from tandem.runtime.types import ScheduledSeq, SchedulerOutput
 
@@ -70,13 +71,12 @@ class Scheduler:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.window_pool: BlockPool | None = None
-        self.group_window = 0
         if window_group is not None:
-            self.group_window, group_blocks = window_group
             self.window_pool = BlockPool(
-                group_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                window_group[1], cache_config.block_size, cache_config.enable_prefix_caching,
                 table="window_block_ids",
             )  # fmt: skip
+        self.kv = KVPools(self.block_pool, self.window_pool, window_group[0] if window_group else 0)
         self._requests: dict[str, Request] = {}  # unfinished: waiting or running
         self._waiting: list[tuple[tuple, str]] = []  # heap of (order key, request_id)
         self._keys: dict[str, tuple] = {}  # request_id -> its order key
@@ -144,11 +144,10 @@ class Scheduler:
         if self.window is not None:  # held at once: a chunk's queries and the window behind
             span = self.window - 1 + self.config.max_num_batched_tokens
             blocks = min(blocks, self.block_pool.blocks_needed(span) + 1)
-        wp = self.window_pool
-        if wp is not None and wp.blocks_needed(self._group_span) + 1 > wp.num_usable_blocks:
+        if not self.kv.window_pool_fits(self.config.max_num_batched_tokens):
             raise RequestTooLongError(
-                f"the windowed layers' KV pool ({wp.num_usable_blocks} blocks) cannot hold one "
-                f"chunk of {self.config.max_num_batched_tokens} tokens and its window"
+                "the windowed layers' KV pool cannot hold one chunk of "
+                f"{self.config.max_num_batched_tokens} tokens and its window"
             )
         if blocks > self.block_pool.num_usable_blocks:
             limit = (
@@ -184,7 +183,7 @@ class Scheduler:
         self._num_applied.pop(request_id, None)
         self._num_in_flight.pop(request_id, None)
         request.status = status
-        self._free(request)
+        self.kv.free(request)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -204,55 +203,9 @@ class Scheduler:
             num = min(num, threshold)
         return num
 
-    @property
-    def _group_span(self) -> int:
-        """Tokens a windowed layer holds at once: a chunk's queries and the window behind."""
-        return self.group_window - 1 + self.config.max_num_batched_tokens
-
-    def _free(self, request: Request) -> None:
-        self.block_pool.free(request)
-        if self.window_pool is not None:
-            self.window_pool.free(request)
-
-    def _allocate(
-        self,
-        request: Request,
-        num_new: int,
-        computed: list[int] | None = None,
-        window_computed: list[int] | None = None,
-        hashes: list | None = None,
-    ) -> bool:
-        """Blocks for `num_new` more tokens in every pool, or (returning False) in none."""
-        wp = self.window_pool
-        if wp is not None:
-            wp.release_before(request, request.num_computed_tokens - self.group_window + 1)
-            if not wp.can_allocate(request, num_new, window_computed or ()):
-                return False
-        if not self.block_pool.allocate_for(request, num_new, computed or ()):
-            return False
-        if wp is not None:
-            assert wp.allocate_for(request, num_new, window_computed or (), hashes)
-        return True
-
-    def _computed_blocks(self, request: Request) -> tuple[list[int], list[int], list | None]:
-        """The cached prefix a starting request reuses: its full layers' blocks, and with a
-        window pool the windowed layers' blocks its first query reads (the hit is shortened
-        until that pool still holds them) and the prefix's keys."""
-        pool, wp = self.block_pool, self.window_pool
-        computed = pool.get_computed_blocks(request.token_ids, request.num_tokens - 1)
-        if wp is None or not computed:
-            return computed, [], None
-        hashes = pool.prefix_hashes(request.token_ids, len(computed))
-        for n in range(len(computed), 0, -1):
-            first = max(0, n * pool.block_size - self.group_window + 1) // pool.block_size
-            window_blocks = wp.get_window_blocks(hashes[:n], first)
-            if window_blocks is not None:
-                return computed[:n], window_blocks, hashes[:n]
-        return [], [], None
-
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._free(request)
+        self.kv.free(request)
         request.num_computed_tokens = 0
         self._num_applied.pop(request.request_id, None)
         self._num_in_flight.pop(request.request_id, None)  # its in-flight token is discarded
@@ -327,7 +280,7 @@ class Scheduler:
                 continue
             if self.window is not None:  # its next query (and every later one) sees no further
                 pool.release_before(request, request.num_computed_tokens - self.window + 1)
-            while not self._allocate(request, num_new):
+            while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]  # never one scheduled this step: those precede i
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -347,10 +300,10 @@ class Scheduler:
             if fair is not None and fair[1].get(request.group, 0) >= fair[0]:
                 over_share.append(heapq.heappop(self._waiting))
                 continue
-            computed, window_computed, hashes = self._computed_blocks(request)
-            request.num_computed_tokens = len(computed) * pool.block_size
+            prefix = self.kv.cached_prefix(request)
+            request.num_computed_tokens = len(prefix.blocks) * pool.block_size
             num_new = self._chunk(request, budget)
-            if not self._allocate(request, num_new, computed, window_computed, hashes):
+            if not self.kv.allocate(request, num_new, prefix):
                 request.num_computed_tokens = 0
                 break  # no skipping ahead: the head of the queue would starve
             heapq.heappop(self._waiting)
@@ -425,9 +378,7 @@ class Scheduler:
             request.num_computed_tokens = seq.start_pos + seq.num_tokens
             if token_id is not None:
                 request.append_token(token_id)
-            self.block_pool.cache_full_blocks(request)
-            if self.window_pool is not None:
-                self.window_pool.cache_full_blocks(request)
+            self.kv.cache_full_blocks(request)
             if token_id is None:
                 continue
             status = self._check_stop(request, token_id)
@@ -459,9 +410,7 @@ class Scheduler:
                 if not self._num_in_flight[rid]:
                     del self._num_in_flight[rid]
                 request.append_token(token_id)
-            self.block_pool.cache_full_blocks(request)
-            if self.window_pool is not None:
-                self.window_pool.cache_full_blocks(request)
+            self.kv.cache_full_blocks(request)
             if token_id is None:
                 continue
             status = self._check_stop(request, token_id)

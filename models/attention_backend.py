@@ -97,8 +97,18 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         k_cache = batch.kv_cache.k[layer_idx]
         v_cache = batch.kv_cache.v[layer_idx]
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        plan = batch.attn_metadata
+        block_tables, slot_mapping = batch.kv_tables(window)
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        if block_tables is batch.block_tables:
+            plan = batch.attn_metadata
+        else:  # the window pool's tables (GPT-OSS's windowed layers): a plan of their own
+            plan = batch.window_attn_metadata
+            if not isinstance(plan, PagedAttentionPlan):
+                plan = plan_paged_attention(
+                    batch.query_lens_cpu, batch.seq_lens_cpu, block_tables, k_cache.shape[1],
+                    window,
+                )  # fmt: skip
+                batch.window_attn_metadata = plan
         if not isinstance(plan, PagedAttentionPlan):
             plan = None  # prepared by another backend or not at all: plan per call
         return paged_attention(
@@ -107,7 +117,7 @@ class TorchAttentionBackend:
             v_cache,
             batch.query_lens_cpu,
             batch.seq_lens_cpu,
-            batch.block_tables,
+            block_tables,
             scale,
             plan,
             window=window,

@@ -21,6 +21,8 @@ class KVCache:
     """Paged KV storage: per layer a K and a V tensor `[num_blocks, block_size, num_kv_heads, head_dim]`,
     or, for multi-head latent attention (DeepSeek), one `latent` tensor
     `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` (k and v empty).
+    `window_layers`: the windowed layers of a model that also has full ones (GPT-OSS); their
+    tensors hold `num_window_blocks` blocks of their own block-id space (the window pool).
 
     `slot = block_id * block_size + offset`. Allocated once by the runner; addresses never move
     (CUDA graphs capture them).
@@ -30,6 +32,7 @@ class KVCache:
     v: list[torch.Tensor]
     block_size: int
     latent: list[torch.Tensor] = field(default_factory=list)
+    window_layers: tuple[int, ...] = ()
 
     @classmethod
     def for_model(
@@ -40,9 +43,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         tp_size: int = 1,
+        num_window_blocks: int = 0,
     ) -> KVCache:
         """The layout `config` needs: latent rows for MLA models, K and V otherwise (under
-        tensor parallelism this rank's KV heads, at least one)."""
+        tensor parallelism this rank's KV heads, at least one). `num_window_blocks` > 0: the
+        layers of `config.window_group_layers` get that many blocks instead."""
         if config.is_mla:
             shape = (num_blocks, block_size, config.latent_dim)
             latent = [
@@ -50,21 +55,31 @@ class KVCache:
                 for _ in range(config.num_hidden_layers)
             ]
             return cls(k=[], v=[], block_size=block_size, latent=latent)
-        return cls.allocate(
-            config.num_hidden_layers, num_blocks, block_size,
-            max(config.num_key_value_heads // tp_size, 1), config.head_dim, dtype, device,
-        )  # fmt: skip
+        window_layers = config.window_group_layers if num_window_blocks > 0 else ()
+        kvh = max(config.num_key_value_heads // tp_size, 1)
+        k, v = [], []
+        for layer in range(config.num_hidden_layers):
+            n = num_window_blocks if layer in window_layers else num_blocks
+            k.append(torch.zeros((n, block_size, kvh, config.head_dim), dtype=dtype, device=device))
+            v.append(torch.zeros_like(k[-1]))
+        return cls(k=k, v=v, block_size=block_size, window_layers=window_layers)
 
     @staticmethod
     def bytes_per_block_for(
-        config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        num_layers: int | None = None,
     ) -> int:
-        """Bytes one block takes over all layers in the layout `for_model` allocates."""
+        """Bytes one block takes over all layers (or `num_layers` of them) in the layout
+        `for_model` allocates."""
+        layers = config.num_hidden_layers if num_layers is None else num_layers
         if config.is_mla:
             itemsize = torch.empty((), dtype=dtype).element_size()
-            return config.num_hidden_layers * block_size * config.latent_dim * itemsize
+            return layers * block_size * config.latent_dim * itemsize
         return KVCache.bytes_per_block(
-            config.num_hidden_layers, block_size, max(config.num_key_value_heads // tp_size, 1),
+            layers, block_size, max(config.num_key_value_heads // tp_size, 1),
             config.head_dim, dtype,
         )  # fmt: skip
 
@@ -91,8 +106,12 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        first = self.k or self.latent
-        return first[0].shape[0] if first else 0
+        """Blocks of the main pool (what every layer outside `window_layers` holds)."""
+        tensors = self.k or self.latent
+        for layer, t in enumerate(tensors):
+            if layer not in self.window_layers:
+                return t.shape[0]
+        return 0
 
     @staticmethod
     def bytes_per_block(
@@ -125,7 +144,19 @@ class ForwardBatch:
     max_seq_len: int = 0
     # Backend-specific, prepared once per step by `AttentionBackend.prepare` (e.g. split-K plan).
     attn_metadata: object | None = None
+    # The windowed layers' own block tables and KV slots where the cache has `window_layers`
+    # (same shapes as block_tables / slot_mapping, ids of the window pool); None: one pool.
+    window_block_tables: torch.Tensor | None = None
+    window_slot_mapping: torch.Tensor | None = None
+    window_attn_metadata: object | None = None
     extras: dict = field(default_factory=dict)
+
+    def kv_tables(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables, slot_mapping) of a layer with sliding `window` (None: full)."""
+        if window is not None and self.window_block_tables is not None:
+            assert self.window_slot_mapping is not None
+            return self.window_block_tables, self.window_slot_mapping
+        return self.block_tables, self.slot_mapping
 
     @property
     def num_seqs(self) -> int:

@@ -235,6 +235,16 @@ class ModelConfig:
         position limit (sliding windows are real windows, models/attention_backend.py)."""
         return self.max_position_embeddings
 
+    @property
+    def window_group_layers(self) -> tuple[int, ...]:
+        """Windowed layers whose KV lives in a bounded pool of its own: where a model mixes
+        windowed and full layers (GPT-OSS). Empty where every layer or none is windowed (an
+        all-windowed model releases the blocks behind its window in the one pool)."""
+        layers = self.sliding_layers
+        if self.sliding_window and 0 < len(layers) < self.num_hidden_layers and not self.is_mla:
+            return tuple(layers)
+        return ()
+
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding window of layer `layer_idx`, None where it attends to everything."""
         return self.sliding_window if layer_idx in self.sliding_layers else None

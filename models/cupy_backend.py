@@ -71,19 +71,23 @@ class CupyAttentionBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q [T, H, D], k/v [T, KVH, D] in the cache dtype, cuda
-        if window is not None or sinks is not None:  # never computed as full attention
-            raise NotImplementedError(
-                "the cupy attention kernels have no sliding window nor attention sinks; "
-                "use the torch attention backend for this model (the automatic choice)"
-            )
-        write_kv(batch.kv_cache.k[layer_idx], batch.kv_cache.v[layer_idx], k, v, batch.slot_mapping)
-        return self.attend(layer_idx, q, batch, scale)
+        _, slot_mapping = batch.kv_tables(window)
+        write_kv(batch.kv_cache.k[layer_idx], batch.kv_cache.v[layer_idx], k, v, slot_mapping)
+        return self.attend(layer_idx, q, batch, scale, window, sinks)
 
     def attend(
-        self, layer_idx: int, q: torch.Tensor, batch: ForwardBatch, scale: float
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of q `[T, H, D]` over a cache that already holds this step's k/v (written
-        by the caller, e.g. the fused qkv + rotary + KV-write decode kernel)."""
+        by the caller, e.g. the fused qkv + rotary + KV-write decode kernel); `window` and
+        `sinks` as in `AttentionBackend.forward` (the kernels read only the window's blocks)."""
+        block_tables, _ = batch.kv_tables(window)
         if self.batch_invariant:
             return paged_extend(
                 q,
@@ -91,9 +95,11 @@ class CupyAttentionBackend:
                 batch.kv_cache.v[layer_idx],
                 batch.query_start_loc,
                 batch.seq_lens,
-                batch.block_tables,
+                block_tables,
                 max(batch.max_query_len, 1),
                 scale,
+                window=window,
+                sinks=sinks,
             )
         return paged_attention_cuda(
             q,
@@ -101,10 +107,12 @@ class CupyAttentionBackend:
             batch.kv_cache.v[layer_idx],
             batch.query_start_loc,
             batch.seq_lens,
-            batch.block_tables,
+            block_tables,
             batch.max_query_len,
             scale,
             max_seq_len=batch.max_seq_len or None,
+            window=window,
+            sinks=sinks,
         )
 
     def mla(

@@ -37,8 +37,24 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
-_DIGIT_SPLIT = ("smollm", "starcoder", "refact")  # GPT-2 regex after splitting every digit apart
+# gpt-oss (o200k): cased words apart ("HelloWorld" -> "Hello", "World"), digits in threes
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "glm4": _LLAMA3_SPLIT,  # GLM-4.5 / 4.6 (llama.cpp's "glm4" and "chatglm-bpe")
+    "chatglm-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "gpt-4o": _O200K_SPLIT,  # gpt-oss
+}
+_DIGIT_SPLIT = ("smollm", "starcoder", "refact")
+_NO_BOS = ("glm4", "chatglm-bpe")  # GPT-2 regex after splitting every digit apart
 
 SYNTHETIC_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -211,7 +227,9 @@ class Tokenizer:
             eos_token=token("eos_token_id"),
             unk_token=token("unknown_token_id"),
             pad_token=token("padding_token_id"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            # GLM's chat template writes its own [gMASK]<sop>: never a BOS (as llama.cpp)
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False))
+            and meta.get("tokenizer.ggml.pre") not in _NO_BOS,
             extra_eos_ids=[eot] if eot is not None else [],
         )
 

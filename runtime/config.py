@@ -72,3 +72,8 @@ class CacheLayout:
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    # A model with windowed and full layers: the windowed layers' own pool (0: none) and the
+    # bytes one of its blocks takes over those layers; `bytes_per_block` then counts the
+    # full layers only.
+    num_window_blocks: int = 0
+    bytes_per_window_block: int = 0

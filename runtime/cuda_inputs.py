@@ -29,13 +29,28 @@ class StepBuffers:
     query_start_loc: torch.Tensor  # [max_seqs + 1] int32
     seq_lens: torch.Tensor  # [max_seqs] int32
     block_tables: torch.Tensor  # [max_seqs, max_blocks] int32
+    # the window pool's (a cache with window_layers), else None
+    window_block_tables: torch.Tensor | None = None  # [max_seqs, max_blocks] int32
+    window_slot_mapping: torch.Tensor | None = None  # [max_tokens] int64
 
     @classmethod
     def allocate(
-        cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device | None
+        cls,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks: int,
+        device: torch.device | None,
+        windowed: bool = False,
     ) -> StepBuffers:
         kw = {"device": device} if device is not None else {"pin_memory": True}
+        window = {}
+        if windowed:
+            window = dict(
+                window_block_tables=torch.zeros(max_seqs, max_blocks, dtype=torch.int32, **kw),
+                window_slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, **kw),
+            )
         return cls(
+            **window,
             input_ids=torch.zeros(max_tokens, dtype=torch.int64, **kw),
             positions=torch.zeros(max_tokens, dtype=torch.int64, **kw),
             slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, **kw),
@@ -74,15 +89,20 @@ class InputStager:
         max_tokens: int,
         max_seqs: int,
         max_blocks: int,
+        windowed: bool = False,
     ) -> None:
+        """`windowed`: also stage the window pool's tables (`Request.window_block_ids`)."""
         self.block_size = block_size
-        self._host = [StepBuffers.allocate(max_tokens, max_seqs, max_blocks, None) for _ in (0, 1)]
+        self.windowed = windowed
+        self._host = [
+            StepBuffers.allocate(max_tokens, max_seqs, max_blocks, None, windowed) for _ in (0, 1)
+        ]
         # Recorded after each host buffer's copies: the host refills a buffer only once its
         # copies ran (it waits only if the device is two steps behind, e.g. prefill chunks
         # that sample nothing, so nobody waited for their step).
         self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
-        self.dev = StepBuffers.allocate(max_tokens, max_seqs, max_blocks, device)
+        self.dev = StepBuffers.allocate(max_tokens, max_seqs, max_blocks, device, windowed)
 
     def prepare(
         self,
@@ -102,6 +122,9 @@ class InputStager:
         ids_h, pos_h, slot_h = h.input_ids.numpy(), h.positions.numpy(), h.slot_mapping.numpy()
         qsl_h, sl_h, bt_h = h.query_start_loc.numpy(), h.seq_lens.numpy(), h.block_tables.numpy()
         li_h = h.logits_indices.numpy()
+        if self.windowed:
+            assert h.window_slot_mapping is not None and h.window_block_tables is not None
+            wslot_h, wbt_h = h.window_slot_mapping.numpy(), h.window_block_tables.numpy()
         query_lens: list[int] = []
         seq_lens: list[int] = []
         t = 0
@@ -121,6 +144,10 @@ class InputStager:
                 pos_h[t] = start
                 slot_h[t] = block_ids[start // bs] * bs + start % bs
                 bt_h[i, :nb] = block_ids[:nb]
+                if self.windowed:
+                    wids = req.window_block_ids
+                    wslot_h[t] = wids[start // bs] * bs + start % bs
+                    wbt_h[i, :nb] = wids[:nb]
             else:
                 assert end <= len(req.token_ids), "a placeholder in a multi-token chunk"
                 ids_h[t : t + n] = req.token_ids[start:end]
@@ -129,6 +156,10 @@ class InputStager:
                 blocks = np.asarray(block_ids[:nb], dtype=np.int64)
                 slot_h[t : t + n] = blocks[pos // bs] * bs + pos % bs
                 bt_h[i, :nb] = blocks
+                if self.windowed:
+                    wblocks = np.asarray(req.window_block_ids[:nb], dtype=np.int64)
+                    wslot_h[t : t + n] = wblocks[pos // bs] * bs + pos % bs
+                    wbt_h[i, :nb] = wblocks
             qsl_h[i] = t
             sl_h[i] = end
             t += n
@@ -149,6 +180,8 @@ class InputStager:
             ids_h[t:graph_bs] = 0
             pos_h[t:graph_bs] = 0
             slot_h[t:graph_bs] = -1
+            if self.windowed:
+                wslot_h[t:graph_bs] = -1
             sl_h[num_seqs:graph_bs] = 0
             qsl_h[num_seqs + 1 : graph_bs + 1] = np.arange(t + 1, graph_bs + 1)
             rows = tokens = graph_bs
@@ -160,6 +193,12 @@ class InputStager:
         d.seq_lens[:rows].copy_(h.seq_lens[:rows], non_blocking=True)
         # Graph buckets read rows of the full-width table; eager steps a narrow copy.
         d.block_tables[:num_seqs].copy_(h.block_tables[:num_seqs], non_blocking=True)
+        if self.windowed:
+            assert d.window_slot_mapping is not None and d.window_block_tables is not None
+            d.window_slot_mapping[:tokens].copy_(h.window_slot_mapping[:tokens], non_blocking=True)
+            d.window_block_tables[:num_seqs].copy_(
+                h.window_block_tables[:num_seqs], non_blocking=True
+            )
         if graph_bs is None:
             d.logits_indices[:num_logits].copy_(h.logits_indices[:num_logits], non_blocking=True)
         self._copied[turn].record()
@@ -189,6 +228,12 @@ class InputStager:
             kv_cache=kv_cache,
             max_query_len=p.max_query_len,
             max_seq_len=p.max_seq_len,
+            window_block_tables=(
+                None if d.window_block_tables is None else d.window_block_tables[: p.num_seqs]
+            ),
+            window_slot_mapping=(
+                None if d.window_slot_mapping is None else d.window_slot_mapping[: p.num_tokens]
+            ),
         )
 
     def last_input_ids(self, p: PreparedStep) -> torch.Tensor:

@@ -141,7 +141,10 @@ class CudaModelRunner(ModelRunner):
         )
         max_seqs = max(max_num_seqs, max(self.graphs.sizes, default=0))
         max_tokens = max(max_num_batched_tokens, max_seqs)
-        self.inputs = InputStager(device, self.block_size, max_tokens, max_seqs, self.max_blocks)
+        self.inputs = InputStager(
+            device, self.block_size, max_tokens, max_seqs, self.max_blocks,
+            windowed=bool(kv_cache.window_layers),
+        )  # fmt: skip
         # Graph replays select rows 0..bs-1; eager steps overwrite `logits_indices`.
         self._graph_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
         self._max_seqs = max_seqs
@@ -238,6 +241,12 @@ class CudaModelRunner(ModelRunner):
             # an upper bound: the decode kernel's split-K plan stays valid for shorter contexts
             max_seq_len=self.max_model_len,
             attn_metadata="cupy",
+            window_block_tables=(
+                None if d.window_block_tables is None else d.window_block_tables[:bs]
+            ),
+            window_slot_mapping=(
+                None if d.window_slot_mapping is None else d.window_slot_mapping[:bs]
+            ),
         )
 
     @torch.inference_mode()
@@ -247,6 +256,8 @@ class CudaModelRunner(ModelRunner):
         with torch.cuda.stream(self.stream):
             # Inert inputs: warm-up and capture write no KV (slot -1) and read none (len 0).
             d.slot_mapping.fill_(-1)
+            if d.window_slot_mapping is not None:
+                d.window_slot_mapping.fill_(-1)
             d.seq_lens.zero_()
             d.input_ids.zero_()
             d.positions.zero_()

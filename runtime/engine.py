@@ -194,7 +194,7 @@ class Engine:
             self.layout = replace(self.layout, num_blocks=blocks)
         self.kv_cache = KVCache.for_model(
             model_config, self.layout.num_blocks, self.layout.block_size, self.dtype, self.device,
-            spec.tensor_parallel_size,
+            spec.tensor_parallel_size, num_window_blocks=self.layout.num_window_blocks,
         )  # fmt: skip
         if self.device.type == "cuda" and self.tp_group is None:
             from tandem.runtime.cuda_runner import CudaRunnerOptions
@@ -208,6 +208,11 @@ class Engine:
             replace(sched_cfg, max_model_len=self.max_model_len), config.cache,
             self.layout.num_blocks, async_mode=self.overlap,
             window=_all_layers_window(model_config),
+            window_group=(
+                (model_config.sliding_window, self.layout.num_window_blocks)
+                if self.layout.num_window_blocks
+                else None
+            ),
         )  # fmt: skip
         attn_backend = getattr(model, "attn_backend", None)
         if self.device.type == "cuda":
@@ -574,7 +579,8 @@ class Engine:
 
 def _all_layers_window(model_config: ModelConfig) -> int | None:
     """The sliding window when every layer has it (Mistral, Mixtral, Qwen3-MoE with windows):
-    blocks behind it are released. GPT-OSS's full layers read every block, so none is."""
+    blocks behind it are released. GPT-OSS's windowed layers have a pool of their own instead
+    (`window_group`), released the same way; its full layers read every block."""
     layers = model_config.num_hidden_layers
     if model_config.sliding_window and len(model_config.sliding_layers) == layers:
         return model_config.sliding_window

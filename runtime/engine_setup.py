@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.models.batch import KVCache
-from tandem.runtime.config import CacheLayout, EngineConfig, ModelSpec
+from tandem.runtime.config import CacheLayout, EngineConfig, ModelSpec, SchedulerConfig
 
 if TYPE_CHECKING:
     from tandem.models.config import ModelConfig
@@ -192,15 +192,6 @@ def load_engine_model(
     attn = spec.attention_backend
     if attn == "auto":
         attn = _auto_attention_backend(device, dtype, model_config)
-    elif (
-        attn == "cupy"
-        and model_config is not None
-        and (model_config.sliding_layers or model_config.attention_sinks)
-    ):
-        raise ValueError(
-            f"the cupy attention backend has no sliding window nor attention sinks, which "
-            f"{model_config.architecture} here needs; use attention_backend 'torch' or 'auto'"
-        )
     experts = spec.expert_backend
     if experts == "auto":  # the CPU pool when asked for; on CUDA every expert on the GPU
         asked = spec.cpu_experts is not None or spec.gpu_experts is not None
@@ -311,9 +302,15 @@ def size_kv_cache(
     """KV blocks from an explicit count, from free GPU memory after weights and a profiled
     peak (`gpu_memory_utilization`), or from the CPU byte budget."""
     cfg, mc = config.cache, model_config
+    tp = config.model.tensor_parallel_size
+    # the windowed layers' own pool; not under tensor parallelism (its steps carry one table)
+    window_blocks = window_pool_blocks(mc, cfg.block_size, config.scheduler) if tp == 1 else 0
+    group = len(mc.window_group_layers) if window_blocks else 0
     per_block = KVCache.bytes_per_block_for(
-        mc, cfg.block_size, dtype, config.model.tensor_parallel_size
-    )  # this rank's heads
+        mc, cfg.block_size, dtype, tp, mc.num_hidden_layers - group
+    )  # this rank's heads; the full layers' where the windowed ones have a pool of their own
+    per_window_block = KVCache.bytes_per_block_for(mc, cfg.block_size, dtype, tp, group)
+    window_bytes = window_blocks * per_window_block
     min_blocks = -(-max_model_len // cfg.block_size) + 1
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -321,10 +318,10 @@ def size_kv_cache(
         reserve = _profile_activation_bytes(config, model, model_config, dtype, device)
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        budget = int(total * cfg.gpu_memory_utilization) - used - reserve
+        budget = int(total * cfg.gpu_memory_utilization) - used - reserve - window_bytes
         num_blocks = max(budget // per_block, 0)
     else:
-        budget = cfg.cpu_kv_bytes or _DEFAULT_CPU_KV_BYTES
+        budget = (cfg.cpu_kv_bytes or _DEFAULT_CPU_KV_BYTES) - window_bytes
         num_blocks = max(budget // per_block, 2 * min_blocks)
     if num_blocks < min_blocks:
         raise ValueError(
@@ -333,14 +330,31 @@ def size_kv_cache(
             f"raise the KV budget"
         )
     log.info(
-        "KV cache: %d blocks x %d tokens (%.1f MiB)",
+        "KV cache: %d blocks x %d tokens (%.1f MiB)%s",
         num_blocks,
         cfg.block_size,
         num_blocks * per_block / 2**20,
+        f"; {group} windowed layers: {window_blocks} blocks of their own "
+        f"({window_bytes / 2**20:.1f} MiB)"
+        if window_blocks
+        else "",
     )
     return CacheLayout(
-        num_blocks=int(num_blocks), block_size=cfg.block_size, bytes_per_block=per_block
-    )
+        num_blocks=int(num_blocks), block_size=cfg.block_size, bytes_per_block=per_block,
+        num_window_blocks=window_blocks, bytes_per_window_block=per_window_block,
+    )  # fmt: skip
+
+
+def window_pool_blocks(mc: ModelConfig, block_size: int, sched: SchedulerConfig) -> int:
+    """Blocks of the windowed layers' own pool (0: the model has none): every running
+    sequence's window and a block either side, plus one step's tokens, plus the null block.
+    The scheduler still preempts should it run dry (it does not, in this size)."""
+    if not mc.window_group_layers:
+        return 0
+    assert mc.sliding_window is not None
+    per_seq = -(-(mc.sliding_window - 1) // block_size) + 2
+    step = -(-sched.max_num_batched_tokens // block_size)
+    return sched.max_num_seqs * per_seq + step + 1
 
 
 def _profile_activation_bytes(config, model, model_config, dtype, device) -> int:
@@ -373,10 +387,8 @@ def _auto_expert_backend(device) -> str:
 
 
 def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> str:
-    """ "cupy" on CUDA where its kernels serve this head_dim and dtype, else "torch". The
-    kernels have no sliding windows nor sinks yet: a model with either (GPT-OSS; Mistral,
-    Mixtral, Qwen with their windows) attends with the torch reference, correct but eager.
-    On the CPU in bf16, "cpu" (the batch-invariant C++ kernel, next to the batch-invariant bf16
+    """ "cupy" on CUDA where its kernels serve this head_dim and dtype (sliding windows and
+    sinks included), else "torch". On the CPU in bf16, "cpu" (the batch-invariant C++ kernel, next to the batch-invariant bf16
     linears) where the extension builds and the model has neither (float32 keeps torch's
     GEMMs, not invariant, and the torch reference)."""
     plain = model_config is None or not (
@@ -388,8 +400,6 @@ def _auto_attention_backend(device, dtype, model_config: ModelConfig | None) -> 
         ok = plain and dtype == torch.bfloat16 and cpu_backend_supports(dtype)
         return "cpu" if ok else "torch"
     if device.type != "cuda":
-        return "torch"
-    if model_config is not None and (model_config.sliding_layers or model_config.attention_sinks):
         return "torch"
     from tandem.models.cupy_backend import cupy_backend_supports, cupy_backend_supports_mla
 

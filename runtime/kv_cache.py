@@ -18,6 +18,9 @@ blake2b(key of block i-1, token ids of block i), so a key names the whole prefix
 A model whose every layer has a sliding window never reads a block again once every window
 has passed it: `release_before` drops the request's reference to such blocks and puts the null
 block in their place in its block table, so a long sequence holds a bounded number of blocks.
+A model with windowed and full layers (GPT-OSS) gives its windowed layers a pool of their own
+(`table="window_block_ids"`: a second block table per request, its own block ids) released
+the same way, so only the full layers' cache grows with the context.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> Block
 class BlockPool:
     """Allocates KV blocks to requests; shares and caches full blocks by prefix hash."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        table: str = "block_ids",
+    ):
+        """`table`: the request attribute holding this pool's block ids (its block table)."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -55,6 +65,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.table = table
         self._ref_count = [0] * num_blocks
         self._free_uncached: deque[int] = deque(range(1, num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -88,6 +99,34 @@ class BlockPool:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def ids(self, request: Request) -> list[int]:
+        """The request's block table in this pool."""
+        return getattr(request, self.table)
+
+    def prefix_hashes(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+        """Keys of the first `num_blocks` full blocks of `token_ids` (the hash chain)."""
+        bs = self.block_size
+        hashes: list[BlockHash] = []
+        for i in range(num_blocks):
+            hashes.append(
+                hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            )
+        return hashes
+
+    def get_window_blocks(self, hashes: Sequence[BlockHash], first: int) -> list[int] | None:
+        """A block table for a prefix of `len(hashes)` full blocks of which only blocks
+        `first ..` are read again (a window): NULL_BLOCK_ID before `first`, then the cached
+        blocks; None when one of those is not cached. Pure lookup, as `get_computed_blocks`."""
+        if not self.enable_prefix_caching:
+            return None if hashes else []
+        blocks = [NULL_BLOCK_ID] * min(first, len(hashes))
+        for h in hashes[first:]:
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                return None
+            blocks.append(block_id)
+        return blocks
+
     def get_computed_blocks(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Block ids of the longest cached prefix made of full blocks within token_ids[:max_tokens].
 
@@ -108,47 +147,77 @@ class BlockPool:
 
     # ------------------------------------------------------------- mutations
     def allocate_for(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[int] = (),
+        computed_hashes: Sequence[BlockHash] | None = None,
     ) -> bool:
-        """Make request.block_ids cover its computed tokens plus `num_new_tokens` slots.
+        """Make the request's block table cover its computed tokens plus `num_new_tokens` slots.
 
         If the request holds no blocks yet (it starts, or restarts after preemption), it first
         takes `computed_blocks` (from `get_computed_blocks`) as shared blocks, and its computed
         tokens count as len(computed_blocks) * block_size; the caller sets
         request.num_computed_tokens to that on success. Otherwise the base is
         request.num_computed_tokens and `computed_blocks` must be empty.
-        `computed_blocks` must come from `get_computed_blocks` with no pool change in between.
+        `computed_blocks` must come from `get_computed_blocks` (or `get_window_blocks`, whose
+        leading NULL_BLOCK_ID entries are blocks no query reads again; then `computed_hashes`
+        gives the keys of all of them) with no pool change in between.
         Returns False, changing nothing, when the free blocks do not suffice.
         """
-        starting = not request.block_ids
+        num_new_blocks = self._new_blocks(request, num_new_tokens, computed_blocks)
+        if num_new_blocks is None:
+            return False
+        if not self.ids(request):
+            for block_id in computed_blocks:
+                if block_id == NULL_BLOCK_ID:
+                    continue
+                if self._ref_count[block_id] == 0:
+                    del self._evictable[block_id]
+                self._ref_count[block_id] += 1
+            setattr(request, self.table, list(computed_blocks))
+            self._holders[request.request_id] = request
+            self._req_hashes[request.request_id] = (
+                list(computed_hashes)
+                if computed_hashes is not None
+                else [self._block_hash[b] for b in computed_blocks]
+            )
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(computed_blocks) * self.block_size
+        ids = self.ids(request)
+        for _ in range(num_new_blocks):
+            block_id = self._take_free_block()
+            self._ref_count[block_id] = 1
+            ids.append(block_id)
+        return True
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Whether `allocate_for` with the same arguments would succeed (changes nothing)."""
+        return self._new_blocks(request, num_new_tokens, computed_blocks) is not None
+
+    def _new_blocks(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]
+    ) -> int | None:
+        """Blocks `allocate_for` takes from the free list, or None when they do not fit."""
+        held_ids = self.ids(request)
+        starting = not held_ids
+        cached = [b for b in computed_blocks if b != NULL_BLOCK_ID]
         if starting:
-            assert all(b in self._block_hash for b in computed_blocks), "stale computed_blocks"
+            assert all(b in self._block_hash for b in cached), "stale computed_blocks"
             base = len(computed_blocks) * self.block_size
         else:
             assert not computed_blocks, "computed_blocks only apply when a request starts"
             base = request.num_computed_tokens
-        held = len(computed_blocks) if starting else len(request.block_ids)
+        held = len(computed_blocks) if starting else len(held_ids)
         num_new_blocks = max(0, self.blocks_needed(base + num_new_tokens) - held)
         # Shared blocks that are free right now stop being available once taken.
-        reclaimed = sum(1 for b in computed_blocks if self._ref_count[b] == 0) if starting else 0
+        reclaimed = sum(1 for b in cached if self._ref_count[b] == 0) if starting else 0
         if num_new_blocks > self.num_free_blocks - reclaimed:
-            return False
-        if starting:
-            for block_id in computed_blocks:
-                if self._ref_count[block_id] == 0:
-                    del self._evictable[block_id]
-                self._ref_count[block_id] += 1
-            request.block_ids = list(computed_blocks)
-            self._holders[request.request_id] = request
-            self._req_hashes[request.request_id] = [self._block_hash[b] for b in computed_blocks]
-            if self.enable_prefix_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += base
-        for _ in range(num_new_blocks):
-            block_id = self._take_free_block()
-            self._ref_count[block_id] = 1
-            request.block_ids.append(block_id)
-        return True
+            return None
+        return num_new_blocks
 
     def _take_free_block(self) -> int:
         if self._free_uncached:
@@ -168,11 +237,12 @@ class BlockPool:
         hashes = self._req_hashes[request.request_id]
         bs = self.block_size
         num_full = min(request.num_computed_tokens, request.num_tokens) // bs
-        num_full = min(num_full, len(request.block_ids))
+        ids = self.ids(request)
+        num_full = min(num_full, len(ids))
         for i in range(len(hashes), num_full):
             h = hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
-            block_id = request.block_ids[i]
+            block_id = ids[i]
             if block_id == NULL_BLOCK_ID:  # released before it was registered
                 continue
             if h not in self._hash_to_block and block_id not in self._block_hash:
@@ -189,10 +259,10 @@ class BlockPool:
             return
         self._req_hashes.pop(request.request_id, None)
         self._released.pop(request.request_id, None)
-        for block_id in reversed(request.block_ids):
+        for block_id in reversed(self.ids(request)):
             if block_id != NULL_BLOCK_ID:  # released already (`release_before`)
                 self._unref(block_id)
-        request.block_ids = []
+        setattr(request, self.table, [])
 
     def release_before(self, request: Request, num_tokens: int) -> int:
         """Drop the request's references to its blocks wholly before token `num_tokens` (no
@@ -202,12 +272,13 @@ class BlockPool:
         if rid not in self._holders:
             return 0
         start = self._released.get(rid, 0)
-        end = min(max(num_tokens, 0) // self.block_size, len(request.block_ids))
+        ids = self.ids(request)
+        end = min(max(num_tokens, 0) // self.block_size, len(ids))
         for i in range(start, end):
-            block_id = request.block_ids[i]
+            block_id = ids[i]
             if block_id != NULL_BLOCK_ID:
                 self._unref(block_id)
-                request.block_ids[i] = NULL_BLOCK_ID
+                ids[i] = NULL_BLOCK_ID
         self._released[rid] = max(start, end)
         return max(0, end - start)
 
@@ -235,8 +306,8 @@ class BlockPool:
         expected = [0] * self.num_blocks
         for request_id, request in self._holders.items():
             assert request.request_id == request_id
-            held = [b for b in request.block_ids if b != NULL_BLOCK_ID]  # NULL: released
-            assert len(set(held)) == len(held), request.block_ids
+            held = [b for b in self.ids(request) if b != NULL_BLOCK_ID]  # NULL: released
+            assert len(set(held)) == len(held), self.ids(request)
             for block_id in held:
                 assert 0 < block_id < self.num_blocks, block_id
                 expected[block_id] += 1

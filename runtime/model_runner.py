@@ -72,6 +72,9 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         tables: list[list[int]] = []
+        window_slots: list[int] = []  # the window pool's (a cache with window_layers)
+        window_tables: list[list[int]] = []
+        windowed = bool(self.kv_cache.window_layers)
         bs = self.block_size
         for s in sched.seqs:
             req = s.request
@@ -87,6 +90,10 @@ class ModelRunner:
             query_lens.append(s.num_tokens)
             seq_lens.append(end)
             tables.append(blocks[: (end + bs - 1) // bs])
+            if windowed:
+                wblocks = req.window_block_ids
+                window_slots.extend(wblocks[p // bs] * bs + p % bs for p in range(start, end))
+                window_tables.append(wblocks[: (end + bs - 1) // bs])
             if s.sample:
                 logits_indices.append(len(input_ids) - 1)
         max_blocks = max(len(t) for t in tables)
@@ -113,6 +120,11 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+        if windowed:
+            batch.window_block_tables = as_tensor(
+                [t + [0] * (max_blocks - len(t)) for t in window_tables], torch.int32
+            )
+            batch.window_slot_mapping = as_tensor(window_slots, torch.int64)
         if self.attn_backend is not None and hasattr(self.attn_backend, "prepare"):
             self.attn_backend.prepare(batch)
         return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), batch

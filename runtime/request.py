@@ -57,6 +57,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output, grows by one per decode
     num_computed_tokens: int = 0  # tokens whose KV is in `block_ids`' blocks
     block_ids: list[int] = field(default_factory=list)
+    # A model with windowed and full layers: the windowed layers' own blocks (kv_cache.py)
+    window_block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0

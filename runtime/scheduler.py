@@ -36,6 +36,7 @@ import itertools
 
 from tandem.runtime.config import CacheConfig, SchedulerConfig
 from tandem.runtime.kv_cache import BlockPool
+from tandem.runtime.kv_pools import KVPools
 from tandem.runtime.request import Request, RequestStatus
 from tandem.runtime.types import ScheduledSeq, SchedulerOutput
 
@@ -53,9 +54,13 @@ class Scheduler:
         *,
         async_mode: bool = False,
         window: int | None = None,
+        window_group: tuple[int, int] | None = None,
     ):
         """`window`: the sliding window of a model whose every layer has one; a running
-        request then releases its blocks that every window has passed (kv_cache.py)."""
+        request then releases its blocks that every window has passed (kv_cache.py).
+        `window_group` (window, num_blocks): a model with windowed and full layers; the
+        windowed layers take their blocks from a pool of `num_blocks` of their own
+        (`window_pool`), released the same way."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduler_config.policy!r}")
         if scheduler_config.max_model_len is None:  # the engine resolves it from the model
@@ -65,6 +70,13 @@ class Scheduler:
         self.block_pool = BlockPool(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
+        self.window_pool: BlockPool | None = None
+        if window_group is not None:
+            self.window_pool = BlockPool(
+                window_group[1], cache_config.block_size, cache_config.enable_prefix_caching,
+                table="window_block_ids",
+            )  # fmt: skip
+        self.kv = KVPools(self.block_pool, self.window_pool, window_group[0] if window_group else 0)
         self._requests: dict[str, Request] = {}  # unfinished: waiting or running
         self._waiting: list[tuple[tuple, str]] = []  # heap of (order key, request_id)
         self._keys: dict[str, tuple] = {}  # request_id -> its order key
@@ -132,6 +144,11 @@ class Scheduler:
         if self.window is not None:  # held at once: a chunk's queries and the window behind
             span = self.window - 1 + self.config.max_num_batched_tokens
             blocks = min(blocks, self.block_pool.blocks_needed(span) + 1)
+        if not self.kv.window_pool_fits(self.config.max_num_batched_tokens):
+            raise RequestTooLongError(
+                "the windowed layers' KV pool cannot hold one chunk of "
+                f"{self.config.max_num_batched_tokens} tokens and its window"
+            )
         if blocks > self.block_pool.num_usable_blocks:
             limit = (
                 f"max_tokens {max_tokens}" if max_tokens is not None else f"max_model_len {max_len}"
@@ -166,7 +183,7 @@ class Scheduler:
         self._num_applied.pop(request_id, None)
         self._num_in_flight.pop(request_id, None)
         request.status = status
-        self.block_pool.free(request)
+        self.kv.free(request)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -188,7 +205,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.block_pool.free(request)
+        self.kv.free(request)
         request.num_computed_tokens = 0
         self._num_applied.pop(request.request_id, None)
         self._num_in_flight.pop(request.request_id, None)  # its in-flight token is discarded
@@ -263,7 +280,7 @@ class Scheduler:
                 continue
             if self.window is not None:  # its next query (and every later one) sees no further
                 pool.release_before(request, request.num_computed_tokens - self.window + 1)
-            while not pool.allocate_for(request, num_new):
+            while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]  # never one scheduled this step: those precede i
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -283,10 +300,10 @@ class Scheduler:
             if fair is not None and fair[1].get(request.group, 0) >= fair[0]:
                 over_share.append(heapq.heappop(self._waiting))
                 continue
-            computed = pool.get_computed_blocks(request.token_ids, request.num_tokens - 1)
-            request.num_computed_tokens = len(computed) * pool.block_size
+            prefix = self.kv.cached_prefix(request)
+            request.num_computed_tokens = len(prefix.blocks) * pool.block_size
             num_new = self._chunk(request, budget)
-            if not pool.allocate_for(request, num_new, computed):
+            if not self.kv.allocate(request, num_new, prefix):
                 request.num_computed_tokens = 0
                 break  # no skipping ahead: the head of the queue would starve
             heapq.heappop(self._waiting)
@@ -361,7 +378,7 @@ class Scheduler:
             request.num_computed_tokens = seq.start_pos + seq.num_tokens
             if token_id is not None:
                 request.append_token(token_id)
-            self.block_pool.cache_full_blocks(request)
+            self.kv.cache_full_blocks(request)
             if token_id is None:
                 continue
             status = self._check_stop(request, token_id)
@@ -393,7 +410,7 @@ class Scheduler:
                 if not self._num_in_flight[rid]:
                     del self._num_in_flight[rid]
                 request.append_token(token_id)
-            self.block_pool.cache_full_blocks(request)
+            self.kv.cache_full_blocks(request)
             if token_id is None:
                 continue
             status = self._check_stop(request, token_id)

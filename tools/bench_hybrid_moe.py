@@ -195,7 +195,11 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
         if not cfg.is_moe:
             raise SystemExit(f"{path}: {cfg.architecture} is not a mixture of experts")
         if a.layers is not None:
-            cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers)
+            cfg = dataclasses.replace(
+                cfg,
+                num_hidden_layers=a.layers,
+                sliding_layers=tuple(i for i in cfg.sliding_layers if i < a.layers),
+            )
         return cfg
     return ModelConfig(
         architecture="Qwen3MoeForCausalLM",
@@ -681,6 +685,7 @@ def dense_step_bytes(cfg: ModelConfig) -> float:
             total += cfg.num_experts * h  # router
             if cfg.shared_expert_intermediate_size:
                 total += 3 * h * cfg.shared_expert_intermediate_size + h
+            total += 3 * h * cfg.moe_intermediate_size * cfg.n_shared_experts  # DeepSeek, GLM
         else:
             total += 3 * h * cfg.intermediate_size
     return 2.0 * (total + h + cfg.vocab_size * h)
@@ -836,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
           "(measured-rate floors in the JSON: *_floor_measured_tok_s)", flush=True)  # fmt: skip
     a.measured_gbps = gbps
     t0 = time.perf_counter()
-    shared = shared_layer(cfg)
+    shared = shared_layer(cfg) if a.formats else None  # the pool runs' expert layer
     print(f"# random expert layer: {time.perf_counter() - t0:.1f}s", flush=True)
     results: dict[str, dict] = {}
 

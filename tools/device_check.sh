@@ -18,6 +18,7 @@ gpu-moe         the "gpu" expert backend: tests, one layer per path; STAGES: mod
 gpu-serving     `tandem serve` on random weights of a shape, swept by tools/bench_serving.py (--smoke: tiny)
 hybrid          hybrid MoE GPU tests, then tools/bench_hybrid_moe.py per expert format
 hybrid-serving  hybrid MoE through `tandem serve` next to the model runner (CONFINES, GPU_ALL, ENGINE)
+moe-families    GLM-4.5-Air and gpt-oss-120b shapes: experts on the pool and on the GPU vs their floors
 pack            A/B of the CPU pool's packed int rows (TANDEM_CPU_PACK_ROWS off/on)
 pool-ab         A/B of a CPU-pool change: a command in this tree and with AB_FILES swapped back
 pool-cpu        CPU pool start-up (fill and convert) and its idle spin with the model on the CPU

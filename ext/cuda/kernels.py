@@ -148,12 +148,32 @@ def _check_attention(q, k_cache, v_cache, seq_lens, block_tables, out):
     return block_size, num_kv_heads, head_dim, num_heads
 
 
+def _check_window_sinks(window: int, sinks: torch.Tensor | None, q: torch.Tensor):
+    """`window` >= 0 (0: full attention); sinks `[H]` on q's device -> float32 contiguous."""
+    _check(window >= 0, f"window must be >= 0 (0: none), got {window}")
+    if sinks is None:
+        return None
+    _check(
+        tuple(sinks.shape) == (q.shape[1],),
+        f"sinks must be [{q.shape[1]}], got {tuple(sinks.shape)}",
+    )
+    _check(sinks.device == q.device, f"sinks is on {sinks.device}, expected {q.device}")
+    return sinks.to(torch.float32).contiguous()
+
+
 def decode_head_chunk(group: int) -> int:
     """Query heads per decode CTA (a template instantiation): the group rounded up to 1/2/4/8."""
     for gp in (1, 2, 4):
         if group <= gp:
             return gp
     return 8
+
+
+def decode_span(max_seq_len: int, window: int, table_tokens: int) -> int:
+    """Tokens a decode query may read, for the split-K plan: `max_seq_len` (<= 0: the block
+    table's `table_tokens`), at most the `window` (> 0) of a sliding-window layer."""
+    span = max_seq_len if max_seq_len > 0 else table_tokens
+    return min(span, window) if window > 0 else span
 
 
 def plan_decode(
@@ -185,11 +205,15 @@ def launch_paged_decode(
     block_tables: torch.Tensor,
     scale: float,
     max_seq_len: int,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One query token per sequence: q `[num_seqs, H, D]` -> out `[num_seqs, H, D]`.
 
     `max_seq_len` must be >= every seq_lens value (it sizes the split-K grid);
-    <= 0 means block_tables.shape[1] * block_size.
+    <= 0 means block_tables.shape[1] * block_size. `window` > 0: the query sees only its last
+    `window` tokens (the grid is planned for them alone); `sinks` `[H]`: a logit per head in
+    each softmax's denominator.
     """
     block_size, num_kv_heads, head_dim, num_heads = _check_attention(
         q, k_cache, v_cache, seq_lens, block_tables, out
@@ -198,8 +222,8 @@ def launch_paged_decode(
     _check(seq_lens.shape[0] == num_seqs, "decode needs one query token per sequence")
     if num_seqs == 0:
         return
-    if max_seq_len <= 0:
-        max_seq_len = block_tables.shape[1] * block_size
+    sinks = _check_window_sinks(window, sinks, q)
+    max_seq_len = decode_span(max_seq_len, window, block_tables.shape[1] * block_size)
     group = num_heads // num_kv_heads
     gp = decode_head_chunk(group)
     chunks = math.ceil(group / gp)
@@ -229,6 +253,7 @@ def launch_paged_decode(
             ptr(v_cache),
             ptr(seq_lens),
             ptr(block_tables),
+            ptr(sinks),
             i32(num_heads),
             i32(num_kv_heads),
             i32(group),
@@ -238,6 +263,7 @@ def launch_paged_decode(
             i32(block_size.bit_length() - 1),
             i32(part_len),
             i32(num_parts),
+            i32(window),
             f32(scale * _LOG2E),
         ),
     )
@@ -253,9 +279,11 @@ def launch_paged_decode(
                 ptr(part_out),
                 ptr(part_lse),
                 ptr(seq_lens),
+                ptr(sinks),
                 i32(num_heads),
                 i32(part_len),
                 i32(num_parts),
+                i32(window),
             ),
         )
 
@@ -273,10 +301,13 @@ def launch_paged_extend(
     block_tables: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Ragged causal attention of q `[T, H, D]` (sequence i owns rows
     `query_start_loc[i]:query_start_loc[i+1]`, the last tokens of its `seq_lens[i]`) over the
-    paged cache. `max_query_len` must be >= every query length (it sizes the grid)."""
+    paged cache. `max_query_len` must be >= every query length (it sizes the grid). `window`
+    > 0: a row sees only its last `window` positions; `sinks` `[H]` as in decode."""
     block_size, num_kv_heads, head_dim, num_heads = _check_attention(
         q, k_cache, v_cache, seq_lens, block_tables, out
     )
@@ -285,6 +316,7 @@ def launch_paged_extend(
     _check(
         query_start_loc.shape[0] == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries"
     )
+    sinks = _check_window_sinks(window, sinks, q)
     if num_seqs == 0 or q.shape[0] == 0 or max_query_len <= 0:
         return
     group = num_heads // num_kv_heads
@@ -303,6 +335,7 @@ def launch_paged_extend(
             ptr(query_start_loc),
             ptr(seq_lens),
             ptr(block_tables),
+            ptr(sinks),
             i32(num_heads),
             i32(num_kv_heads),
             i32(group),
@@ -310,6 +343,7 @@ def launch_paged_extend(
             i32(q.stride(1)),
             i32(block_tables.stride(0)),
             i32(block_size.bit_length() - 1),
+            i32(window),
             f32(scale * _LOG2E),
         ),
     )

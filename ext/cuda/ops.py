@@ -38,14 +38,18 @@ def paged_decode_op(
     block_tables: torch.Tensor,
     scale: float,
     max_seq_len: int,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     kernels.launch_paged_decode(
-        out, q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len
+        out, q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, window, sinks
     )
 
 
 @paged_decode_op.register_fake
-def _(out, q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len) -> None:
+def _(
+    out, q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, window=0, sinks=None
+) -> None:
     return None
 
 
@@ -60,14 +64,36 @@ def paged_extend_op(
     block_tables: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     kernels.launch_paged_extend(
-        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, scale
+        out,
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        max_query_len,
+        scale,
+        window,
+        sinks,
     )
 
 
 @paged_extend_op.register_fake
 def _(
-    out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, scale
+    out,
+    q,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    max_query_len,
+    scale,
+    window=0,
+    sinks=None,
 ) -> None:
     return None

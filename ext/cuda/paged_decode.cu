@@ -7,6 +7,9 @@
 // each with its own online softmax, and merge through shared memory at the end.
 // A sequence that fits in one partition writes `out` directly; otherwise each partition writes
 // its normalised partial output and log2-sum-exp, merged by paged_decode_reduce_kernel.
+// A sliding-window layer (`window` > 0) splits only its last `window` tokens into partitions:
+// blocks before them are never read. Learned per-head sinks (`sinks`, natural-log logits, may
+// be null) join each head's softmax denominator once, where the partitions are merged.
 #include "common.cuh"
 
 template <int DT, int D, int GP>
@@ -19,8 +22,9 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(
     const u16* __restrict__ v_cache,   // [NB, BS, HKV, D]
     const int* __restrict__ seq_lens,  // [S]
     const int* __restrict__ block_tables,  // [S, bt_stride]
+    const float* __restrict__ sinks,   // [H] or null
     int num_heads, int num_kv_heads, int group, int q_stride_s, int q_stride_h, int bt_stride,
-    int bs_shift, int part_len, int num_parts, float scale_log2) {
+    int bs_shift, int part_len, int num_parts, int window, float scale_log2) {
   constexpr int NT = 128;
   constexpr int TPT = D / 8;     // threads per token
   constexpr int NG = NT / TPT;   // token groups per CTA
@@ -44,10 +48,11 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(
     }
     return;
   }
-  const int start = part * part_len;
+  const int lo = window > 0 ? max(0, seq_len - window) : 0;  // first token the query sees
+  const int start = lo + part * part_len;
   if (start >= seq_len) return;
   const int end = min(seq_len, start + part_len);
-  const int seq_parts = (seq_len + part_len - 1) / part_len;
+  const int seq_parts = (seq_len - lo + part_len - 1) / part_len;
 
   float qf[GP][8];
 #pragma unroll
@@ -165,6 +170,12 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(
       const float mi = sm_m[i][g];
       if (mi != neg_inf()) L += sm_l[i][g] * exp2f(mi - M);
     }
+    if (sinks != nullptr && seq_parts == 1 && g < nvalid) {  // the sink's term, once per head
+      const float sk = sinks[head0 + g] * 1.4426950408889634f;
+      const float M2 = fmaxf(M, sk);
+      L = L * exp2f(M - M2) + exp2f(sk - M2);
+      M = M2;
+    }
     const float f = (m[g] == neg_inf()) ? 0.f : exp2f(m[g] - M);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sm_acc[grp][lig * 8 + e] = acc[g][e] * f;
@@ -193,17 +204,24 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(
 template <int DT, int D>
 __global__ void __launch_bounds__(D) paged_decode_reduce_kernel(
     u16* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_lse,
-    const int* __restrict__ seq_lens, int num_heads, int part_len, int num_parts) {
+    const int* __restrict__ seq_lens, const float* __restrict__ sinks, int num_heads,
+    int part_len, int num_parts, int window) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int seq_len = seq_lens[seq];
-  const int np = seq_len > 0 ? (seq_len + part_len - 1) / part_len : 0;
+  const int len = window > 0 ? min(seq_len, window) : seq_len;
+  const int np = seq_len > 0 ? (len + part_len - 1) / part_len : 0;
   if (np <= 1) return;
   const i64 row = ((i64)seq * num_heads + head) * num_parts;
   const float* lse = part_lse + row;
   float M = neg_inf();
   for (int p = 0; p < np; ++p) M = fmaxf(M, lse[p]);
   float wsum = 0.f, o = 0.f;
+  if (sinks != nullptr) {  // the sink's logit joins the denominator only
+    const float sk = sinks[head] * 1.4426950408889634f;
+    M = fmaxf(M, sk);
+    wsum = exp2f(sk - M);
+  }
   for (int p = 0; p < np; ++p) {
     const float lp = lse[p];
     if (lp == neg_inf()) continue;

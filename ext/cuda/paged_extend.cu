@@ -7,6 +7,10 @@
 // Grid (ceil(max_query_len * group / 64), num_seqs, num_kv_heads), 128 threads: 4 warps of
 // 16 rows each; KV tiles of 64 tokens loaded with cp.async (K and V in separate groups so
 // Q.K^T starts while V is in flight); online softmax in fp32, P.V with P rounded to 16 bits.
+// A sliding-window layer (`window` > 0): a row at position p sees keys p - window + 1 .. p, and
+// the CTA's key tiles start at its first row's window (tokens before it are never read, so
+// released blocks behind the window may sit in the table). Learned per-head sinks (`sinks`,
+// natural-log logits, may be null) join each row's softmax denominator at the end.
 #include "common.cuh"
 
 template <int DT, int D>
@@ -18,8 +22,9 @@ __global__ void __launch_bounds__(128) paged_extend_kernel(
     const int* __restrict__ query_start_loc,  // [S + 1]
     const int* __restrict__ seq_lens,         // [S]
     const int* __restrict__ block_tables,     // [S, bt_stride]
+    const float* __restrict__ sinks,          // [H] or null
     int num_heads, int num_kv_heads, int group, int q_stride_t, int q_stride_h, int bt_stride,
-    int bs_shift, float scale_log2) {
+    int bs_shift, int window, float scale_log2) {
   constexpr int BM = 64;       // query rows per CTA
   constexpr int BN = 64;       // KV tokens per tile
   constexpr int LDS = D + 8;   // padded smem row (16 bytes) -> conflict-free ldmatrix
@@ -71,8 +76,13 @@ __global__ void __launch_bounds__(128) paged_extend_kernel(
     qa[kk][3] = pos[1] >= 0 ? *(const u32*)(q + q_off[1] + c + 8) : 0u;
   }
 
+  // keys at or before win_lo[i] are outside row i's window (-1: no window)
+  const int win_lo[2] = {window > 0 ? pos[0] - window : -1, window > 0 ? pos[1] - window : -1};
+
   const int last_row = min(rows, row0 + BM) - 1;
   const int kv_end = min(seq_len, ctx + last_row / group + 1);
+  // first key the CTA's first row sees (later rows see no earlier key)
+  const int kv_lo = window > 0 ? max(0, ctx + row0 / group - window + 1) : 0;
 
   float o[NTO][4];
 #pragma unroll
@@ -90,7 +100,7 @@ __global__ void __launch_bounds__(128) paged_extend_kernel(
   // ldmatrix lane addressing
   const int lm_mat = lane >> 3, lm_row = lane & 7;
 
-  for (int kv0 = 0; kv0 < kv_end; kv0 += BN) {
+  for (int kv0 = kv_lo; kv0 < kv_end; kv0 += BN) {
     __syncthreads();  // previous tile fully consumed
 #pragma unroll
     for (int c = tid; c < BN * CPR; c += 128) {
@@ -148,7 +158,7 @@ __global__ void __launch_bounds__(128) paged_extend_kernel(
         for (int j = 0; j < 2; ++j) {
           const int col = kv0 + n * 8 + tig * 2 + j;
           float v = s[n][2 * i + j] * scale_log2;
-          if (col > pos[i]) v = neg_inf();
+          if (col > pos[i] || col <= win_lo[i]) v = neg_inf();
           s[n][2 * i + j] = v;
           mx = fmaxf(mx, v);
         }
@@ -207,6 +217,10 @@ __global__ void __launch_bounds__(128) paged_extend_kernel(
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (pos[i] < 0) continue;
+    if (sinks != nullptr) {  // o and l are scaled by 2^-m, the sink's term likewise
+      const int head = kvh * group + (row0 + warp * 16 + gid + i * 8) % group;
+      l[i] += exp2f(sinks[head] * 1.4426950408889634f - m[i]);  // inf: the output is ~0
+    }
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
 #pragma unroll
     for (int n = 0; n < NTO; ++n) {

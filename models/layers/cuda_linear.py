@@ -76,11 +76,11 @@ class SkinnyAttention(Attention):
             sin.reshape(t, d),
             batch.kv_cache.k[self.layer_idx],
             batch.kv_cache.v[self.layer_idx],
-            batch.slot_mapping,
+            batch.kv_tables(self.window)[1],
             self.num_heads,
             self.num_kv_heads,
         )
-        out = self.backend.attend(self.layer_idx, q, batch, self.scale)
+        out = self.backend.attend(self.layer_idx, q, batch, self.scale, self.window, self.sinks)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -111,12 +111,12 @@ class NormRopeAttention(Attention):
             sin,
             batch.kv_cache.k[self.layer_idx],
             batch.kv_cache.v[self.layer_idx],
-            batch.slot_mapping,
+            batch.kv_tables(self.window)[1],
             self.num_heads,
             self.num_kv_heads,
             self.q_norm.eps,
         )
-        out = self.backend.attend(self.layer_idx, q, batch, self.scale)
+        out = self.backend.attend(self.layer_idx, q, batch, self.scale, self.window, self.sinks)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -172,8 +172,6 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             and type(module.qkv_proj) is SkinnyLinear
             and module.q_norm is None
             and module.clip_qkv is None
-            and module.window is None
-            and module.sinks is None
             and hasattr(module.backend, "attend")
             and module.head_dim % 16 == 0
             and module.rotary_dim == module.head_dim  # the fused kernels rotate every dim
@@ -185,8 +183,6 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             and module.q_norm is not None
             and not module.qk_norm_full
             and module.clip_qkv is None
-            and module.window is None
-            and module.sinks is None
             and module.qkv_proj.bias is None
             and hasattr(module.backend, "attend")
             and module.head_dim in qk_norm_rope.HEAD_DIMS

@@ -19,7 +19,7 @@ import torch
 from tandem.models.config import ModelConfig, UnsupportedModelError
 from tandem.models.gguf_dequant import SUPPORTED_TYPES, dequantize_tensor, one_thread
 from tandem.models.gguf_reader import GGUFReader, GGUFTensorInfo, ggml_type_name
-from tandem.models.loader import gguf_deepseek2
+from tandem.models.loader import gguf_deepseek2, gguf_glm4moe
 from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,13 @@ _ARCHITECTURES = {
     # llama.cpp's gpt-oss: gate and up experts apart (not interleaved), MXFP4 or any type;
     # windows on the even layers, the clamped SwiGLU's alpha and limit fixed (as llama.cpp)
     "gpt-oss": "GptOssForCausalLM",
+    # GLM-4.5/4.6: partial neox rope, DeepSeek-V3 routing; the trailing nextn layers unread
+    "glm4moe": "Glm4MoeForCausalLM",
+}
+# the tensor names an architecture spells its own way (over _LAYER_NAMES)
+_ARCH_LAYER_NAMES = {
+    gguf_deepseek2.ARCH: gguf_deepseek2.LAYER_NAMES,
+    gguf_glm4moe.ARCH: gguf_glm4moe.LAYER_NAMES,
 }
 
 _GLOBAL_NAMES = {
@@ -73,6 +80,7 @@ _MIXTRAL_EXPERT_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
 _IGNORED = {"rope_freqs.weight"}  # llama3 rope factors; HF recomputes them from the config
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)$")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 _SINKS_RE = re.compile(r"^blk\.(\d+)\.attn_sinks(?:\.weight)?$")  # gpt-oss, [num_heads]
 
 
@@ -137,12 +145,15 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
         )
     )
     bos = reader.get("tokenizer.ggml.bos_token_id")
-    if arch == gguf_deepseek2.ARCH:
+    if arch in (gguf_deepseek2.ARCH, gguf_glm4moe.ARCH):
+        glm = arch == gguf_glm4moe.ARCH
         common = dict(
             vocab_size=int(key("vocab_size") or len(tokens)),
             hidden_size=hidden,
             intermediate_size=_single(key("feed_forward_length", 0), f"{arch}.feed_forward_length"),
-            num_hidden_layers=int(key("block_count")),
+            num_hidden_layers=(
+                gguf_glm4moe.num_main_layers(reader) if glm else int(key("block_count"))
+            ),
             num_attention_heads=heads,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
@@ -153,6 +164,8 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
             eos_token_ids=eos_ids,
             extra={"gguf_architecture": arch, "gguf_file_type": reader.get("general.file_type")},
         )
+        if glm:
+            return gguf_glm4moe.glm4moe_config(reader, common)
         return gguf_deepseek2.deepseek2_config(reader, common)
     norm_topk = key("expert_weights_norm")
     olmoe = hf_arch == "OlmoeForCausalLM"
@@ -250,8 +263,9 @@ def gguf_packed_tensors(path: str | Path | GGUFReader) -> dict[str, str]:
     kept: dict[str, str] = {}
     if reader.architecture == gguf_deepseek2.ARCH:
         return kept  # MLA's projections are not swapped for packed layers yet: dequantized
+    table = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(reader.architecture, {})}
     for info in reader.tensors.values():
-        if info.name in _IGNORED:
+        if info.name in _IGNORED or _unread_layer(info.name, config):
             continue
         qtype = ggml_type_name(info.ggml_type)
         if qtype not in SUPPORTED_TYPES:
@@ -260,7 +274,7 @@ def gguf_packed_tensors(path: str | Path | GGUFReader) -> dict[str, str]:
                 f" packed nor dequantize (supported: {', '.join(SUPPORTED_TYPES)}); convert the"
                 f" file to one of those types (e.g. llama-quantize ... Q4_K_M)"
             )
-        hf_name, stacked = _hf_name(info.name, mlp)
+        hf_name, stacked = _hf_name(info.name, mlp, table)
         if qtype in GGUF_KEPT_TYPES and stacked is None and len(info.torch_shape) == 2:
             kept[hf_name] = qtype
     return kept
@@ -295,7 +309,14 @@ def load_gguf_weights(
         pieces = _gguf_weights(reader, config, dtype, select, gguf_deepseek2.LAYER_NAMES)
         yield from gguf_deepseek2.merge_kv_b(pieces, config)
         return
-    yield from _gguf_weights(reader, config, dtype, select, {}, packed)
+    names = _ARCH_LAYER_NAMES.get(reader.architecture, {})
+    yield from _gguf_weights(reader, config, dtype, select, names, packed)
+
+
+def _unread_layer(gguf_name: str, config: ModelConfig) -> bool:
+    """A tensor of a block past the decoder layers (glm4moe's next-token-prediction layer)."""
+    m = _BLOCK_RE.match(gguf_name)
+    return m is not None and int(m[1]) >= config.num_hidden_layers
 
 
 def _gguf_weights(
@@ -312,11 +333,13 @@ def _gguf_weights(
     names = {
         info.name: _hf_name(info.name, mlp, table)
         for info in reader.tensors.values()
-        if info.name not in _IGNORED
+        if info.name not in _IGNORED and not _unread_layer(info.name, config)
     }
     for info in reader.tensors.values():
         if info.name in _IGNORED:
             logger.warning("ignoring GGUF tensor %s (derived from the config instead)", info.name)
+            continue
+        if info.name not in names:  # a layer Tandem does not run
             continue
         hf_name, stacked = names[info.name]
         if select is not None and not select(hf_name):

@@ -181,7 +181,26 @@ def test_cupy_matches_hf(name: str, tmp_path: Path, paged_runner) -> None:
     assert worst < BF16_TOL, f"{name}: {worst:.3e}"
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_bias", "qwen2", "qwen3", "qwen3_bias", "olmoe"])
+def _windowed_config(name: str):
+    """Windows (16 tokens, passed by the 45-token sequence) in the fused decode prologue:
+    Mistral windows every layer (head_dim 64); GPT-OSS every other, with sinks and biases."""
+    import transformers as hf
+
+    common = dict(
+        vocab_size=2048, hidden_size=512, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1024, sliding_window=16,
+    )  # fmt: skip
+    if name == "mistral_window":
+        return hf.MistralConfig(**common, intermediate_size=1024)
+    return hf.GptOssConfig(
+        **common, intermediate_size=256, head_dim=64, num_local_experts=4, num_experts_per_tok=4
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["llama", "llama_bias", "qwen2", "qwen3", "qwen3_bias", "olmoe", "mistral_window", "gpt_oss"],
+)
 def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypatch) -> None:
     """Steps of 1-2 tokens through the skinny linears, the fused gate_up + SiLU and the fused
     qkv + rotary + KV write (qwen2: with the q/k/v bias; qwen3: q/k norms, so the fused norms +
@@ -202,15 +221,23 @@ def test_decode_fast_paths_match_torch_backend(name: str, paged_runner, monkeypa
     )
 
     family = name.removesuffix("_bias")
-    hf_cfg = _hf_config(family) if family != "qwen2" else hf.Qwen2Config(
-        vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-    )  # fmt: skip
+    if name in ("mistral_window", "gpt_oss"):
+        hf_cfg = _windowed_config(name)
+    elif family == "qwen2":
+        hf_cfg = hf.Qwen2Config(
+            vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+        )  # fmt: skip
+    else:
+        hf_cfg = _hf_config(family)
     if name != family:
         hf_cfg.attention_bias = True
         hf_cfg.mlp_bias = family == "llama"
-    config = ModelConfig.from_hf_dict(hf_cfg.to_dict())
-    assert config.o_proj_bias is (name != family)
+    d = hf_cfg.to_dict()
+    d["architectures"] = [type(hf_cfg).__name__.replace("Config", "ForCausalLM")]
+    config = ModelConfig.from_hf_dict(d)
+    assert config.o_proj_bias is (name != family or name == "gpt_oss")
+    assert (config.sliding_window is not None) is (name in ("mistral_window", "gpt_oss"))
     gen = torch.Generator().manual_seed(7)
     tokens = {
         i: torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()

@@ -275,13 +275,17 @@ def test_grouped_experts_with_biases_match_the_reference() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner) -> None:
-    """GPT-OSS on CUDA in bf16 with the engine's automatic backends (torch attention: the
-    kernels have no windows nor sinks; the gpu experts' biased grouped GEMMs) against HF in
-    float32 on the same bf16-rounded weights; every expert a token, so no routing flip."""
+@pytest.mark.parametrize("head_dim,expected", [(16, "torch"), (64, "cupy")])
+def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner, head_dim: int, expected: str) -> None:
+    """GPT-OSS on CUDA in bf16 with the engine's automatic backends (head_dim 64: the cupy
+    kernels with windows and sinks; 16: the torch reference; the gpu experts' biased grouped
+    GEMMs) against HF in float32 on the same bf16-rounded weights, decoding past the window;
+    every expert a token, so no routing flip."""
     from tandem.runtime.engine_setup import _auto_attention_backend
 
-    cfg = hf.GptOssConfig(**{**GPT_OSS, "num_local_experts": 4, "num_experts_per_tok": 4})
+    cfg = hf.GptOssConfig(
+        **{**GPT_OSS, "num_local_experts": 4, "num_experts_per_tok": 4, "head_dim": head_dim}
+    )
     hf_model = _save_hf_model(cfg, tmp_path)
     with torch.no_grad():
         for param in hf_model.parameters():
@@ -289,7 +293,7 @@ def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner) -> None:
     device = torch.device("cuda")
     tconfig = ModelConfig.from_pretrained(tmp_path)
     attn = _auto_attention_backend(device, torch.bfloat16, tconfig)
-    assert attn == "torch"
+    assert attn == expected
     model, config = load_model(
         tmp_path, dtype=torch.bfloat16, device=device, attn_backend=attn, expert_backend="gpu"
     )
@@ -402,3 +406,60 @@ def test_engine_refuses_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
     with pytest.raises(ValueError, match="expert biases nor the clamped SwiGLU"):
         check_expert_options(ModelSpec(**spec), torch.device("cpu"), ModelConfig.from_hf_dict(d))
     check_expert_options(ModelSpec(), torch.device("cpu"), ModelConfig.from_hf_dict(d))
+
+
+def test_engine_bounds_the_windowed_layers_cache(tmp_path: Path) -> None:
+    """Through the engine: the windowed layers (0 and 2) keep a pool of their own, sized for
+    the window, while the full layer's pool grows with the context; greedy tokens past the
+    window equal transformers' (the unbounded reference), a repeated prompt hits the prefix
+    cache, and both pools are free afterwards."""
+    from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+    from tandem.runtime.llm import LLM
+    from tandem.runtime.sampling_params import SamplingParams
+
+    hf_model = _save_hf_model(hf.GptOssConfig(**GPT_OSS), tmp_path)
+    ec = EngineConfig(
+        model=ModelSpec(model=str(tmp_path), device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, cpu_kv_bytes=1 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16),
+    )
+    llm = LLM(engine_config=ec)
+    eng = llm.engine
+    layout = eng.layout
+    assert eng.kv_cache.window_layers == (0, 2)
+    # 2 sequences x (ceil(7 / 4) + 2) + one step's 4 blocks + the null block
+    assert layout.num_window_blocks == 2 * 4 + 4 + 1
+    assert layout.bytes_per_block == 2 * 4 * 2 * 16 * 4  # the full layer only
+    assert layout.bytes_per_window_block == 2 * layout.bytes_per_block
+    assert eng.kv_cache.k[0].shape[0] == eng.kv_cache.k[2].shape[0] == layout.num_window_blocks
+    assert eng.kv_cache.k[1].shape[0] == layout.num_blocks > layout.num_window_blocks
+    sched = eng.scheduler
+    held: list[int] = []
+    step = eng.step
+
+    def counting_step():
+        result = step()
+        held.append(sched.window_pool.num_usable_blocks - sched.window_pool.num_free_blocks)
+        return result
+
+    eng.step = counting_step
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    # the same prompt again at once: its window's blocks are still cached in the window pool
+    short = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[0]], short)
+    hits = sched.prefix_cache_hits
+    outs += llm.generate([prompts[0]], params)
+    assert sched.prefix_cache_hits - hits == 20  # 5 full blocks of the 21-token prompt
+    for prompt, out in zip(prompts + [prompts[0]], outs, strict=True):
+        ref = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40
+        )
+        assert list(out.outputs[0].token_ids) == ref[0, len(prompt) :].tolist()
+    assert max(held) <= layout.num_window_blocks - 1
+    assert max(held) < 2 * (61 // 4)  # what two 61-token sequences would hold unreleased
+    for pool in (sched.block_pool, sched.window_pool):
+        pool.check_invariants()
+        assert pool.num_free_blocks == pool.num_usable_blocks

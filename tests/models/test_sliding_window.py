@@ -125,3 +125,33 @@ def test_engine_serves_past_the_window(tmp_path: Path, window: int | None, famil
         torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
     )
     assert list(out.outputs[0].token_ids) == ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "config_cls,extra",
+    [
+        (hf.Qwen2Config, dict(use_sliding_window=True, max_window_layers=2)),  # layers 2, 3
+        (hf.Qwen3Config, dict(use_sliding_window=True, max_window_layers=3)),  # layer 3
+    ],
+)
+def test_qwen_with_some_layers_windowed_keeps_them_in_the_window_pool(
+    tmp_path: Path, config_cls, extra
+) -> None:
+    """A Qwen config that windows some layers is a mixed model: those layers' KV lives in the
+    bounded window pool, and greedy tokens past the window still equal transformers'."""
+    cfg = config_cls(**QWEN_TINY, **extra)
+    llm = _llm_of(cfg, tmp_path)
+    mc = llm.engine.model_config
+    assert llm.engine.kv_cache.window_layers == mc.sliding_layers != ()
+    assert llm.engine.scheduler.window_pool is not None
+    prompt = list(range(1, 13))
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([prompt], params)
+    hf_model = hf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    ref = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=30, do_sample=False, min_new_tokens=30
+    )
+    assert list(out.outputs[0].token_ids) == ref[0, len(prompt) :].tolist()
+    for pool in (llm.engine.scheduler.block_pool, llm.engine.scheduler.window_pool):
+        pool.check_invariants()
+        assert pool.num_free_blocks == pool.num_usable_blocks

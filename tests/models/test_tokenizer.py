@@ -167,3 +167,45 @@ def test_synthetic_tokenizer_chat_template() -> None:
     )
     assert text == "system: be brief\nuser: hi\nassistant: "
     assert tok.decode([128255]) == " t128255"
+
+
+@pytest.mark.parametrize(
+    "pre,pieces",
+    [
+        # gpt-oss (o200k): cased words apart, the contraction kept on its word, digits in threes
+        ("gpt-4o", ["Hello", "World's", "Ġ", "123", "45", "Ġabc", "Ċ", "XYZfoo"]),
+        # GLM-4.5 (llama.cpp's "glm4" / "chatglm-bpe"): Llama 3's split
+        ("glm4", ["HelloWorld", "'s", "Ġ", "123", "45", "Ġabc", "Ċ", "XYZfoo"]),
+        ("chatglm-bpe", ["HelloWorld", "'s", "Ġ", "123", "45", "Ġabc", "Ċ", "XYZfoo"]),
+        (None, ["HelloWorld", "'s", "Ġ12345", "Ġabc", "Ċ", "XYZfoo"]),  # GPT-2's regex
+    ],
+)
+def test_gguf_pre_tokenizer_splits_by_the_files_pre_name(pre, pieces) -> None:
+    from tandem.models.tokenizer import _gguf_pre_tokenizer
+
+    text = "HelloWorld's 12345 abc\nXYZfoo"
+    assert [w for w, _ in _gguf_pre_tokenizer(pre).pre_tokenize_str(text)] == pieces
+
+
+@pytest.mark.parametrize("pre,bos", [("glm4", False), ("llama-bpe", True)])
+def test_gguf_glm_tokenizer_adds_no_bos(tmp_path, pre: str, bos: bool) -> None:
+    """A GLM GGUF that says add_bos_token gets none (its template writes [gMASK]<sop>)."""
+    import gguf
+
+    from tandem.models.tokenizer import Tokenizer, byte_to_unicode
+
+    tokens = [byte_to_unicode()[b] for b in range(256)] + ["[gMASK]"]
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "glm4moe")
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", pre)
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", [1] * 256 + [3])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 256)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = Tokenizer.from_gguf(tmp_path / "t.gguf")
+    ids = tok.encode("hi", add_special_tokens=True)
+    assert ids == ([256] if bos else []) + [ord("h"), ord("i")]

@@ -151,3 +151,34 @@ def test_engine_seed_makes_unseeded_sampling_repeat(config_only_dir: Path) -> No
 
     assert sample(3) == sample(3)
     assert sample(3) != sample(4)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"sliding_window": 32, "sliding_layers": (0, 1)},  # Mistral-like: every layer
+        {"sliding_window": 32, "sliding_layers": (0,), "attention_sinks": True},  # GPT-OSS-like
+    ],
+)
+def test_cuda_picks_the_cupy_kernels_for_windows_and_sinks(monkeypatch, extra) -> None:
+    """The CUDA kernels read windows and sinks: windowed models take them on CUDA (not the
+    torch reference); where the kernels do not serve the head_dim, torch."""
+    import torch
+
+    import tandem.models.cupy_backend as cupy_backend
+    from tandem.runtime.engine_setup import _auto_attention_backend
+
+    monkeypatch.setattr(
+        cupy_backend, "cupy_backend_supports", lambda head_dim, dtype, device: head_dim == 64
+    )
+    cuda = torch.device("cuda")
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, **extra,
+    )  # fmt: skip
+    assert _auto_attention_backend(cuda, torch.bfloat16, cfg) == "cupy"
+    narrow = ModelConfig(**{**cfg.__dict__, "head_dim": 16})
+    assert _auto_attention_backend(cuda, torch.bfloat16, narrow) == "torch"
+    if extra:  # the CPU's C++ kernel has neither: the torch reference there
+        assert _auto_attention_backend(torch.device("cpu"), torch.bfloat16, cfg) == "torch"

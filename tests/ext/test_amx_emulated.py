@@ -21,6 +21,7 @@ POOL_TESTS = [
     "tests/ext/test_cpu_pool.py",
     "tests/ext/test_cpu_int8_path.py",
     "tests/ext/test_packed_rows.py",
+    "tests/ext/test_cpu_pool_bias.py",
 ]
 # The 300-token case of the quantized-activation parity takes ~45 s a format with software
 # tiles; its smaller cases (1-64 tokens, both tile paths) stay.

@@ -45,6 +45,7 @@ from tandem.models.layers.cpu_pool_cuda import (
 from tandem.models.layers.cpu_pool_loading import PoolLoading
 from tandem.models.layers.cpu_pool_placement import GpuPlacement, _Placement
 from tandem.models.layers.cpu_pool_stats import HybridMoeStats
+from tandem.models.layers.experts import ExpertBias
 from tandem.models.layers.local_experts import _local_experts
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class CpuPoolExpertBackend(PoolLoading, GpuPlacement, PoolCudaPaths):
 
     name = "cpu_pool"
     host_experts = True  # build_model materializes MoE expert weights in host memory
+    supports_expert_bias = True  # GPT-OSS: biases and the clamped SwiGLU in the pool's kernels
 
     def __init__(
         self,
@@ -114,6 +116,7 @@ class CpuPoolExpertBackend(PoolLoading, GpuPlacement, PoolCudaPaths):
         self._pool_args = (num_threads, isa)
         self._pool = pool
         self._placements: dict[int, _Placement] = {}
+        self._biases: dict[int, ExpertBias] = {}  # layer -> its experts' biases (GPT-OSS)
         self._counts: dict[int, torch.Tensor] = {}  # layer -> [E] int64 on the ids' device
         self._num_experts: dict[int, int] = {}
         self._buffers: _PinnedBuffers | None = None
@@ -185,8 +188,11 @@ class CpuPoolExpertBackend(PoolLoading, GpuPlacement, PoolCudaPaths):
         topk_weights: torch.Tensor,  # [T, k] float32
         w13: torch.Tensor,  # unused: the pool holds the experts
         w2: torch.Tensor,
+        bias: ExpertBias | None = None,
     ) -> torch.Tensor:
-        return self.finish(self.start(layer_idx, hidden, topk_ids, topk_weights))
+        """`bias`: the layer's ExpertBias (GPT-OSS), which the pool and the GPU-resident experts
+        took at `attach` (each call only checks that it did)."""
+        return self.finish(self.start(layer_idx, hidden, topk_ids, topk_weights, bias))
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -196,10 +202,17 @@ class CpuPoolExpertBackend(PoolLoading, GpuPlacement, PoolCudaPaths):
         hidden: torch.Tensor,  # [T, H] model dtype, cpu or cuda
         topk_ids: torch.Tensor,  # [T, k] int64
         topk_weights: torch.Tensor,  # [T, k] float32
+        bias: ExpertBias | None = None,
     ) -> _Pending:
         """Starts the layer's experts (on CUDA: enqueues them); `finish` returns the sum."""
         T = topk_ids.shape[0]
         counts = self._layer_counts(layer_idx)
+        if (bias is None) != (layer_idx not in self._biases):
+            raise RuntimeError(
+                f"cpu_pool: layer {layer_idx} was attached "
+                f"{'with' if bias is None else 'without'} expert biases but called "
+                f"{'without' if bias is None else 'with'} them"
+            )
         flat = topk_ids.reshape(-1)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount has one)
         place = self._placements.get(layer_idx)
@@ -237,7 +250,9 @@ class CpuPoolExpertBackend(PoolLoading, GpuPlacement, PoolCudaPaths):
         self.pool.submit(layer_idx, x, ids, w, out)
         extra = None
         if place is not None:
-            extra = _local_experts(hidden, place.local[topk_ids], w, place.w13, place.w2)
+            extra = _local_experts(
+                hidden, place.local[topk_ids], w, place.w13, place.w2, place.bias
+            )
         t1 = time.perf_counter()
         self.pool.sync()
         t2 = time.perf_counter()

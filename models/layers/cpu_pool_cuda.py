@@ -121,6 +121,7 @@ class PoolCudaPaths:
 
     pool: CpuExpertPool
     _gpu_prefill: GpuExpertPrefill | None
+    _biases: dict
 
     def gpu_prefill_tokens(self, layer_idx: int) -> int:
         """From how many tokens a CUDA step computes this layer on the GPU (0: never; else at
@@ -132,9 +133,10 @@ class PoolCudaPaths:
 
     def _use_gpu_prefill(self, layer_idx: int, tokens: int) -> bool:
         """Whether this CUDA call goes to the GPU from the pool's weights: enough tokens, not
-        inside a graph capture (decode graphs keep the pool), and the path set up."""
+        inside a graph capture (decode graphs keep the pool), the path set up, and experts
+        without biases (its kernels compute SiLU experts only)."""
         n = self.gpu_prefill_tokens(layer_idx)
-        if not n or tokens < n or self._gpu_prefill_failed:
+        if not n or tokens < n or self._gpu_prefill_failed or layer_idx in self._biases:
             return False
         if torch.cuda.is_current_stream_capturing():
             return False
@@ -234,7 +236,9 @@ class PoolCudaPaths:
             self.pool.enqueue_submit(stream, job)
         extra = None
         if place is not None:
-            extra = _local_experts(hidden, place.local[topk_ids], topk_weights, place.w13, place.w2)
+            extra = _local_experts(
+                hidden, place.local[topk_ids], topk_weights, place.w13, place.w2, place.bias
+            )
         return _Pending(hidden, staging=st, job=job, stream=stream, extra=extra, fused=fused)
 
     def _staging_for(
@@ -272,7 +276,9 @@ class PoolCudaPaths:
         t2 = time.perf_counter()
         extra = None
         if place is not None:  # the GPU-resident experts run while the pool computes
-            extra = _local_experts(hidden, place.local[topk_ids], topk_weights, place.w13, place.w2)
+            extra = _local_experts(
+                hidden, place.local[topk_ids], topk_weights, place.w13, place.w2, place.bias
+            )
         t3 = time.perf_counter()
         self.pool.sync()
         t4 = time.perf_counter()

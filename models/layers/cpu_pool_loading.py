@@ -15,11 +15,23 @@ import torch
 from torch import nn
 
 from tandem.models.layers.cpu_expert_options import CONFINE_ENV, num_gpu_experts
+from tandem.models.layers.experts import ClampedSwiGLU, ExpertBias
 
 if TYPE_CHECKING:
     from tandem.ext.cpu import CpuExpertPool, ExpertCache
 
 logger = logging.getLogger(__name__)
+
+
+def expert_bias_of(block: nn.Module) -> ExpertBias | None:
+    """A MoE block's expert biases and activation (GPT-OSS's `w13_bias`, `w2_bias` and
+    `activation`), else None (bias-free SiLU experts)."""
+    b13, b2 = getattr(block, "w13_bias", None), getattr(block, "w2_bias", None)
+    if b13 is None or b2 is None:
+        return None
+    if not isinstance(block.activation, ClampedSwiGLU):
+        raise ValueError(f"cpu_pool: no kernel for the expert activation {block.activation!r}")
+    return ExpertBias(b13, b2, block.activation)
 
 
 def _shape(w13: torch.Tensor) -> tuple[int, int, int]:
@@ -179,6 +191,13 @@ class PoolLoading:
                 self._load_s["convert"] += time.perf_counter() - t_convert
             if cache is not None:
                 cache.save(self.pool, layer, key)
+        bias = expert_bias_of(block)
+        if bias is not None:
+            self._biases[layer] = bias
+            act = bias.activation
+            self.pool.set_expert_act(
+                layer, bias.b13.detach().cpu(), bias.b2.detach().cpu(), (act.alpha, act.limit)
+            )
         self._num_experts[layer] = E
         self._counts[layer] = torch.zeros(E, dtype=torch.int64, device=device)
         gpu = num_gpu_experts(E, self.cpu_experts, self.gpu_experts)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.models.layers.experts import ExpertBias
+
 if TYPE_CHECKING:
     from tandem.ext.cpu import CpuExpertPool
     from tandem.models.layers.cpu_pool_stats import HybridMoeStats
@@ -23,6 +25,7 @@ class _Placement:
     local: torch.Tensor  # [E] int64, device: index into w13/w2 below, -1 = CPU
     w13: torch.Tensor  # [G, 2I, H] model dtype, device
     w2: torch.Tensor  # [G, H, I]
+    bias: ExpertBias | None = None  # the G experts' biases (GPT-OSS), device
 
 
 class GpuPlacement:
@@ -33,6 +36,7 @@ class GpuPlacement:
     _placements: dict[int, _Placement]
     _counts: dict[int, torch.Tensor]
     _num_experts: dict[int, int]
+    _biases: dict[int, ExpertBias]
     _stats: HybridMoeStats
     _staging: list
     _routed_tokens: int
@@ -59,6 +63,10 @@ class GpuPlacement:
             self._stats.h2d_bytes += (
                 g13.numel() * g13.element_size() + g2.numel() * g2.element_size()
             )
+        bias = self._biases.get(layer)
+        if bias is not None:  # the placed experts' rows of the layer's biases
+            at = expert_ids.to(bias.b13.device)
+            bias = ExpertBias(bias.b13[at], bias.b2[at], bias.activation)
         old = self._placements.get(layer)
         if old is not None and old.w13.shape == g13.shape and old.w2.shape == g2.shape:
             # in place: captured CUDA graphs read these tensors by address
@@ -66,8 +74,11 @@ class GpuPlacement:
             old.local.copy_(local)
             old.w13.copy_(g13)
             old.w2.copy_(g2)
+            if old.bias is not None and bias is not None:
+                old.bias.b13.copy_(bias.b13)
+                old.bias.b2.copy_(bias.b2)
             return
-        self._placements[layer] = _Placement(expert_ids.to(device), local.to(device), g13, g2)
+        self._placements[layer] = _Placement(expert_ids.to(device), local.to(device), g13, g2, bias)
 
     @torch.no_grad()
     def rebalance(self, counts: dict[int, torch.Tensor] | None = None) -> None:

@@ -233,8 +233,8 @@ def test_mxfp4_checkpoint_missing_scales_is_named(tmp_path: Path) -> None:
         load_model(tmp_path, dtype=torch.float32, device="cpu")
 
 
-def test_cpu_pool_refuses_gpt_oss_by_name() -> None:
-    """The pool's kernels have no expert biases nor the clamped SwiGLU: refused, not wrong."""
+def test_a_bias_free_backend_refuses_gpt_oss_by_name() -> None:
+    """A backend without expert biases and the clamped SwiGLU is refused, not run wrong."""
     from tandem.models.gpt_oss import GptOssMoeBlock
 
     class BiasFreeBackend:
@@ -392,13 +392,16 @@ def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bo
 @pytest.mark.parametrize(
     "spec", [dict(cpu_experts="all"), dict(gpu_experts=2), dict(expert_backend="cpu_pool")]
 )
-def test_engine_refuses_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
-    """Refused before any weight is read or the pool built, naming what the pool lacks."""
+def test_engine_takes_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
+    """The pool has GPT-OSS's biases and clamped SwiGLU (tests/models/test_gpt_oss_pool.py);
+    only --gpu-prefill, whose GPU kernels compute SiLU experts, is refused by name."""
     from tandem.runtime.config import ModelSpec
     from tandem.runtime.engine_setup import check_expert_options
 
     d = hf.GptOssConfig(**GPT_OSS).to_dict()
     d["architectures"] = ["GptOssForCausalLM"]
-    with pytest.raises(ValueError, match="expert biases nor the clamped SwiGLU"):
-        check_expert_options(ModelSpec(**spec), torch.device("cpu"), ModelConfig.from_hf_dict(d))
-    check_expert_options(ModelSpec(), torch.device("cpu"), ModelConfig.from_hf_dict(d))
+    cfg = ModelConfig.from_hf_dict(d)
+    check_expert_options(ModelSpec(**spec), torch.device("cuda"), cfg)
+    with pytest.raises(ValueError, match="--gpu-prefill does not apply to GptOssForCausalLM"):
+        check_expert_options(ModelSpec(**spec, gpu_prefill="64"), torch.device("cuda"), cfg)
+    check_expert_options(ModelSpec(), torch.device("cpu"), cfg)

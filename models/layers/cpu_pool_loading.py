@@ -14,7 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tandem.models.layers.cpu_expert_options import CONFINE_ENV, num_gpu_experts
+from tandem.models.layers.cpu_expert_options import (
+    CONFINE_ENV,
+    MXFP4_POOL_FORMAT,
+    num_gpu_experts,
+)
 from tandem.models.layers.experts import ClampedSwiGLU, ExpertBias
 
 if TYPE_CHECKING:
@@ -32,6 +36,20 @@ def expert_bias_of(block: nn.Module) -> ExpertBias | None:
     if not isinstance(block.activation, ClampedSwiGLU):
         raise ValueError(f"cpu_pool: no kernel for the expert activation {block.activation!r}")
     return ExpertBias(b13, b2, block.activation)
+
+
+def has_mxfp4_experts(checkpoint: Path) -> bool:
+    """Whether a safetensors checkpoint stores its experts in MXFP4 (GPT-OSS's `_blocks` /
+    `_scales`); reads the files' headers only."""
+    from safetensors import safe_open
+
+    from tandem.models.loader.safetensors import safetensors_files
+
+    for file in safetensors_files(checkpoint):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if any(".experts." in name and name.endswith("_blocks") for name in f.keys()):  # noqa: SIM118
+                return True
+    return False
 
 
 def _shape(w13: torch.Tensor) -> tuple[int, int, int]:
@@ -78,6 +96,12 @@ class PoolLoading:
             self._gguf_layers = frozenset(gguf_expert_layers(GGUFReader(checkpoint)))
         elif self.cache_source is None:
             self.cache_source = checkpoint
+        if (
+            self.fmt == "auto"
+            and checkpoint_format == "safetensors"
+            and has_mxfp4_experts(checkpoint)
+        ):
+            self.fmt = MXFP4_POOL_FORMAT  # before the cache picks its directory by format
         blocks = list(self._blocks(model))
         cache = self._expert_cache(dtype=blocks[0].w13.dtype if blocks else None)
         for block in blocks:

@@ -77,6 +77,17 @@ def _save_hf_model(config: hf.PretrainedConfig, path: Path) -> torch.nn.Module:
     return model
 
 
+def round_experts_as_pool(hf_model: torch.nn.Module, fmt: str, group: int = 64) -> None:
+    """The HF model's experts rounded as the CPU pool stores them (ext/cpu/reference.quantize;
+    rows along the input dimension: `[E, H, 2I]` and `[E, I, H]` transposed)."""
+    from tandem.ext.cpu import quantize
+
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(quantize(p.transpose(1, 2), fmt, group).transpose(1, 2))
+
+
 def _run_and_check(
     hf_model, model, config, paged_runner, block_size: int, seed: int, device: str = "cpu",
     dtype: torch.dtype = torch.float32, tol: float = 1e-4,
@@ -300,11 +311,16 @@ def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner) -> None:
     assert model.expert_backend.calls["grouped"] > 0
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["torch", "cpu_pool"])
 @pytest.mark.parametrize("experts_mxfp4", [False, True])
-def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bool) -> None:
+def test_gguf_gpt_oss_matches_hf(
+    tmp_path: Path, paged_runner, experts_mxfp4: bool, pool: bool
+) -> None:
     """A "gpt-oss" GGUF as llama.cpp's converter lays it out (gate and up experts apart,
     post_attention_norm, attn_sinks, biases; experts F32 or MXFP4 blocks), written from a tiny
-    HF model: its config and its logits equal HF's (experts set to the file's values)."""
+    HF model: its config and its logits equal HF's (experts set to the file's values). Through
+    the CPU pool, "auto" converts MXFP4 experts to int8 and F32 ones to bf16 (HF's experts get
+    the same rounding)."""
     import gguf
     import numpy as np
 
@@ -385,8 +401,20 @@ def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bo
     cfg = gguf_model_config(path)
     assert cfg.architecture == "GptOssForCausalLM" and cfg.sliding_layers == (0, 2)
     assert cfg.attention_sinks and cfg.attention_bias and cfg.o_proj_bias
-    model, config = load_model(path, dtype=torch.float32, device="cpu")
+    if not pool:
+        model, config = load_model(path, dtype=torch.float32, device="cpu")
+        _run_and_check(ref, model, config, paged_runner, 4, seed=9)
+        return
+    fmt = "int8" if experts_mxfp4 else "bf16"
+    round_experts_as_pool(ref, fmt)
+    model, config = load_model(
+        path, dtype=torch.float32, device="cpu", expert_backend="cpu_pool",
+        expert_options={"fmt": "auto", "isa": "scalar", "num_threads": 2},
+    )  # fmt: skip
+    backend = model.expert_backend
+    assert [backend.pool.layer_format(i)[0] for i in range(3)] == [fmt] * 3
     _run_and_check(ref, model, config, paged_runner, 4, seed=9)
+    backend.close()
 
 
 @pytest.mark.parametrize(

@@ -12,21 +12,26 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as hf
+from safetensors.torch import load_file
 
-from tandem.ext.cpu import quantize, supported_isas
+from tandem.ext.cpu import supported_isas
 from tandem.models.layers.cpu_experts import CpuPoolExpertBackend
 from tandem.models.loader import load_model
-from tests.models.test_gpt_oss import GPT_OSS, _run_and_check, _save_hf_model
+from tandem.models.mxfp4 import dequantize_mxfp4
+from tests.models.test_gpt_oss import (
+    GPT_OSS,
+    _run_and_check,
+    _save_hf_model,
+    _to_mxfp4,
+    round_experts_as_pool,
+)
 
 
 def _save(path: Path, fmt: str, group: int = 64, **overrides) -> torch.nn.Module:
     """A tiny GPT-OSS checkpoint; the returned HF model's experts rounded as the pool stores
-    them (rows along the input dimension: `[E, H, 2I]` and `[E, I, H]` transposed)."""
+    them."""
     hf_model = _save_hf_model(hf.GptOssConfig(**{**GPT_OSS, **overrides}), path)
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                p.copy_(quantize(p.transpose(1, 2), fmt, group).transpose(1, 2))
+    round_experts_as_pool(hf_model, fmt, group)
     return hf_model
 
 
@@ -48,6 +53,25 @@ def test_scalar_pool_matches_hf(fmt: str, group: int, tmp_path: Path, paged_runn
     model, config, backend = _load(tmp_path, fmt=fmt, group_size=group, isa="scalar")
     _run_and_check(hf_model, model, config, paged_runner, 4, seed=3)
     assert sorted(backend._biases) == [0, 1, 2] and backend.stats().layer_calls > 0
+    backend.close()
+
+
+def test_mxfp4_experts_go_to_the_pool_as_int8(tmp_path: Path, paged_runner) -> None:
+    """A checkpoint with MXFP4 experts and the format left at "auto": converted once to int8
+    rows (docs/gpt-oss.md says why not int4); HF with the same experts, int8-rounded, matches."""
+    hf_model = _save_hf_model(hf.GptOssConfig(**GPT_OSS), tmp_path)
+    _to_mxfp4(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    with torch.no_grad():  # HF gets the checkpoint's experts: MXFP4 decoded
+        for i, layer in enumerate(hf_model.model.layers):
+            p = f"model.layers.{i}.mlp.experts."
+            for proj in ("gate_up_proj", "down_proj"):
+                w = dequantize_mxfp4(tensors[p + proj + "_blocks"], tensors[p + proj + "_scales"])
+                getattr(layer.mlp.experts, proj).copy_(w.transpose(1, 2))
+    round_experts_as_pool(hf_model, "int8")
+    model, config, backend = _load(tmp_path, isa="scalar", fmt="auto")  # the CLI default
+    assert [backend.pool.layer_format(i)[0] for i in range(3)] == ["int8"] * 3
+    _run_and_check(hf_model, model, config, paged_runner, 4, seed=8)
     backend.close()
 
 

@@ -34,9 +34,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         if not getattr(backend, "supports_expert_bias", False):
             raise UnsupportedModelError(
                 f"the {getattr(backend, 'name', backend)!r} expert backend cannot run GPT-OSS's "
-                "experts: their biases and clamped SwiGLU are not in its kernels (the CPU expert "
-                "pool's int4/int8/bf16 kernels compute bias-free SiLU experts only); serve "
-                "GptOssForCausalLM without --cpu-experts / --gpu-experts / --gpu-prefill"
+                "experts: their biases and clamped SwiGLU are not in its kernels"
             )
         super().__init__(config, layer_idx, backend)
         hidden, inter = config.hidden_size, config.moe_intermediate_size

@@ -51,9 +51,11 @@ _EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.e
 
 
 def expert_layer(name: str) -> int | None:
-    """The layer of a routed-expert tensor (HF checkpoint or canonical name), else None."""
+    """The layer of a routed-expert weight tensor (HF checkpoint or canonical name), else None.
+    Expert biases (GPT-OSS) are not counted: they are small and an expert backend needs them
+    even for a layer whose weights it does not read (cpu_pool: mapped from its cache)."""
     m = _EXPERT_TENSOR.match(name)
-    return int(m[1]) if m else None
+    return int(m[1]) if m and not name.endswith("bias") else None
 
 
 def _canonical(name: str) -> str:

@@ -59,11 +59,11 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         if given
     ]
     pool_asked = spec.cpu_experts is not None or spec.gpu_experts is not None
-    if config.moe_bias and (pool_asked or spec.expert_backend == "cpu_pool"):
+    if config.moe_bias and gpu_prefill:
         raise ValueError(
-            f"--cpu-experts / --gpu-experts do not apply to {config.architecture}: the CPU "
-            "expert pool's kernels have no expert biases nor the clamped SwiGLU its experts "
-            "need (docs/gpt-oss.md); serve it without them"
+            f"--gpu-prefill does not apply to {config.architecture}: its experts' biases and "
+            "clamped SwiGLU are in the CPU pool's kernels only (docs/gpt-oss.md); the pool "
+            "computes prefills too"
         )
     if pool_options and not config.is_moe:
         raise ValueError(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from tandem.runtime.types import EngineStats
 
 if TYPE_CHECKING:
-    from tandem.models.layers.cpu_experts import HybridMoeStats
+    from tandem.models.layers.cpu_pool_stats import HybridMoeStats
 
 PREFIX = "tandem:"
 

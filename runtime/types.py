@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tandem.models.layers.cpu_experts import HybridMoeStats
+    from tandem.models.layers.cpu_pool_stats import HybridMoeStats
     from tandem.runtime.request import Request
 
 

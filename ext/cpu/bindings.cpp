@@ -57,6 +57,13 @@ PYBIND11_MODULE(_tandem_cpu, m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def("sync", &ExpertPool::sync, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_expert_act",
+          [](ExpertPool& p, int layer, uintptr_t b13, uintptr_t b2, int kind, float alpha,
+             float limit) {
+            p.set_expert_act(layer, (const float*)b13, (const float*)b2, kind, alpha, limit);
+          },
+          py::call_guard<py::gil_scoped_release>())
       .def("make_stream_job",
            [](ExpertPool& p, int layer, uintptr_t hidden, uintptr_t ids, uintptr_t weights,
               uintptr_t out, uintptr_t num_tokens, int capacity, int k, uintptr_t flags) {

@@ -3,7 +3,8 @@
 Owns compiling and loading the extension; knows nothing about experts. Each ISA's kernels are a
 separate translation unit with its own -m flags, so the library loads on any x86-64 CPU and the
 pool picks kernels from CPUID at run time. An ISA the compiler cannot target is left out of the
-build (the pool reports it as unavailable). Needs only g++ (or $CXX), pybind11's headers and the
+build with a warning naming it and the compiler's first errors (the pool reports it as
+unavailable). Needs only g++ (or $CXX), pybind11's headers and the
 Python headers: no setuptools step and no package registry.
 """
 
@@ -50,6 +51,9 @@ CORE_UNITS = [
     ("isa.cpp", [], None),
     ("workers.cpp", [], None),
     ("moe.cpp", [], None),
+    ("moe_convert.cpp", [], None),
+    ("moe_file.cpp", [], None),
+    ("moe_step.cpp", [], None),
     ("stream.cpp", [], None),
     ("kernels_scalar.cpp", [], None),
     ("linear.cpp", [], None),
@@ -87,6 +91,8 @@ HEADERS = [
     "isa.h",
     "workers.h",
     "moe.h",
+    "moe_act.h",
+    "moe_internal.h",
     "stream.h",
     "linear.h",
     "qlinear.h",
@@ -170,10 +176,34 @@ def _build_key(cxx: str) -> str:
 
 def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+    if proc.returncode != 0:  # the first errors are the ones that explain the rest
         raise CpuExtensionError(
-            f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}"
+            f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[:4000]}"
         )
+
+
+def first_errors(e: CpuExtensionError, lines: int = 3) -> str:
+    """The compiler's first `lines` error lines of a failed command, joined by " | " (its last
+    output line where none says so)."""
+    out = str(e).splitlines()[1:] or str(e).splitlines()
+    errors = [line.strip() for line in out if "error:" in line.lower()]
+    return " | ".join((errors or [line.strip() for line in out[-1:]])[:lines])[:800]
+
+
+def _isa_name(define: str) -> str:
+    """TANDEM_HAVE_AMX_INT8 -> "amx-int8"."""
+    return define.removeprefix("TANDEM_HAVE_").lower().replace("_", "-")
+
+
+def _left_out(skipped: list[str], src: str, define: str, why: str) -> None:
+    skipped.append(f"{src}: {why}")
+    log.warning(
+        "C++ CPU extension: the %s kernels (%s) are left out of the build: %s",
+        _isa_name(define),
+        src,
+        why,
+        extra=PROGRESS,
+    )
 
 
 def _build(cxx: str, target: Path) -> list[str]:
@@ -189,7 +219,8 @@ def _build(cxx: str, target: Path) -> list[str]:
                 obj = os.path.join(tmp, src + ".o")
                 missing = [d for d in UNIT_NEEDS.get(define, []) if f"-D{d}" not in defines]
                 if missing:
-                    skipped.append(f"{src}: needs {', '.join(missing)}")
+                    needs = ", ".join(_isa_name(d) for d in missing)
+                    _left_out(skipped, src, define, f"needs the {needs} kernels")
                     continue
                 try:
                     _run(
@@ -213,7 +244,7 @@ def _build(cxx: str, target: Path) -> list[str]:
                         )
                         objects.append(lobj)
                 except CpuExtensionError as e:
-                    skipped.append(f"{src}: {str(e).splitlines()[-1][:200]}")
+                    _left_out(skipped, src, define, f"compile failed: {first_errors(e)}")
                     continue
                 objects.append(obj)
                 defines.append(f"-D{define}")

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moe_act.h"
 #include "workers.h"
 
 namespace tandem_cpu {
@@ -101,6 +102,7 @@ struct Layer {
   int E = 0, H = 0, I = 0, Hp = 0, fmt = FMT_BF16, group = 64;
   bool packed = false;  // int8/int4 rows (w13 and w2) in the packed order (kernels.h)
   std::vector<Shard> shards;  // one per node of the pool
+  ExpertAct act;  // set_expert_act; not part of the converted layout nor of a layer file
   ~Layer();
   size_t weight_bytes() const;  // converted weights + scales, all shards
 };
@@ -131,6 +133,11 @@ class ExpertPool {
   void submit(int layer, const float* hidden, const void* ids, bool ids_int64,
               const float* weights, float* out, int T, int k);
   void sync();  // waits for the last submit; throws runtime_error if it failed
+  // The layer's activation (ActKind; alpha and limit for the clamped SwiGLU) and per-expert
+  // biases: b13 [E, 2I] gate then up, b2 [E, H], fp32, each may be null (none). Copied; kept
+  // until the layer is replaced (add_layer / load_layer reset it to bias-free SiLU).
+  void set_expert_act(int layer, const float* b13, const float* b2, int kind, float alpha,
+                      float limit);
   // Writes the weights as the kernels see them (dequantized, unpadded) into fp32 buffers:
   // every expert, or experts[j] into slot j.
   void dequantize(int layer, float* w13, float* w2, const std::vector<int>& experts);

@@ -250,6 +250,46 @@ class CpuExpertPool(StreamJobMethods):
             self._layers[layer_idx] = (E, inter, H, _FORMAT_NAMES[fmt_code], group)
             self.layers_loaded += 1
 
+    def set_expert_act(
+        self,
+        layer_idx: int,
+        b13: torch.Tensor | None = None,  # [E, 2I] gate then up, CPU
+        b2: torch.Tensor | None = None,  # [E, H]
+        clamped_swiglu: tuple[float, float] | None = None,  # (alpha, limit)
+    ) -> None:
+        """Sets the layer's expert biases and activation: SiLU(gate) * up, or GPT-OSS's clamped
+        SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, g = min(gate, limit).
+        The biases are added to each expert's gate/up and down outputs, before the activation
+        and before the routing weight. Kept until the layer is replaced (add_layer, load_layer
+        reset it to bias-free SiLU)."""
+        pool = self._live()
+        E, inter, H, _, _ = self._layer(layer_idx)
+        kind, alpha, limit = 0, 1.0, 0.0
+        if clamped_swiglu is not None:
+            alpha, limit = (float(v) for v in clamped_swiglu)
+            if not limit > 0:
+                raise ValueError(f"the clamped SwiGLU's limit must be positive, got {limit}")
+            kind = 1
+        kept = []
+        for name, t, shape in (("b13", b13, (E, 2 * inter)), ("b2", b2, (E, H))):
+            if t is None:
+                kept.append(None)
+                continue
+            if t.device.type != "cpu" or tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be a CPU tensor of shape {shape}, got "
+                                 f"{tuple(t.shape)} on {t.device}")  # fmt: skip
+            kept.append(t.detach().float().contiguous())
+        with self._lock:
+            self._inflight = None
+            pool.set_expert_act(
+                layer_idx,
+                kept[0].data_ptr() if kept[0] is not None else 0,
+                kept[1].data_ptr() if kept[1] is not None else 0,
+                kind,
+                alpha,
+                limit,
+            )
+
     def layer_format(self, layer_idx: int) -> tuple[str, int]:
         """(format, int4 group size or 0) of an added layer."""
         _, _, _, fmt, group = self._layer(layer_idx)

@@ -94,11 +94,15 @@ def moe_reference(
     topk_ids: torch.Tensor,  # [T, k] int; -1 skips the slot
     topk_weights: torch.Tensor,  # [T, k] float32
     quantize_acts: bool | Callable[[int], Quantizer] = False,
+    b13: torch.Tensor | None = None,  # [E, 2I] gate then up biases
+    b2: torch.Tensor | None = None,  # [E, H]
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j weight[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert ids[t, j], fp32.
     quantize_acts: both projections' inputs go through quantize_activations first (what the
     integer path computes, up to the order of float sums); or a function of an expert's token
-    count giving its quantizer (int_path_activations)."""
+    count giving its quantizer (int_path_activations). b13 / b2: biases added to the gate/up
+    and down outputs; activation(gate, up): instead of SiLU(gate) * up."""
 
     hidden = hidden.float()
     out = torch.zeros_like(hidden)
@@ -115,7 +119,14 @@ def moe_reference(
         else:
             q = _identity
         gu = q(hidden[tok]) @ w13[e].float().t()
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        if b13 is not None:
+            gu = gu + b13[e].float()
+        if activation is None:
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        else:
+            act = activation(gu[:, :inter], gu[:, inter:])
         y = q(act) @ w2[e].float().t()
+        if b2 is not None:
+            y = y + b2[e].float()
         out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
     return out

@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 
 FORMATS = ("bf16", "int8", "int4", "auto")  # auto: from the GGUF type (bf16 otherwise)
+# "auto" for MXFP4 experts (GPT-OSS, safetensors or GGUF): int8 rows. The e2m1 grid is not
+# uniform, so int4 (groups of 32, the same blocks) adds 6.5-7.5% relative L2 error to the
+# checkpoint's own weights where int8 adds 0.75-4.3%, for 1.6x the bytes (docs/gpt-oss.md).
+MXFP4_POOL_FORMAT = "int8"
 SYNC_ENV = "TANDEM_POOL_SYNC"
 # The router + the pool's input staging in one CUDA kernel (route_and_start); 0: torch router
 FUSED_MOE_STAGE = os.environ.get("TANDEM_FUSED_MOE_STAGE", "1") != "0"

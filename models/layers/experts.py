@@ -3,8 +3,8 @@
 A backend computes `sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])` over
 stacked weights w13 `[E, 2 * I, H]` (gate rows, then up rows) and w2 `[E, H, I]`. Routing is
 the MoE layer's job; placement (GPU, CPU pool) is the backend's. The other backends ("gpu":
-models/layers/gpu_experts.py, "cpu_pool": models/layers/cpu_experts.py) register a factory with
-`register_expert_backend` when first asked for.
+models/layers/gpu_experts.py, "cpu_pool": models/layers/cpu_experts.py) are found by name in
+models/layers/expert_registry.py.
 
 GPT-OSS's experts add per-expert biases (b13 `[E, 2 * I]`, b2 `[E, H]`) and the clamped SwiGLU
 (`ClampedSwiGLU`); only backends with `supports_expert_bias = True` take them.
@@ -12,9 +12,8 @@ GPT-OSS's experts add per-expert biases (b13 `[E, 2 * I]`, b2 `[E, H]`) and the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -102,23 +101,3 @@ class TorchExpertBackend:
             y = y * flat_weights.index_select(0, assignment)[:, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
-
-
-_EXPERT_BACKENDS: dict[str, Callable[..., ExpertBackend]] = {"torch": TorchExpertBackend}
-
-
-def register_expert_backend(name: str, factory: Callable[..., ExpertBackend]) -> None:
-    """Make `get_expert_backend(name, **kwargs)` return `factory(**kwargs)`."""
-    _EXPERT_BACKENDS[name] = factory
-
-
-def get_expert_backend(name: str, **kwargs: Any) -> ExpertBackend:
-    if name == "cpu_pool" and name not in _EXPERT_BACKENDS:
-        import tandem.models.layers.cpu_experts  # noqa: F401  (registers itself; imports ext.cpu lazily)
-    if name == "gpu" and name not in _EXPERT_BACKENDS:
-        import tandem.models.layers.gpu_experts  # noqa: F401  (registers itself)
-    if name not in _EXPERT_BACKENDS:
-        raise ValueError(
-            f"unknown expert backend {name!r}; available: {', '.join(sorted(_EXPERT_BACKENDS))}"
-        )
-    return _EXPERT_BACKENDS[name](**kwargs)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from tandem.ext.cuda import is_available as cuda_kernels_available
 from tandem.ext.cuda import skinny  # registers torch.ops.tandem.moe_routed_experts
-from tandem.models.layers.experts import ExpertBias, TorchExpertBackend, register_expert_backend
+from tandem.models.layers.experts import ExpertBias, TorchExpertBackend
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,3 @@ class GpuExpertBackend:
                 logger.warning("gpu experts: grouped GEMMs unavailable, per-expert loop: %s", e)
         self.calls["torch"] += 1
         return self._reference.forward(layer_idx, hidden, topk_ids, topk_weights, w13, w2, bias)
-
-
-register_expert_backend("gpu", GpuExpertBackend)

@@ -9,6 +9,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tandem.models.layers.experts import ExpertBias
+
 # Where the gpu backend's kernels do not apply (fp32, no CuPy), up to this many tokens the
 # GPU-resident experts run densely (every local expert on every token, weighted by the routing,
 # zero where not routed): no host sync, so decode steps with experts split between GPU and CPU
@@ -17,29 +19,30 @@ import torch.nn.functional as F
 DENSE_GPU_EXPERT_TOKENS = 256
 
 
-def _local_experts(hidden, local_ids, weights, w13, w2) -> torch.Tensor:
+def _local_experts(hidden, local_ids, weights, w13, w2, bias=None) -> torch.Tensor:
     """The GPU-resident experts' share of the MoE output, [T, H] float32, without a host sync
     where the gpu backend's paths take it (fp16/bf16 on CUDA): its routed kernels up to
     GEMV_MAX_TOKENS tokens (slots routed elsewhere skipped: only the hit experts are read), its
     grouped GEMMs above (those slots computed by expert 0 with weight 0). Otherwise dense for
     small T (every local expert on every token; no host sync either), grouped by expert with one
-    sync above `DENSE_GPU_EXPERT_TOKENS`."""
+    sync above `DENSE_GPU_EXPERT_TOKENS`. `bias` (ExpertBias of these G experts, GPT-OSS): the
+    routed kernels are skipped (they have no biases), the other paths add them."""
     from tandem.models.layers import gpu_experts
 
     x = hidden.to(w13.dtype)
     kernels = os.environ.get("TANDEM_GPU_EXPERTS_DENSE") != "1"  # 1: the earlier paths (A/B)
-    take = kernels and gpu_experts.routed_kernels_take(x, w13, w2)
+    take = bias is None and kernels and gpu_experts.routed_kernels_take(x, w13, w2)
     if take and x.shape[0] <= gpu_experts.GEMV_MAX_TOKENS:
         out = torch.ops.tandem.moe_routed_experts(x, local_ids, weights.float(), w13, w2, True)
         return out.float()
     if kernels and x.is_cuda and gpu_experts.grouped_supported(x, w13, w2):
         here = local_ids >= 0
         return gpu_experts.grouped_experts(
-            x, local_ids.clamp(min=0), weights.float() * here, w13, w2
+            x, local_ids.clamp(min=0), weights.float() * here, w13, w2, bias
         ).float()
     if hidden.shape[0] <= DENSE_GPU_EXPERT_TOKENS:
-        return _dense_experts(hidden, local_ids, weights, w13, w2)
-    return _grouped_experts(hidden, local_ids, weights, w13, w2)
+        return _dense_experts(hidden, local_ids, weights, w13, w2, bias)
+    return _grouped_experts(hidden, local_ids, weights, w13, w2, bias)
 
 
 def _dense_experts(
@@ -48,6 +51,7 @@ def _dense_experts(
     weights: torch.Tensor,  # [T, k] float32
     w13: torch.Tensor,  # [G, 2I, H]
     w2: torch.Tensor,  # [G, H, I]
+    bias: ExpertBias | None = None,
 ) -> torch.Tensor:
     """sum over slots routed to one of the G experts; [T, H] float32, without a host sync."""
     G, T = w13.shape[0], hidden.shape[0]
@@ -55,8 +59,14 @@ def _dense_experts(
     route = torch.zeros(T, G + 1, dtype=torch.float32, device=hidden.device)
     route.scatter_add_(1, local_ids + 1, weights.float())
     x = hidden.to(w13.dtype).unsqueeze(0).expand(G, T, hidden.shape[1])  # [G, T, H]
-    gate, up = torch.bmm(x, w13.transpose(1, 2)).chunk(2, dim=-1)  # [G, T, I] each
-    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [G, T, H]
+    gate_up = torch.bmm(x, w13.transpose(1, 2))  # [G, T, 2I]
+    if bias is None:
+        gate, up = gate_up.chunk(2, dim=-1)  # [G, T, I] each
+        y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [G, T, H]
+    else:
+        gate, up = (gate_up + bias.b13[:, None, :].to(gate_up.dtype)).chunk(2, dim=-1)
+        y = torch.bmm(bias.activation(gate, up), w2.transpose(1, 2))
+        y = y + bias.b2[:, None, :].to(y.dtype)
     return torch.einsum("gth,tg->th", y.float(), route[:, 1:])
 
 
@@ -66,6 +76,7 @@ def _grouped_experts(
     weights: torch.Tensor,  # [T, k] float32
     w13: torch.Tensor,  # [G, 2I, H]
     w2: torch.Tensor,  # [G, H, I]
+    bias: ExpertBias | None = None,
 ) -> torch.Tensor:
     """sum over slots routed to one of the G experts; [T, H] float32. One host sync (counts)."""
     G, top_k = w13.shape[0], local_ids.shape[1]
@@ -83,7 +94,12 @@ def _grouped_experts(
         start += n
         tokens = slots // top_k
         x = hidden.index_select(0, tokens)
-        gate, up = F.linear(x, w13[g]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[g]).float() * flat_w.index_select(0, slots)[:, None]
+        if bias is None:
+            gate, up = F.linear(x, w13[g]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[g])
+        else:
+            gate, up = F.linear(x, w13[g], bias.b13[g].to(x.dtype)).chunk(2, dim=-1)
+            y = F.linear(bias.activation(gate, up), w2[g], bias.b2[g].to(x.dtype))
+        y = y.float() * flat_w.index_select(0, slots)[:, None]
         out.index_add_(0, tokens, y)
     return out

@@ -18,7 +18,7 @@ from torch import nn
 
 from tandem.models.attention_backend import get_attention_backend
 from tandem.models.config import ModelConfig
-from tandem.models.layers.experts import get_expert_backend
+from tandem.models.layers.expert_registry import get_expert_backend
 from tandem.models.layers.parallel import check_tensor_parallel, get_tp
 from tandem.models.loader.dummy import init_dummy_weights
 from tandem.models.loader.safetensors import iter_safetensors_weights

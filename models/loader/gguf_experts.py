@@ -29,6 +29,7 @@ AUTO_FORMATS: dict[str, tuple[str, int]] = {
     "Q4_1": ("int4", 32),
     "Q4_K": ("int4", 32),
     "Q8_0": ("int8", 64),
+    "MXFP4": ("int8", 64),  # GPT-OSS: why int8, models/layers/cpu_expert_options.py
     "F32": ("bf16", 64),
     "F16": ("bf16", 64),
     "BF16": ("bf16", 64),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import tandem
 from tandem.ext.cpu import supported_isas
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +22,7 @@ POOL_TESTS = [
     "tests/ext/test_cpu_pool.py",
     "tests/ext/test_cpu_int8_path.py",
     "tests/ext/test_packed_rows.py",
+    "tests/ext/test_cpu_pool_bias.py",
 ]
 # The 300-token case of the quantized-activation parity takes ~45 s a format with software
 # tiles; its smaller cases (1-64 tokens, both tile paths) stay.
@@ -31,7 +33,10 @@ SLOW_CASES = [
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, TANDEM_CPU_AMX_EMULATE="1", PYTHONPATH=str(ROOT))
+    # the child imports the `tandem` this process imported (a worktree's, not an installed one)
+    here = str(Path(tandem.__file__).parent.parent)
+    path = os.pathsep.join(p for p in (here, str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TANDEM_CPU_AMX_EMULATE="1", PYTHONPATH=path)
     env.pop("TANDEM_CPU_ISA", None)
     return env
 
@@ -41,14 +46,15 @@ def emulated():
     if "avx512" not in supported_isas():
         pytest.skip("emulated AMX runs the AMX units' AVX-512 code: this CPU has no AVX-512 path")
     probe = (
-        "from ext.cpu.build import load_extension; m = load_extension(); "
-        "print(m.amx_emulated, 'amx' in m.supported_isas())"
+        "import tandem; from tandem.ext.cpu.build import load_extension; m = load_extension(); "
+        "print(m.amx_emulated, 'amx' in m.supported_isas(), tandem.__file__)"
     )
     proc = subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, env=_env(), capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["True", "True"], proc.stdout
+    assert proc.stdout.split()[:2] == ["True", "True"], proc.stdout
+    assert proc.stdout.split()[2] == tandem.__file__, proc.stdout  # this checkout's code
 
 
 def test_emulated_amx_pool_tests(emulated):

@@ -93,7 +93,7 @@ def test_moe_block_with_fused_stage_equals_torch_router(name, gpu_experts, tmp_p
     equals the same block routed in torch (TANDEM_FUSED_MOE_STAGE=0), up to the last bit of
     bf16 (the kernel's softmax rounds differently in fp32, so a weight may differ in its last
     float bits)."""
-    from tandem.models.layers import cpu_experts
+    from tandem.models.layers import cpu_pool_cuda
     from tandem.models.loader import load_model
     from tests.models.moe_cases import _save
 
@@ -112,10 +112,10 @@ def test_moe_block_with_fused_stage_equals_torch_router(name, gpu_experts, tmp_p
         fused = block(x)
         torch.cuda.synchronize()  # stream jobs are counted when the pool has run them
         assert backend.stats().layer_calls == calls + 1
-        monkeypatch.setattr(cpu_experts, "FUSED_MOE_STAGE", False)
+        monkeypatch.setattr(cpu_pool_cuda, "FUSED_MOE_STAGE", False)
         plain = block(x)
         torch.testing.assert_close(fused, plain, rtol=1e-2, atol=1e-3)
-        monkeypatch.setattr(cpu_experts, "FUSED_MOE_STAGE", True)
+        monkeypatch.setattr(cpu_pool_cuda, "FUSED_MOE_STAGE", True)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -128,9 +128,9 @@ def test_moe_block_with_fused_stage_equals_torch_router(name, gpu_experts, tmp_p
             x.copy_(torch.randn(x.shape, generator=gen))
             graph.replay()
             got = static.clone()
-            monkeypatch.setattr(cpu_experts, "FUSED_MOE_STAGE", False)
+            monkeypatch.setattr(cpu_pool_cuda, "FUSED_MOE_STAGE", False)
             torch.testing.assert_close(got, block(x), rtol=1e-2, atol=1e-3)
-            monkeypatch.setattr(cpu_experts, "FUSED_MOE_STAGE", True)
+            monkeypatch.setattr(cpu_pool_cuda, "FUSED_MOE_STAGE", True)
     torch.cuda.synchronize()
     assert backend.stats().stream_errors == 0
     del graph

@@ -21,7 +21,8 @@ import torch
 
 from tandem.ext.cpu import quantize, supported_isas
 from tandem.models.layers.cpu_expert_options import num_gpu_experts
-from tandem.models.layers.cpu_experts import CpuPoolExpertBackend, hybrid_moe_metrics
+from tandem.models.layers.cpu_experts import CpuPoolExpertBackend
+from tandem.models.layers.cpu_pool_stats import hybrid_moe_metrics
 from tandem.models.loader import load_model
 from tests.models.moe_cases import (
     CASES,

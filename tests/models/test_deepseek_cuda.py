@@ -69,9 +69,15 @@ class _CudaRunner:
 
 
 @pytest.mark.parametrize(
-    "attn,experts", [("torch", "gpu"), ("cupy", "gpu"), ("torch", "torch"), ("torch", "cpu_pool")]
-)
-def test_deepseek_cuda_matches_hf(attn: str, experts: str, tmp_path: Path, paged_runner) -> None:
+    "attn,experts,gpu_experts",
+    [("torch", "gpu", 0), ("cupy", "gpu", 0), ("torch", "torch", 0), ("torch", "cpu_pool", 0),
+     ("torch", "cpu_pool", 3)],
+)  # fmt: skip
+def test_deepseek_cuda_matches_hf(
+    attn: str, experts: str, gpu_experts: int, tmp_path: Path, paged_runner
+) -> None:
+    """gpu_experts 3 (`--gpu-experts 3`): each layer's first three routed experts on the GPU
+    (the gpu backend's kernels), the rest on the pool, summed."""
     import transformers as hf
 
     torch.manual_seed(0)
@@ -84,8 +90,11 @@ def test_deepseek_cuda_matches_hf(attn: str, experts: str, tmp_path: Path, paged
                 b.normal_(0.0, 0.1)
     hf_model.save_pretrained(tmp_path)
     hf_model = hf_model.cuda().eval()
+    opts = {"gpu_experts": gpu_experts, "rebalance_after_tokens": 0} if gpu_experts else None
     model, config = load_model(tmp_path, dtype=torch.bfloat16, device="cuda", attn_backend=attn,
-                               expert_backend=experts)  # fmt: skip
+                               expert_backend=experts, expert_options=opts)  # fmt: skip
+    if gpu_experts:
+        assert all(len(ids) == 3 for ids in model.expert_backend.stats().gpu_experts.values())
     runner = _CudaRunner(paged_runner, model, config, block_size=16)
     seqs = _prompts(config.vocab_size, seed=13)
     ours = _run(runner, seqs, config.vocab_size, torch.Generator().manual_seed(15))
@@ -95,7 +104,7 @@ def test_deepseek_cuda_matches_hf(attn: str, experts: str, tmp_path: Path, paged
         with torch.no_grad():
             ref = hf_model(ids).logits[0].float()
         worst = max(worst, _rel(rows, ref))
-    _record(f"deepseek-v3 {attn}/{experts} bf16 vs HF fp32", worst)
+    _record(f"deepseek-v3 {attn}/{experts}{'+gpu' if gpu_experts else ''} bf16 vs HF fp32", worst)
     assert worst < BF16_TOL, f"{attn}/{experts}: {worst:.3e}"
 
 

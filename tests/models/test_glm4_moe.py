@@ -68,6 +68,28 @@ def test_pool_matches_hf(fmt: str, tmp_path: Path, paged_runner) -> None:
     model.expert_backend.close()
 
 
+def test_split_placement_and_rebalance_match_hf(tmp_path: Path, paged_runner) -> None:
+    """--gpu-experts 3: three routed experts a layer on the model's device (here the CPU), the
+    rest on the pool, summed; re-placed by routing counts (in place); still HF's logits."""
+    hf_model = save_glm("grouped", tmp_path, expert_fmt="bf16")
+    model, config = load_model(
+        tmp_path, dtype=torch.float32, device="cpu", expert_backend="cpu_pool",
+        expert_options={"isa": "scalar", "num_threads": 2, "gpu_experts": 3,
+                        "rebalance_after_tokens": 0},
+    )  # fmt: skip
+    backend = model.expert_backend
+    assert all(ids == [0, 1, 2] for ids in backend.stats().gpu_experts.values())
+    _, seqs, rows = _run_mixed(model, config, paged_runner, 4)
+    assert max_rel_diff(hf_model, seqs, rows) < 1e-4
+    ptrs = {layer: p.w13.data_ptr() for layer, p in backend._placements.items()}
+    backend.rebalance()
+    assert any(ids != [0, 1, 2] for ids in backend.stats().gpu_experts.values())
+    assert {layer: p.w13.data_ptr() for layer, p in backend._placements.items()} == ptrs
+    _, seqs, rows = _run_mixed(model, config, paged_runner, 4)
+    assert max_rel_diff(hf_model, seqs, rows) < 1e-4
+    backend.close()
+
+
 def test_config_rules(tmp_path: Path) -> None:
     save_glm("qk_norm", tmp_path)
     d = json.loads((tmp_path / "config.json").read_text())

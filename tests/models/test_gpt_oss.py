@@ -77,6 +77,17 @@ def _save_hf_model(config: hf.PretrainedConfig, path: Path) -> torch.nn.Module:
     return model
 
 
+def round_experts_as_pool(hf_model: torch.nn.Module, fmt: str, group: int = 64) -> None:
+    """The HF model's experts rounded as the CPU pool stores them (ext/cpu/reference.quantize;
+    rows along the input dimension: `[E, H, 2I]` and `[E, I, H]` transposed)."""
+    from tandem.ext.cpu import quantize
+
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(quantize(p.transpose(1, 2), fmt, group).transpose(1, 2))
+
+
 def _run_and_check(
     hf_model, model, config, paged_runner, block_size: int, seed: int, device: str = "cpu",
     dtype: torch.dtype = torch.float32, tol: float = 1e-4,
@@ -233,8 +244,8 @@ def test_mxfp4_checkpoint_missing_scales_is_named(tmp_path: Path) -> None:
         load_model(tmp_path, dtype=torch.float32, device="cpu")
 
 
-def test_cpu_pool_refuses_gpt_oss_by_name() -> None:
-    """The pool's kernels have no expert biases nor the clamped SwiGLU: refused, not wrong."""
+def test_a_bias_free_backend_refuses_gpt_oss_by_name() -> None:
+    """A backend without expert biases and the clamped SwiGLU is refused, not run wrong."""
     from tandem.models.gpt_oss import GptOssMoeBlock
 
     class BiasFreeBackend:
@@ -304,11 +315,16 @@ def test_gpt_oss_on_cuda_bf16(tmp_path: Path, paged_runner, head_dim: int, expec
     assert model.expert_backend.calls["grouped"] > 0
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["torch", "cpu_pool"])
 @pytest.mark.parametrize("experts_mxfp4", [False, True])
-def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bool) -> None:
+def test_gguf_gpt_oss_matches_hf(
+    tmp_path: Path, paged_runner, experts_mxfp4: bool, pool: bool
+) -> None:
     """A "gpt-oss" GGUF as llama.cpp's converter lays it out (gate and up experts apart,
     post_attention_norm, attn_sinks, biases; experts F32 or MXFP4 blocks), written from a tiny
-    HF model: its config and its logits equal HF's (experts set to the file's values)."""
+    HF model: its config and its logits equal HF's (experts set to the file's values). Through
+    the CPU pool, "auto" converts MXFP4 experts to int8 and F32 ones to bf16 (HF's experts get
+    the same rounding)."""
     import gguf
     import numpy as np
 
@@ -389,23 +405,38 @@ def test_gguf_gpt_oss_matches_hf(tmp_path: Path, paged_runner, experts_mxfp4: bo
     cfg = gguf_model_config(path)
     assert cfg.architecture == "GptOssForCausalLM" and cfg.sliding_layers == (0, 2)
     assert cfg.attention_sinks and cfg.attention_bias and cfg.o_proj_bias
-    model, config = load_model(path, dtype=torch.float32, device="cpu")
+    if not pool:
+        model, config = load_model(path, dtype=torch.float32, device="cpu")
+        _run_and_check(ref, model, config, paged_runner, 4, seed=9)
+        return
+    fmt = "int8" if experts_mxfp4 else "bf16"
+    round_experts_as_pool(ref, fmt)
+    model, config = load_model(
+        path, dtype=torch.float32, device="cpu", expert_backend="cpu_pool",
+        expert_options={"fmt": "auto", "isa": "scalar", "num_threads": 2},
+    )  # fmt: skip
+    backend = model.expert_backend
+    assert [backend.pool.layer_format(i)[0] for i in range(3)] == [fmt] * 3
     _run_and_check(ref, model, config, paged_runner, 4, seed=9)
+    backend.close()
 
 
 @pytest.mark.parametrize(
     "spec", [dict(cpu_experts="all"), dict(gpu_experts=2), dict(expert_backend="cpu_pool")]
 )
-def test_engine_refuses_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
-    """Refused before any weight is read or the pool built, naming what the pool lacks."""
+def test_engine_takes_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
+    """The pool has GPT-OSS's biases and clamped SwiGLU (tests/models/test_gpt_oss_pool.py);
+    only --gpu-prefill, whose GPU kernels compute SiLU experts, is refused by name."""
     from tandem.runtime.config import ModelSpec
     from tandem.runtime.engine_setup import check_expert_options
 
     d = hf.GptOssConfig(**GPT_OSS).to_dict()
     d["architectures"] = ["GptOssForCausalLM"]
-    with pytest.raises(ValueError, match="expert biases nor the clamped SwiGLU"):
-        check_expert_options(ModelSpec(**spec), torch.device("cpu"), ModelConfig.from_hf_dict(d))
-    check_expert_options(ModelSpec(), torch.device("cpu"), ModelConfig.from_hf_dict(d))
+    cfg = ModelConfig.from_hf_dict(d)
+    check_expert_options(ModelSpec(**spec), torch.device("cuda"), cfg)
+    with pytest.raises(ValueError, match="--gpu-prefill does not apply to GptOssForCausalLM"):
+        check_expert_options(ModelSpec(**spec, gpu_prefill="64"), torch.device("cuda"), cfg)
+    check_expert_options(ModelSpec(), torch.device("cpu"), cfg)
 
 
 def test_engine_bounds_the_windowed_layers_cache(tmp_path: Path) -> None:

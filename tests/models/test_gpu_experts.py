@@ -18,7 +18,8 @@ import transformers as hf
 
 import tandem.ext.cuda as cuda_ext
 from tandem.ext.cuda import skinny
-from tandem.models.layers.experts import TorchExpertBackend, get_expert_backend
+from tandem.models.layers.expert_registry import get_expert_backend
+from tandem.models.layers.experts import TorchExpertBackend
 from tandem.models.layers.gpu_experts import GpuExpertBackend, grouped_experts
 from tests.models.test_cpu_pool_cuda import _mixtral_cuda_config, _one_sequence_batch
 

@@ -14,11 +14,8 @@ import transformers as hf
 from safetensors.torch import load_file, save_file
 
 from tandem.models.config import ModelConfig, UnsupportedModelError
-from tandem.models.layers.experts import (
-    TorchExpertBackend,
-    get_expert_backend,
-    register_expert_backend,
-)
+from tandem.models.layers.expert_registry import get_expert_backend, register_expert_backend
+from tandem.models.layers.experts import TorchExpertBackend
 from tandem.models.loader import build_model, load_model
 from tandem.models.loader.safetensors import iter_safetensors_weights
 from tandem.models.registry import get_model_class

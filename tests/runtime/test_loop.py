@@ -239,7 +239,7 @@ async def test_request_stream_ends_after_every_choice_finished() -> None:
 async def test_metrics_before_the_first_step_are_the_engines() -> None:
     """A scrape before any request sees the engine's families (the CPU expert pool's), not an
     empty EngineStats(): before, the hybrid families were missing until the first step."""
-    from tandem.models.layers.cpu_experts import HybridMoeStats
+    from tandem.models.layers.cpu_pool_stats import HybridMoeStats
     from tandem.runtime.types import EngineStats
 
     class HybridFake(FakeEngine):

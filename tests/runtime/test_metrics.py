@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from tandem.models.layers.cpu_experts import HybridMoeStats
+from tandem.models.layers.cpu_pool_stats import HybridMoeStats
 from tandem.runtime.metrics import ServingMetrics, render_metrics
 from tandem.runtime.types import EngineStats
 

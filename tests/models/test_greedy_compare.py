@@ -42,9 +42,9 @@ def bf16_exact_state(cfg, seed: int = 0, std: float = 0.06) -> dict[str, torch.T
     return {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
 
 
-def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, vocab: int, seed: int = 0, longest: int = 150) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(3, 150, (n,), generator=g).tolist()
+    lens = torch.randint(3, longest, (n,), generator=g).tolist()
     return [torch.randint(1, vocab, (k,), generator=g).tolist() for k in lens]
 
 
@@ -90,7 +90,7 @@ def _model(cfg, state, dtype: torch.dtype):
 def test_bf16_is_noise_and_a_decode_bug_is_not() -> None:
     cfg = small_v3_config()
     state = bf16_exact_state(cfg)
-    ps = prompts(8, cfg.vocab_size)
+    ps = prompts(8, cfg.vocab_size, longest=40)
     ref, _ = run_llm(cfg, _model(cfg, state, torch.float32), "cpu", "float32", ps, 8)
     bf16, _ = run_llm(cfg, _model(cfg, state, torch.bfloat16), "cpu", "bfloat16", ps, 8)
     base = compare_greedy(ref, bf16)

@@ -163,7 +163,7 @@ def runner_reference():
 
     cfg = small_v3_config()
     state = bf16_exact_state(cfg)
-    ps = prompts(24, cfg.vocab_size)
+    ps = prompts(24, cfg.vocab_size, shared=40)  # 2 full blocks in common: prefix-cache hits
     eager = CudaRunnerOptions(cuda_graphs=False, overlap=True)
     outs = {}
     for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
@@ -183,7 +183,9 @@ def test_cuda_runner_graphs_match_eager_and_torch_backend(experts: str, runner_r
     logprobs of the top 5 tokens) and at every divergence (a near tie or a failure). Bound:
     3x the noise bf16 shows through the reference kernels. Graphs against eager (the same
     kernels) are held to the same bound; a graph bug (stale inputs, padding rows that leak,
-    a wrong split-KV plan) moves logprobs by far more (tests/models/test_greedy_compare.py)."""
+    a wrong split-KV plan) moves logprobs by far more (tests/models/test_greedy_compare.py).
+    The graphed run has a small KV pool: it preempts (recomputing through prefill) and hits
+    the prefix cache while the graphs and the future-token slots are in use."""
     from tandem.runtime.cuda_runner import CudaRunnerOptions
     from tests.models.greedy_compare import check_within, compare_greedy
     from tests.models.test_greedy_compare import run_llm
@@ -193,8 +195,12 @@ def test_cuda_runner_graphs_match_eager_and_torch_backend(experts: str, runner_r
     for graphs in (True, False):
         model = _build(cfg, state, torch.bfloat16, "cupy", experts)
         opts = CudaRunnerOptions(cuda_graphs=graphs, overlap=True)
-        outs[graphs], llm = run_llm(cfg, model, "cuda", "bfloat16", ps, 16, opts)
+        blocks = 48 if graphs else 256
+        outs[graphs], llm = run_llm(cfg, model, "cuda", "bfloat16", ps, 16, opts, blocks)
         runners[graphs] = llm.engine.runner
+        if graphs:
+            stats = llm.engine.stats()
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
         if experts == "cpu_pool":
             model.expert_backend.close()
     counters = runners[True].counters

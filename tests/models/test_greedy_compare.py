@@ -42,20 +42,27 @@ def bf16_exact_state(cfg, seed: int = 0, std: float = 0.06) -> dict[str, torch.T
     return {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
 
 
-def prompts(n: int, vocab: int, seed: int = 0, longest: int = 150) -> list[list[int]]:
+def prompts(
+    n: int, vocab: int, seed: int = 0, longest: int = 150, shared: int = 0
+) -> list[list[int]]:
+    """`n` random prompts of 3..`longest` tokens after a common prefix of `shared` tokens."""
     g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(1, vocab, (shared,), generator=g).tolist()
     lens = torch.randint(3, longest, (n,), generator=g).tolist()
-    return [torch.randint(1, vocab, (k,), generator=g).tolist() for k in lens]
+    return [prefix + torch.randint(1, vocab, (k,), generator=g).tolist() for k in lens]
 
 
-def run_llm(cfg, model, device: str, dtype: str, ps, max_tokens: int, runner_options=None):
+def run_llm(
+    cfg, model, device: str, dtype: str, ps, max_tokens: int, runner_options=None,
+    num_blocks: int = 256,
+):  # fmt: skip
     from tandem.runtime.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
     from tandem.runtime.llm import LLM
     from tandem.runtime.sampling_params import SamplingParams
 
     ec = EngineConfig(
         model=ModelSpec(model="small", device=device, dtype=dtype),
-        cache=CacheConfig(block_size=16, num_blocks=256),
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=32, max_model_len=512,
                                   max_num_batched_tokens=256),
     )  # fmt: skip

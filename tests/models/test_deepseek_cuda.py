@@ -2,7 +2,9 @@
 a dense first layer) in bf16 through each attention backend's `mla` and the gpu / torch expert
 backends, against HF transformers in float32 on the same bf16-rounded weights; and the engine
 (CUDA runner, overlap scheduler) over the latent cache: batched greedy equals one-by-one with
-preemption and prefix-cache hits.
+preemption and prefix-cache hits (float32), and the CUDA runner in bf16 with the cupy MLA kernel,
+eagerly and with decode graphs, against a float32 run held to bf16's own noise
+(tests/models/greedy_compare.py).
 
 GPU tests: marked `gpu`, skipped without CUDA. TANDEM_GPU_LOG=path records the errors.
 """

@@ -648,7 +648,11 @@ def fit_ram(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> ModelConfig:
     layers = min(dense + moe, cfg.num_hidden_layers if a.layers is None else a.layers)
     print(f"# --fit-ram {fmt}: {avail / 1e9:.1f} GB available past the reserve, "
           f"{layer_bytes / 1e9:.2f} GB a MoE layer: {layers} layers ({dense} dense)", flush=True)  # fmt: skip
-    return dataclasses.replace(cfg, num_hidden_layers=layers)
+    return dataclasses.replace(
+        cfg,
+        num_hidden_layers=layers,
+        sliding_layers=tuple(i for i in cfg.sliding_layers if i < layers),
+    )
 
 
 def extrapolate(res: dict, cfg: ModelConfig, full: ModelConfig, fmt: str, a) -> dict:

@@ -182,6 +182,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "makes of it with max_num_batched_tokens C), per --gpu-prefill mode",
     )
     p.add_argument("--profile-rows", type=int, default=15, help="kernels --profile prints")
+    p.add_argument(
+        "--fit-ram",
+        action="store_true",
+        help="per format, the model cut to its dense layers + as many MoE layers as the host's "
+        "available memory holds (--layers caps it); the figures are also extrapolated to the "
+        "config's full depth",
+    )
+    p.add_argument("--ram-reserve-gb", type=float, default=10.0, help="left free by --fit-ram")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     a.prefill = max([a.prefill, *a.prefill_sweep])
@@ -194,6 +202,7 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
         cfg = ModelConfig.from_hf_dict(json.loads(path.read_text()))
         if not cfg.is_moe:
             raise SystemExit(f"{path}: {cfg.architecture} is not a mixture of experts")
+        a.full_config = cfg
         if a.layers is not None:
             cfg = dataclasses.replace(
                 cfg,
@@ -201,7 +210,7 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
                 sliding_layers=tuple(i for i in cfg.sliding_layers if i < a.layers),
             )
         return cfg
-    return ModelConfig(
+    a.full_config = cfg = ModelConfig(
         architecture="Qwen3MoeForCausalLM",
         vocab_size=a.vocab,
         hidden_size=a.hidden,
@@ -219,6 +228,7 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
         moe_intermediate_size=a.inter,
         norm_topk_prob=True,
     )
+    return cfg
 
 
 class DecodeGraph:
@@ -371,9 +381,11 @@ def num_blocks(a: argparse.Namespace) -> int:
     return max(a.batch * per_seq, -(-max(a.prefill, 256) // 16)) + 8  # 256: prefill warm-up
 
 
-def measure_modes(runner: Runner, a: argparse.Namespace, name: str) -> dict[str, dict]:
+def measure_modes(
+    runner: Runner, a: argparse.Namespace, name: str, prefill: bool = True
+) -> dict[str, dict]:
     """`name` (graphs on where possible) and `name`_eager, per --graphs, on the same model;
-    prefill is measured in the first mode only (it is eager in both)."""
+    prefill is measured in the first mode only (it is eager in both), where `prefill`."""
     out: dict[str, dict] = {}
     why = runner.graphs_supported()
     for i, mode in enumerate(a.graphs):
@@ -384,7 +396,7 @@ def measure_modes(runner: Runner, a: argparse.Namespace, name: str) -> dict[str,
         if key in out:
             continue
         runner.graphs_on = mode == "on"
-        out[key] = measure(runner, a, prefill=i == 0)
+        out[key] = measure(runner, a, prefill=prefill and i == 0)
         out[key]["graphs"] = runner.graphs_on
     return out
 
@@ -600,15 +612,78 @@ def floors(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> dict[str, float
     }
 
 
-def shared_layer(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_layer(cfg: ModelConfig, distinct: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host layer every pool layer converts from (bf16): `distinct` random experts tiled
+    to E. Drawing every value of a DeepSeek-V3 layer (256 x 44 M) took 91 s on the device; the
+    pool's speed depends on each layer having its own memory (each conversion writes its own),
+    not on the values."""
     g = torch.Generator().manual_seed(1)
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.02).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, inter, generator=g) * 0.02).to(torch.bfloat16)
-    return w13, w2
+    d = min(E, distinct)
+    reps = -(-E // d)
+    w13 = (torch.randn(d, 2 * inter, H, generator=g) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(d, H, inter, generator=g) * 0.02).to(torch.bfloat16)
+    return w13.repeat(reps, 1, 1)[:E].contiguous(), w2.repeat(reps, 1, 1)[:E].contiguous()
 
 
-def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
+def mem_available_bytes() -> int:
+    """The kernel's estimate of memory a process can still take (/proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def fit_ram(cfg: ModelConfig, fmt: str, a: argparse.Namespace) -> ModelConfig:
+    """--fit-ram: the config cut to its leading dense layers and as many MoE layers (in `fmt`
+    on the pool) as the host's available memory holds, less --ram-reserve-gb; at most
+    --layers layers where given."""
+    layer_bytes = cfg.num_experts * expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, fmt)
+    avail = mem_available_bytes() - a.ram_reserve_gb * 1e9
+    moe = max(1, int(avail // layer_bytes))
+    dense = 0
+    while dense < cfg.num_hidden_layers and not cfg.is_moe_layer(dense):
+        dense += 1
+    layers = min(dense + moe, cfg.num_hidden_layers if a.layers is None else a.layers)
+    print(f"# --fit-ram {fmt}: {avail / 1e9:.1f} GB available past the reserve, "
+          f"{layer_bytes / 1e9:.2f} GB a MoE layer: {layers} layers ({dense} dense)", flush=True)  # fmt: skip
+    return dataclasses.replace(
+        cfg,
+        num_hidden_layers=layers,
+        sliding_layers=tuple(i for i in cfg.sliding_layers if i < layers),
+    )
+
+
+def extrapolate(res: dict, cfg: ModelConfig, full: ModelConfig, fmt: str, a) -> dict:
+    """Per-MoE-layer pool time and the step time of the full-depth model (`full`), from a run
+    of `cfg` (fewer MoE layers): each step = the pool's time (measured per MoE layer) + the rest
+    (GPU side, launches, waits not hidden behind the pool), the rest scaled by the layer count
+    (the LM head with it: an overestimate). Floors of `full` at the measured bandwidth."""
+    n, n_full = moe_layers(cfg), moe_layers(full)
+    scale = full.num_hidden_layers / cfg.num_hidden_layers
+    one = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, fmt)
+    E, k, bw = cfg.num_experts, cfg.num_experts_per_tok, a.measured_gbps * 1e9
+    out: dict[str, float] = {"moe_layers": n, "layers": cfg.num_hidden_layers,
+                             "full_layers": full.num_hidden_layers}  # fmt: skip
+    for b in (1, a.batch):
+        rate, pool_rate = res.get(f"decode_b{b}_tok_s"), res.get(f"decode_b{b}_pool_tok_s")
+        if not rate or not pool_rate:
+            continue
+        step, pool = b / rate, b / pool_rate  # seconds a step, and of it the pool's
+        per_layer = pool / n
+        rest = max(step - pool, 0.0)
+        full_step = rest * scale + per_layer * n_full
+        touched = touched_experts(E, k, b)
+        out[f"b{b}_pool_ms_per_moe_layer"] = per_layer * 1e3
+        out[f"b{b}_floor_ms_per_moe_layer"] = touched * one / bw * 1e3
+        out[f"b{b}_rest_ms_per_step"] = rest * 1e3
+        out[f"b{b}_full_depth_tok_s"] = b / full_step
+        out[f"b{b}_full_depth_floor_tok_s"] = b * bw / (touched * one * n_full)
+    return out
+
+
+def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None, full=None) -> dict:
     t0 = time.perf_counter()
     opts = {
         "sync": sync,
@@ -635,8 +710,10 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
     load_s = time.perf_counter() - t0
     runner = Runner(model, cfg, a.device, dtype, num_blocks(a), max_len(a))
     name = f"hybrid_{fmt}" + (f"_{sync}" if sync else "")
-    results = measure_modes(runner, a, name)
-    if runner.device.type == "cuda":
+    on_cuda = runner.device.type == "cuda"
+    # on CUDA the sweep below measures prefill per --gpu-prefill mode: not measured twice
+    results = measure_modes(runner, a, name, prefill=not on_cuda)
+    if on_cuda:
         sweep = prefill_sweep(runner, backend, a)
         for res in results.values():
             res["prefill_by_mode"] = sweep
@@ -664,6 +741,7 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None) -> dict:
         for key in [k for k in res if k.endswith("_floor_tok_s")]:
             res[key.replace("_floor_tok_s", "_floor_measured_tok_s")] = res[key] * scale
         res["cpu_read_gbps"] = a.measured_gbps
+        res["extrapolated"] = extrapolate(res, cfg, full or cfg, fmt, a)
     backend.close()
     del model, runner
     return results
@@ -851,9 +929,11 @@ def main(argv: list[str] | None = None) -> int:
                                             for k, v in r.items()}), flush=True)  # fmt: skip
         results.update(runs)
 
+    full = a.full_config
     for fmt in a.formats:
+        cfg_fmt = fit_ram(full, fmt, a) if a.fit_ram else cfg
         for sync in a.pool_sync:
-            show(run_hybrid(cfg, fmt, shared, a, dtype, sync))
+            show(run_hybrid(cfg_fmt, fmt, shared, a, dtype, sync, full))
     del shared
     if a.gpu_all:
         show(run_gpu_all(cfg, a, dtype))
@@ -885,6 +965,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {name}: decode b=1 {r['decode_b1_tok_s']:.1f} tok/s = "
                   f"{r['decode_b1_tok_s'] / m:.0%} of its floor at the measured "
                   f"{r['cpu_read_gbps']:.1f} GB/s ({m:.1f} tok/s)")  # fmt: skip
+    for name, r in results.items():
+        x = r.get("extrapolated")
+        if not x:
+            continue
+        for bs in (1, b):
+            if f"b{bs}_full_depth_tok_s" not in x:
+                continue
+            print(f"# {name} b={bs}: {x['moe_layers']} MoE of {x['layers']} layers; pool "
+                  f"{x[f'b{bs}_pool_ms_per_moe_layer']:.2f} ms a MoE layer (floor "
+                  f"{x[f'b{bs}_floor_ms_per_moe_layer']:.2f}), the rest "
+                  f"{x[f'b{bs}_rest_ms_per_step']:.2f} ms a step; at {x['full_layers']} layers: "
+                  f"{x[f'b{bs}_full_depth_tok_s']:.2f} tok/s (floor "
+                  f"{x[f'b{bs}_full_depth_floor_tok_s']:.2f})")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "results": results},
                                      indent=2, default=str))  # fmt: skip

@@ -17,6 +17,7 @@ gpu-kernels     ext/cuda attention kernel tests, then tools/bench_attention_kern
 gpu-moe         the "gpu" expert backend: tests, one layer per path; STAGES: model peer split shapes convert
 gpu-serving     `tandem serve` on random weights of a shape, swept by tools/bench_serving.py (--smoke: tiny)
 hybrid          hybrid MoE GPU tests, then tools/bench_hybrid_moe.py per expert format
+deepseek        DeepSeek-V3 GPU tests, then the V3 shape hybrid (as many MoE layers as RAM holds)
 hybrid-serving  hybrid MoE through `tandem serve` next to the model runner (CONFINES, GPU_ALL, ENGINE)
 moe-families    GLM-4.5-Air and gpt-oss-120b shapes: experts on the pool and on the GPU vs their floors
 pack            A/B of the CPU pool's packed int rows (TANDEM_CPU_PACK_ROWS off/on)

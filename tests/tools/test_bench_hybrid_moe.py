@@ -93,3 +93,47 @@ def test_shape_from_an_hf_config(tmp_path: Path) -> None:
         (tmp_path / "config.json").write_text(json.dumps(cfg | {"model_type": "llama",
                                                                 "architectures": []}))  # fmt: skip
         bench_hybrid_moe.model_config(bench_hybrid_moe.parse_args(["--config", str(tmp_path)]))
+
+
+def _v3_args(tmp_path: Path, layers: int):
+    """A DeepSeek-V3 config cut to toy sizes (3 dense layers first, 32 experts top-8)."""
+    cfg = json.loads((ROOT / "tools" / "shapes" / "deepseek-v3.json").read_text())
+    cfg.update(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+               n_routed_experts=32, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+               v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2)  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    a = bench_hybrid_moe.parse_args(["--config", str(path), "--batch", "16"])
+    return a, bench_hybrid_moe.model_config(a)
+
+
+def test_fit_ram_keeps_the_dense_layers_and_what_memory_holds(tmp_path: Path, monkeypatch) -> None:
+    a, cfg = _v3_args(tmp_path, 61)
+    one_layer = 32 * bench_hybrid_moe.expert_bytes(64, 32, "int4")
+    a.ram_reserve_gb = 1.0
+    monkeypatch.setattr(bench_hybrid_moe, "mem_available_bytes", lambda: 1e9 + 5.5 * one_layer)
+    assert bench_hybrid_moe.fit_ram(cfg, "int4", a).num_hidden_layers == 3 + 5
+    a.layers = 6  # --layers caps it
+    assert bench_hybrid_moe.fit_ram(cfg, "int4", a).num_hidden_layers == 6
+
+
+def test_extrapolation_to_the_full_depth(tmp_path: Path) -> None:
+    """A run of 3 dense + 2 MoE layers: the pool's time a MoE layer times the full model's 58
+    MoE layers, plus the rest of the step scaled by 61 / 5 layers."""
+    a, full = _v3_args(tmp_path, 61)
+    cut = bench_hybrid_moe.dataclasses.replace(full, num_hidden_layers=5)
+    a.measured_gbps = 100.0
+    # batch 1: a 10 ms step of which the pool took 4 ms (2 ms a MoE layer)
+    res = {"decode_b1_tok_s": 100.0, "decode_b1_pool_tok_s": 250.0,
+           "decode_b16_tok_s": 160.0, "decode_b16_pool_tok_s": 320.0}  # fmt: skip
+    x = bench_hybrid_moe.extrapolate(res, cut, full, "int4", a)
+    assert (x["moe_layers"], x["full_layers"]) == (2, 61)
+    assert x["b1_pool_ms_per_moe_layer"] == pytest.approx(2.0)
+    assert x["b1_rest_ms_per_step"] == pytest.approx(6.0)
+    assert x["b1_full_depth_tok_s"] == pytest.approx(1e3 / (58 * 2.0 + 6.0 * 61 / 5))
+    assert x["b16_pool_ms_per_moe_layer"] == pytest.approx(25.0)  # 50 ms of a 100 ms step
+    one = bench_hybrid_moe.expert_bytes(64, 32, "int4")
+    touched16 = bench_hybrid_moe.touched_experts(32, 8, 16)
+    assert x["b16_floor_ms_per_moe_layer"] == pytest.approx(touched16 * one / 100e9 * 1e3)
+    assert x["b1_full_depth_floor_tok_s"] == pytest.approx(100e9 / (8 * one * 58))

@@ -1,0 +1,260 @@
+// GGUF 4-bit weights (Q4_0 = 2, Q4_1 = 3, Q4_K = 12 as QT) in the tile layout of gguf_tile.py:
+// y[M, N] = x[M, K] @ W[N, K]^T through m16n8k16 MMAs, A = 16 weight rows (codes turned into
+// exact 16-bit integers in registers), B = up to 8 rows of x per MMA, fp32 accumulation; block
+// scales applied to each 32-column partial sum, mins through a second MMA against ones.
+// gguf_tile_gemv_kernel: one CTA per tile (16 rows), its 8 warps split the 64-column chunks,
+// then sum through shared memory. gguf_tile_dequant_kernel: the whole matrix into a scratch
+// buffer for cuBLAS at prefill sizes.
+#include "common.cuh"
+
+typedef unsigned char u8;
+
+template <int QT>
+struct TileFmt {
+  static constexpr int META = QT == 3 ? 128 : 64;  // scale bytes per 64-column chunk
+  static constexpr int SB = QT == 12 ? 64 : 0;     // bytes per 256-column superblock
+  static constexpr int OFF = QT == 2 ? 8 : 0;      // code offset (Q4_0: value = d * (q - 8))
+};
+
+template <int QT>
+__device__ __forceinline__ i64 tile_bytes(int K) {
+  return (i64)(K >> 6) * (512 + TileFmt<QT>::META) + (i64)(K >> 8) * TileFmt<QT>::SB;
+}
+
+__device__ __forceinline__ float half_bits(u32 h) {
+  float lo, hi;
+  unpack2<0>(h, lo, hi);
+  return lo;
+}
+
+// Codes p and p + 4 of word w (bits 4p and 16 + 4p) -> a 16-bit pair (q - OFF) exactly.
+template <int DT, int OFF>
+__device__ __forceinline__ u32 code_pair(u32 w, int shift) {
+  const u32 magic = DT == 1 ? 0x43004300u : 0x64006400u;  // 128 (bf16) / 1024 (fp16), ulp 1
+  const u32 v = ((w >> shift) & 0x000F000Fu) | magic;
+  const u32 neg = (magic | (OFF * 0x00010001u)) | 0x80008000u;  // -(magic + OFF)
+  u32 r;
+  if constexpr (DT == 1) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(neg));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3C003C00u), "r"(neg));
+  }
+  return r;
+}
+
+struct U2 {
+  u32 x, y;
+};
+__device__ __forceinline__ U2 ldg8(const void* p) {
+  U2 r;
+  asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+// The raw scale words of one chunk for this lane's rows g and g + 8 (see gguf_tile.py).
+struct ScaleWords {
+  V16 s;  // Q4_0: s.x, s.y; Q4_1: all four; Q4_K: s.x, s.y sub-block scales, s.z, s.w d/dmin
+};
+
+template <int QT>
+__device__ __forceinline__ ScaleWords load_scales(const u8* meta, const u8* sb, int c, int g) {
+  ScaleWords r;
+  if constexpr (QT == 3) {
+    r.s = ldg16(meta + (i64)c * 128 + g * 16);
+  } else {
+    const U2 a = ldg8(meta + (i64)c * 64 + g * 8);
+    r.s.x = a.x, r.s.y = a.y, r.s.z = r.s.w = 0u;
+    if constexpr (QT == 12) {
+      const U2 dd = ldg8(sb + (i64)(c >> 2) * 64 + g * 8);
+      r.s.z = dd.x, r.s.w = dd.y;
+    }
+  }
+  return r;
+}
+
+// value = d[2h + b] * q + m[2h + b] for row g + 8h, block b (Q4_0: q already minus 8, m = 0).
+template <int QT>
+__device__ __forceinline__ void scales_of(const ScaleWords& r, float* d, float* m) {
+  if constexpr (QT == 2) {
+    d[0] = half_bits(r.s.x & 0xffffu), d[1] = half_bits(r.s.x >> 16);
+    d[2] = half_bits(r.s.y & 0xffffu), d[3] = half_bits(r.s.y >> 16);
+    m[0] = m[1] = m[2] = m[3] = 0.f;
+  } else if constexpr (QT == 3) {
+    const u32 w[4] = {r.s.x, r.s.y, r.s.z, r.s.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] = half_bits(w[i] & 0xffffu), m[i] = half_bits(w[i] >> 16);
+  } else {
+    const u32 sw[2] = {r.s.x, r.s.y}, dw[2] = {r.s.z, r.s.w};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float dh = half_bits(dw[h] & 0xffffu), dmin = half_bits(dw[h] >> 16);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        d[2 * h + b] = dh * (float)((sw[h] >> (8 * b)) & 255u);
+        m[2 * h + b] = -dmin * (float)((sw[h] >> (8 * b + 16)) & 255u);
+      }
+    }
+  }
+}
+
+// Everything one warp reads for one chunk: its codes, x's 2 x 8 values per MMA column group,
+// the scales.
+template <int QT, int MT>
+struct ChunkLoads {
+  V16 q;
+  V16 xb[2][MT];
+  ScaleWords sc;
+};
+
+template <int QT, int M, int MT>
+__device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT>& L, const u8* codes,
+                                           const u8* meta, const u8* sb, const u16* x, i64 ldx,
+                                           int c, int lane, int g, int t) {
+  L.q = ldg16(codes + (i64)c * 512 + lane * 16);
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const int row = 8 * j + g;
+      if (row < M) {
+        L.xb[b][j] = ldg16(x + (i64)row * ldx + c * 64 + b * 32 + t * 8);
+      } else {
+        L.xb[b][j].x = L.xb[b][j].y = L.xb[b][j].z = L.xb[b][j].w = 0u;
+      }
+    }
+  L.sc = load_scales<QT>(meta, sb, c, g);
+}
+
+template <int QT, int DT, int MT>
+__device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT>& L, float (*acc)[4]) {
+  constexpr bool MIN = QT != 2;
+  constexpr int OFF = TileFmt<QT>::OFF;
+  const u32 ones = DT == 1 ? 0x3F803F80u : 0x3C003C00u;
+  const u32 ones4[4] = {ones, ones, ones, ones};
+  float d[4], m[4];
+  scales_of<QT>(L.sc, d, m);
+  const u32 qw[4] = {L.q.x, L.q.y, L.q.z, L.q.w};
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    float part[MT][4], sum[MT][4];
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[j][i] = sum[j][i] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const u32 word = qw[2 * b + s];
+      u32 a[4];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) a[p] = code_pair<DT, OFF>(word, 4 * p);
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        const u32 b0 = s ? L.xb[b][j].z : L.xb[b][j].x, b1 = s ? L.xb[b][j].w : L.xb[b][j].y;
+        mma16816<DT>(part[j], a, b0, b1);
+        if constexpr (MIN) mma16816<DT>(sum[j], ones4, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int k = 2 * (i >> 1) + b;
+        acc[j][i] = fmaf(d[k], part[j][i], acc[j][i]);
+        if constexpr (MIN) acc[j][i] = fmaf(m[k], sum[j][i], acc[j][i]);
+      }
+  }
+}
+
+// One CTA per 16-row tile; grid.x = N / 16. x [M][K] (row stride ldx), out [M][N] (ldo).
+// Warp w takes chunks w, w + 8, ...; two chunks' loads stay in flight while one computes.
+template <int QT, int M, int DT>
+__global__ void __launch_bounds__(256, 2) gguf_tile_gemv_kernel(const u16* __restrict__ x,
+                                                               const u8* __restrict__ w,
+                                                               u16* __restrict__ out, int K,
+                                                               i64 ldx, i64 ldo) {
+  constexpr int MT = (M + 7) / 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6;
+  const u8* codes = w + (i64)blockIdx.x * tile_bytes<QT>(K);
+  const u8* meta = codes + (i64)chunks * 512;
+  const u8* sb = meta + (i64)chunks * TileFmt<QT>::META;
+  float acc[MT][4];
+#pragma unroll
+  for (int j = 0; j < MT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  ChunkLoads<QT, MT> la, lb;
+  if (warp < chunks) load_chunk<QT, M, MT>(la, codes, meta, sb, x, ldx, warp, lane, g, t);
+  if (warp + 8 < chunks) load_chunk<QT, M, MT>(lb, codes, meta, sb, x, ldx, warp + 8, lane, g, t);
+  for (int c = warp; c < chunks; c += 16) {
+    mma_chunk<QT, DT, MT>(la, acc);
+    if (c + 16 < chunks) load_chunk<QT, M, MT>(la, codes, meta, sb, x, ldx, c + 16, lane, g, t);
+    if (c + 8 < chunks) {
+      mma_chunk<QT, DT, MT>(lb, acc);
+      if (c + 24 < chunks) load_chunk<QT, M, MT>(lb, codes, meta, sb, x, ldx, c + 24, lane, g, t);
+    }
+  }
+
+  __shared__ float red[8][MT * 4][32];
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][j * 4 + i][lane] = acc[j][i];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v = 0.f;
+#pragma unroll
+      for (int w2 = 0; w2 < 8; ++w2) v += red[w2][j * 4 + i][lane];
+      const int row = 8 * j + 2 * t + (i & 1);  // row of x (and of out)
+      const int col = blockIdx.x * 16 + g + 8 * (i >> 1);
+      if (row < M) out[(i64)row * ldo + col] = from_float<DT>(v);
+    }
+}
+
+// One thread per (tile, chunk, lane): its 32 codes (rows g and g + 8, 16 columns each) decoded
+// as the reference does (d * (q - 8), d * q + m, d * sc * q - dmin * mn in fp32), 16-bit out.
+template <int QT, int DT>
+__global__ void __launch_bounds__(256) gguf_tile_dequant_kernel(const u8* __restrict__ w,
+                                                                u16* __restrict__ out, int N,
+                                                                int K) {
+  const i64 id = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const int chunks = K >> 6;
+  if (id >= (i64)(N >> 4) * chunks * 32) return;
+  const int lane = (int)(id & 31), g = lane >> 2, t = lane & 3;
+  const i64 tc = id >> 5;
+  const int tile = (int)(tc / chunks), c = (int)(tc % chunks);
+  const u8* codes = w + (i64)tile * tile_bytes<QT>(K);
+  const u8* meta = codes + (i64)chunks * 512;
+  const u8* sb = meta + (i64)chunks * TileFmt<QT>::META;
+  const V16 q = ldg16(codes + (i64)c * 512 + lane * 16);
+  float d[4], m[4];
+  scales_of<QT>(load_scales<QT>(meta, sb, c, g), d, m);
+  const u32 qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    u16* orow = out + (i64)(tile * 16 + g + 8 * h) * K + c * 64 + t * 8;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float db = d[2 * h + b], mb = m[2 * h + b];
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const u32 word = qw[2 * b + s];
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)  // pair p = h + 2e: columns 4s + 2e + {0, 1}
+#pragma unroll
+          for (int lo = 0; lo < 2; ++lo) {
+            const int qv = (int)((word >> (4 * (h + 2 * e) + 16 * lo)) & 15u) - TileFmt<QT>::OFF;
+            v[2 * e + lo] = db * (float)qv + mb;
+          }
+        U2 o;
+        o.x = pack2<DT>(v[0], v[1]);
+        o.y = pack2<DT>(v[2], v[3]);
+        *(U2*)(orow + b * 32 + s * 4) = o;
+      }
+    }
+  }
+}

@@ -20,7 +20,11 @@ MAX_ROWS = 16
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 # ggml type id -> (name, GGUF bytes per 32/256-value block, values per block, meta bytes per
 # 64-column chunk of a tile, bytes per 256-column superblock of a tile)
-TILE_TYPES = {2: ("Q4_0", 18, 32, 64, 0), 3: ("Q4_1", 20, 32, 128, 0), 12: ("Q4_K", 144, 256, 64, 64)}
+TILE_TYPES = {
+    2: ("Q4_0", 18, 32, 64, 0),
+    3: ("Q4_1", 20, 32, 128, 0),
+    12: ("Q4_K", 144, 256, 64, 64),
+}
 _NAMES = {v[0]: k for k, v in TILE_TYPES.items()}
 _CHUNK_ROWS = 4096  # rows converted at a time: bounds the temporaries
 
@@ -100,7 +104,9 @@ def _rows_to_tiles(data: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
         parts.append(dm.permute(0, 3, 2, 1, 4).reshape(tiles, -1))
     else:
         sc, mn = _k_scales(blocks[..., 4:16])  # [n, k/256, 8]
-        sm = torch.stack((sc.reshape(tiles, 2, 8, chunks, 2), mn.reshape(tiles, 2, 8, chunks, 2)), 4)
+        sm = torch.stack(
+            (sc.reshape(tiles, 2, 8, chunks, 2), mn.reshape(tiles, 2, 8, chunks, 2)), 4
+        )
         parts.append(sm.permute(0, 3, 2, 1, 4, 5).reshape(tiles, -1))
         dd = blocks[..., 0:4].reshape(tiles, 2, 8, k // 256, 4)
         parts.append(dd.permute(0, 3, 2, 1, 4).reshape(tiles, -1))
@@ -125,7 +131,9 @@ def _tiles_to_rows(tiles_data: torch.Tensor, type_id: int, k: int) -> torch.Tens
         sm = sm.reshape(n, k // 256, 4, 2, 2).transpose(2, 3).reshape(n, k // 256, 2, 8)
         qs = q.view(n, k // 256, 4, 2, 32)
         packed = qs[:, :, :, 0] | (qs[:, :, :, 1] << 4)
-        return torch.cat((dd, _k_pack(sm[:, :, 0], sm[:, :, 1]), packed.reshape(n, -1, 128)), -1).reshape(n, -1)
+        return torch.cat(
+            (dd, _k_pack(sm[:, :, 0], sm[:, :, 1]), packed.reshape(n, -1, 128)), -1
+        ).reshape(n, -1)
     width = 4 if type_id == 2 else 8
     head = scales.reshape(tiles, chunks, 8, 2, width).permute(0, 3, 2, 1, 4)
     head = head.reshape(n, k // 32, bsize - 16)
@@ -202,7 +210,9 @@ def launch_dequant(tiles_data: torch.Tensor, type_id: int, k: int, out: torch.Te
 
 
 @torch.library.custom_op("tandem::gguf_tile_linear", mutates_args=())
-def gguf_tile_linear(x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
+def gguf_tile_linear(
+    x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, k: int
+) -> torch.Tensor:
     """x[M, K] (fp16/bf16, CUDA) @ W[N, K]^T with W in the tile layout of ggml type `type_id`."""
     m = x.shape[0]
     n = tiles_data.shape[0] * 16

@@ -231,7 +231,6 @@ def bench_engine(
             run(33, one)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
         Path(profile).write_text(table)
-        print(table)
     return r
 
 

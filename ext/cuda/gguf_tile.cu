@@ -2,8 +2,8 @@
 // y[M, N] = x[M, K] @ W[N, K]^T through m16n8k16 MMAs, A = 16 weight rows (codes turned into
 // exact 16-bit integers in registers), B = up to 8 rows of x per MMA, fp32 accumulation; block
 // scales applied to each 32-column partial sum, mins through a second MMA against ones.
-// gguf_tile_gemv_kernel: one CTA per tile (16 rows), its 8 warps split the 64-column chunks,
-// then sum through shared memory. gguf_tile_dequant_kernel: the whole matrix into a scratch
+// gguf_tile_gemv_kernel: one CTA per R tiles (16 rows each), its 8 warps split the 64-column
+// chunks, then sum through shared memory. gguf_tile_dequant_kernel: the whole matrix into a scratch
 // buffer for cuBLAS at prefill sizes.
 #include "common.cuh"
 
@@ -40,6 +40,11 @@ __device__ __forceinline__ u32 code_pair(u32 w, int shift) {
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3C003C00u), "r"(neg));
   }
   return r;
+}
+
+// Byte i of w as a float: its bits under 2^23's exponent, minus 2^23 (no conversion unit).
+__device__ __forceinline__ float byte_f(u32 w, int i) {
+  return __uint_as_float(0x4B000000u | ((w >> (8 * i)) & 255u)) - 8388608.f;
 }
 
 struct U2 {
@@ -90,27 +95,33 @@ __device__ __forceinline__ void scales_of(const ScaleWords& r, float* d, float* 
       const float dh = half_bits(dw[h] & 0xffffu), dmin = half_bits(dw[h] >> 16);
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
-        d[2 * h + b] = dh * (float)((sw[h] >> (8 * b)) & 255u);
-        m[2 * h + b] = -dmin * (float)((sw[h] >> (8 * b + 16)) & 255u);
+        d[2 * h + b] = dh * byte_f(sw[h], b);
+        m[2 * h + b] = -dmin * byte_f(sw[h], b + 2);
       }
     }
   }
 }
 
-// Everything one warp reads for one chunk: its codes, x's 2 x 8 values per MMA column group,
-// the scales.
-template <int QT, int MT>
+// Everything one warp reads for one chunk of R tiles: their codes and scales, and x's 2 x 8
+// values per MMA column group (shared by the R tiles).
+template <int QT, int MT, int R>
 struct ChunkLoads {
-  V16 q;
+  V16 q[R];
+  ScaleWords sc[R];
   V16 xb[2][MT];
-  ScaleWords sc;
 };
 
-template <int QT, int M, int MT>
-__device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT>& L, const u8* codes,
-                                           const u8* meta, const u8* sb, const u16* x, i64 ldx,
-                                           int c, int lane, int g, int t) {
-  L.q = ldg16(codes + (i64)c * 512 + lane * 16);
+template <int QT, int M, int MT, int R>
+__device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w, i64 tbytes,
+                                           int chunks, const u16* x, i64 ldx, int c, int lane,
+                                           int g, int t) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const u8* codes = w + r * tbytes;
+    const u8* meta = codes + (i64)chunks * 512;
+    L.q[r] = ldg16(codes + (i64)c * 512 + lane * 16);
+    L.sc[r] = load_scales<QT>(meta, meta + (i64)chunks * TileFmt<QT>::META, c, g);
+  }
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
@@ -122,94 +133,116 @@ __device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT>& L, const u8* code
         L.xb[b][j].x = L.xb[b][j].y = L.xb[b][j].z = L.xb[b][j].w = 0u;
       }
     }
-  L.sc = load_scales<QT>(meta, sb, c, g);
 }
 
-template <int QT, int DT, int MT>
-__device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT>& L, float (*acc)[4]) {
+template <int QT, int DT, int MT, int R>
+__device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float (*acc)[MT][4]) {
   constexpr bool MIN = QT != 2;
   constexpr int OFF = TileFmt<QT>::OFF;
   const u32 ones = DT == 1 ? 0x3F803F80u : 0x3C003C00u;
   const u32 ones4[4] = {ones, ones, ones, ones};
-  float d[4], m[4];
-  scales_of<QT>(L.sc, d, m);
-  const u32 qw[4] = {L.q.x, L.q.y, L.q.z, L.q.w};
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
-    float part[MT][4], sum[MT][4];
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) part[j][i] = sum[j][i] = 0.f;
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const u32 word = qw[2 * b + s];
-      u32 a[4];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) a[p] = code_pair<DT, OFF>(word, 4 * p);
+    float sum[MT][4];  // x's sums over the block's 32 columns (for the mins)
+    if constexpr (MIN) {
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
-        const u32 b0 = s ? L.xb[b][j].z : L.xb[b][j].x, b1 = s ? L.xb[b][j].w : L.xb[b][j].y;
-        mma16816<DT>(part[j], a, b0, b1);
-        if constexpr (MIN) mma16816<DT>(sum[j], ones4, b0, b1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sum[j][i] = 0.f;
+        mma16816<DT>(sum[j], ones4, L.xb[b][j].x, L.xb[b][j].y);
+        mma16816<DT>(sum[j], ones4, L.xb[b][j].z, L.xb[b][j].w);
       }
     }
 #pragma unroll
-    for (int j = 0; j < MT; ++j)
+    for (int r = 0; r < R; ++r) {
+      float d[4], m[4];
+      scales_of<QT>(L.sc[r], d, m);
+      const u32 qw[4] = {L.q[r].x, L.q[r].y, L.q[r].z, L.q[r].w};
+      float part[MT][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int k = 2 * (i >> 1) + b;
-        acc[j][i] = fmaf(d[k], part[j][i], acc[j][i]);
-        if constexpr (MIN) acc[j][i] = fmaf(m[k], sum[j][i], acc[j][i]);
+      for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[j][i] = 0.f;
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const u32 word = qw[2 * b + s];
+        u32 a[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) a[p] = code_pair<DT, OFF>(word, 4 * p);
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+          const u32 b0 = s ? L.xb[b][j].z : L.xb[b][j].x, b1 = s ? L.xb[b][j].w : L.xb[b][j].y;
+          mma16816<DT>(part[j], a, b0, b1);
+        }
       }
+#pragma unroll
+      for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int k = 2 * (i >> 1) + b;
+          acc[r][j][i] = fmaf(d[k], part[j][i], acc[r][j][i]);
+          if constexpr (MIN) acc[r][j][i] = fmaf(m[k], sum[j][i], acc[r][j][i]);
+        }
+    }
   }
 }
 
-// One CTA per 16-row tile; grid.x = N / 16. x [M][K] (row stride ldx), out [M][N] (ldo).
-// Warp w takes chunks w, w + 8, ...; two chunks' loads stay in flight while one computes.
-template <int QT, int M, int DT>
+// One CTA per R consecutive 16-row tiles; grid.x = N / (16 R). x [M][K] (row stride ldx), out
+// [M][N] (ldo). Warp w takes chunks w, w + 8, ...; the loads of D chunks stay in flight.
+template <int QT, int M, int DT, int R>
 __global__ void __launch_bounds__(256, 2) gguf_tile_gemv_kernel(const u16* __restrict__ x,
                                                                const u8* __restrict__ w,
                                                                u16* __restrict__ out, int K,
                                                                i64 ldx, i64 ldo) {
   constexpr int MT = (M + 7) / 8;
+  constexpr int D = (MT == 1 && R == 1) ? 4 : 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int chunks = K >> 6;
-  const u8* codes = w + (i64)blockIdx.x * tile_bytes<QT>(K);
-  const u8* meta = codes + (i64)chunks * 512;
-  const u8* sb = meta + (i64)chunks * TileFmt<QT>::META;
-  float acc[MT][4];
+  const i64 tbytes = tile_bytes<QT>(K);
+  const u8* tiles = w + (i64)blockIdx.x * R * tbytes;
+  float acc[R][MT][4];
 #pragma unroll
-  for (int j = 0; j < MT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < MT; ++j) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
 
-  ChunkLoads<QT, MT> la, lb;
-  if (warp < chunks) load_chunk<QT, M, MT>(la, codes, meta, sb, x, ldx, warp, lane, g, t);
-  if (warp + 8 < chunks) load_chunk<QT, M, MT>(lb, codes, meta, sb, x, ldx, warp + 8, lane, g, t);
-  for (int c = warp; c < chunks; c += 16) {
-    mma_chunk<QT, DT, MT>(la, acc);
-    if (c + 16 < chunks) load_chunk<QT, M, MT>(la, codes, meta, sb, x, ldx, c + 16, lane, g, t);
-    if (c + 8 < chunks) {
-      mma_chunk<QT, DT, MT>(lb, acc);
-      if (c + 24 < chunks) load_chunk<QT, M, MT>(lb, codes, meta, sb, x, ldx, c + 24, lane, g, t);
+  ChunkLoads<QT, MT, R> L[D];
+#pragma unroll
+  for (int i = 0; i < D; ++i)
+    if (warp + 8 * i < chunks)
+      load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, warp + 8 * i, lane, g, t);
+  for (int c0 = warp; c0 < chunks; c0 += 8 * D) {
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+      const int c = c0 + 8 * i;
+      if (c < chunks) {
+        mma_chunk<QT, DT, MT, R>(L[i], acc);
+        if (c + 8 * D < chunks)
+          load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, c + 8 * D, lane, g, t);
+      }
     }
   }
 
-  __shared__ float red[8][MT * 4][32];
+  __shared__ float red[8][R * MT * 4][32];
 #pragma unroll
-  for (int j = 0; j < MT; ++j)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][j * 4 + i][lane] = acc[j][i];
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][(r * MT + j) * 4 + i][lane] = acc[r][j][i];
   __syncthreads();
-  if (warp != 0) return;
+  // warp v sums the values of tile v % R (R <= 8 warps)
+  if (warp >= R) return;
+  const int r = warp;
 #pragma unroll
   for (int j = 0; j < MT; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       float v = 0.f;
 #pragma unroll
-      for (int w2 = 0; w2 < 8; ++w2) v += red[w2][j * 4 + i][lane];
+      for (int w2 = 0; w2 < 8; ++w2) v += red[w2][(r * MT + j) * 4 + i][lane];
       const int row = 8 * j + 2 * t + (i & 1);  // row of x (and of out)
-      const int col = blockIdx.x * 16 + g + 8 * (i >> 1);
+      const int col = (blockIdx.x * R + r) * 16 + g + 8 * (i >> 1);
       if (row < M) out[(i64)row * ldo + col] = from_float<DT>(v);
     }
 }

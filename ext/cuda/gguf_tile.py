@@ -161,6 +161,12 @@ def from_tiles(tiles_data: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def tiles_per_cta(n: int) -> int:
+    """Tiles one CTA of the GEMV takes: 2 (sharing x's loads and sums) where that still leaves
+    several CTAs per SM, else 1."""
+    return 2 if n >= 16384 and n % 32 == 0 else 1
+
+
 def _check(tiles_data: torch.Tensor, type_id: int, k: int, device: torch.device) -> int:
     if type_id not in TILE_TYPES or k % (256 if type_id == 12 else 64):
         raise ValueError(f"type {type_id} with K={k} has no tile layout")
@@ -183,11 +189,12 @@ def launch_gemv(x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, out: to
         raise ValueError(f"out must be [{m}, {n}] with contiguous rows")
     if x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("x rows must be 16-byte aligned")
+    r = tiles_per_cta(n)
     launch(
         "gguf_tile.cu",
-        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]}>",
+        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r}>",
         x.device,
-        (n // 16, 1, 1),
+        (n // (16 * r), 1, 1),
         (256, 1, 1),
         (ptr(x), ptr(tiles_data), ptr(out), i32(k), i64(x.stride(0)), i64(out.stride(0))),
     )

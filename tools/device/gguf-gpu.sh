@@ -38,7 +38,7 @@ for stage in $STAGES; do
     tests)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/ext/test_cuda_gguf_tile.py tests/ext/test_cuda_gguf_linear.py \
-        tests/models/test_quant_cuda.py >"$OUT/tests.log" 2>&1 || rc=1
+        tests/ext/test_qk_norm_rope.py tests/models/test_quant_cuda.py >"$OUT/tests.log" 2>&1 || rc=1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -n 8 ;;
     linears)
       timeout 300 python3 tools/bench_gguf_gpu.py --types Q4_0,Q4_K --reps 10 || rc=1 ;;

@@ -189,7 +189,9 @@ __device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float 
 
 // One CTA per R consecutive 16-row tiles; grid.x = N / (16 R). x [M][K] (row stride ldx), out
 // [M][N] (ldo). Warp w takes chunks w, w + 8, ...; the loads of D chunks stay in flight.
-template <int QT, int M, int DT, int R>
+// SW = 1 (R = 2): the tiles are (gate, up) pairs; out [M][N / 2] = silu(gate) * up, each step
+// rounded to the 16-bit type as the torch expression does.
+template <int QT, int M, int DT, int R, int SW = 0>
 __global__ void __launch_bounds__(256, 2) gguf_tile_gemv_kernel(const u16* __restrict__ x,
                                                                const u8* __restrict__ w,
                                                                u16* __restrict__ out, int K,
@@ -231,6 +233,27 @@ __global__ void __launch_bounds__(256, 2) gguf_tile_gemv_kernel(const u16* __res
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][(r * MT + j) * 4 + i][lane] = acc[r][j][i];
   __syncthreads();
+  if constexpr (SW) {
+    static_assert(R == 2, "gate/up pairs");
+    if (warp != 0) return;
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float vg = 0.f, vu = 0.f;
+#pragma unroll
+        for (int w2 = 0; w2 < 8; ++w2) {
+          vg += red[w2][j * 4 + i][lane];
+          vu += red[w2][(MT + j) * 4 + i][lane];
+        }
+        const float gr = round_dt<DT>(vg), ur = round_dt<DT>(vu);
+        const float act = round_dt<DT>(gr / (1.f + __expf(-gr)));
+        const int row = 8 * j + 2 * t + (i & 1);
+        const int col = blockIdx.x * 16 + g + 8 * (i >> 1);
+        if (row < M) out[(i64)row * ldo + col] = from_float<DT>(act * ur);
+      }
+    return;
+  }
   // warp v sums the values of tile v % R (R <= 8 warps)
   if (warp >= R) return;
   const int r = warp;

@@ -7,7 +7,8 @@ scales (Q4_0 d; Q4_1 d, m; Q4_K 8-bit sub-block scales and mins), then (Q4_K) ea
 d, dmin. The bytes stay packed: Q4_0 and Q4_1 take exactly their GGUF size, Q4_K 2.8% more
 (its 6-bit scales widened to bytes). Up to `MAX_ROWS` rows of x: one pass over the tiles with
 the MMA (weights decoded in registers, fp32 accumulation); more rows: dequantize into a scratch
-buffer, then cuBLAS. Knows nothing about models.
+buffer, then cuBLAS. A gated MLP's gate_up weight may pair its tiles (gate i, up i) so that one
+GEMV also applies silu(gate) * up (`gguf_tile_swiglu`). Knows nothing about models.
 """
 
 from __future__ import annotations
@@ -167,6 +168,20 @@ def tiles_per_cta(n: int) -> int:
     return 2 if n >= 16384 and n % 32 == 0 else 1
 
 
+def pair_tiles(tiles_data: torch.Tensor) -> torch.Tensor:
+    """A gate_up weight's tiles [gate tiles | up tiles] -> (gate i, up i) pairs (a copy)."""
+    t = tiles_data.shape[0]
+    if t % 2:
+        raise ValueError("pairing needs an even number of tiles")
+    return tiles_data.view(2, t // 2, -1).transpose(0, 1).reshape(t, -1)
+
+
+def unpair_tiles(tiles_data: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pair_tiles`."""
+    t = tiles_data.shape[0]
+    return tiles_data.view(t // 2, 2, -1).transpose(0, 1).reshape(t, -1)
+
+
 def _check(tiles_data: torch.Tensor, type_id: int, k: int, device: torch.device) -> int:
     if type_id not in TILE_TYPES or k % (256 if type_id == 12 else 64):
         raise ValueError(f"type {type_id} with K={k} has no tile layout")
@@ -179,20 +194,26 @@ def _check(tiles_data: torch.Tensor, type_id: int, k: int, device: torch.device)
     return tiles_data.shape[0] * 16
 
 
-def launch_gemv(x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, out: torch.Tensor) -> None:
-    """out[M, N] = x[M, K] @ W^T, 1 <= M <= MAX_ROWS, x/out fp16 or bf16, 16-byte rows."""
+def launch_gemv(
+    x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, out: torch.Tensor, swiglu: bool = False
+) -> None:
+    """out[M, N] = x[M, K] @ W^T, 1 <= M <= MAX_ROWS, x/out fp16 or bf16, 16-byte rows.
+    `swiglu`: W's tiles are (gate, up) pairs (`pair_tiles`) and out[M, N / 2] = silu(g) * u."""
     m, k = x.shape
     n = _check(tiles_data, type_id, k, x.device)
     if not 1 <= m <= MAX_ROWS or x.dtype not in _DT or out.dtype != x.dtype:
         raise ValueError(f"x must be [1..{MAX_ROWS}, K] fp16/bf16, out the same dtype")
-    if out.shape != (m, n) or x.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with contiguous rows")
+    n_out = n // 2 if swiglu else n
+    if out.shape != (m, n_out) or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {n_out}] with contiguous rows")
     if x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("x rows must be 16-byte aligned")
-    r = tiles_per_cta(n)
+    if swiglu and n % 32:
+        raise ValueError("gate/up tile pairs need N % 32 == 0")
+    r = 2 if swiglu else tiles_per_cta(n)
     launch(
         "gguf_tile.cu",
-        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r}>",
+        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r},{int(swiglu)}>",
         x.device,
         (n // (16 * r), 1, 1),
         (256, 1, 1),
@@ -237,3 +258,28 @@ def gguf_tile_linear(
 @gguf_tile_linear.register_fake
 def _(x, tiles_data, type_id, k):
     return x.new_empty(x.shape[0], tiles_data.shape[0] * 16)
+
+
+@torch.library.custom_op("tandem::gguf_tile_swiglu", mutates_args=())
+def gguf_tile_swiglu(
+    x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, k: int
+) -> torch.Tensor:
+    """silu(x @ G^T) * (x @ U^T), [M, N / 2], with [G; U] tiled and paired (`pair_tiles`)."""
+    m = x.shape[0]
+    n = tiles_data.shape[0] * 16
+    if 1 <= m <= MAX_ROWS:
+        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()
+        out = torch.empty(m, n // 2, device=x.device, dtype=x.dtype)
+        launch_gemv(x, tiles_data, type_id, out, swiglu=True)
+        return out
+    w = torch.empty(n, k, device=x.device, dtype=x.dtype)
+    launch_dequant(tiles_data, type_id, k, w)
+    y = torch.nn.functional.linear(x, w).view(m, n // 32, 2, 16)
+    gate, up = y[:, :, 0].reshape(m, n // 2), y[:, :, 1].reshape(m, n // 2)
+    return torch.nn.functional.silu(gate) * up
+
+
+@gguf_tile_swiglu.register_fake
+def _(x, tiles_data, type_id, k):
+    return x.new_empty(x.shape[0], tiles_data.shape[0] * 8)

@@ -1,16 +1,48 @@
 """Packed GGUF linears on CUDA: Q4_0, Q4_1 and Q4_K weights re-laid once into 16-row tiles for
 ext/cuda's tensor-core GEMV (`gguf_tile_linear`); other types through the row-layout GEMV
-(`gguf_linear`). Both dequantize to a scratch buffer + cuBLAS above 16 rows.
+(`gguf_linear`). Both dequantize to a scratch buffer + cuBLAS above 16 rows. A gated MLP's
+tiled gate_up pairs its tiles and applies silu(gate) * up in the same GEMV (`QuantSwigluMLP`).
 `use_cuda_quant_kernels(model)` attaches them to every CUDA `QuantLinear` of a fp16/bf16 model."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.ext.cuda import gguf_linear, gguf_tile  # noqa: F401  (register the torch.ops)
+from tandem.models.layers.mlp import GatedMLP
+from tandem.models.layers.parallel import row_parallel
 from tandem.models.quant.linear import QuantLinear, quant_modules
 from tandem.models.quant.tensor import QuantizedTensor
+
+
+class QuantSwigluMLP(GatedMLP):
+    """GatedMLP whose packed gate_up weight has its tiles paired (gate i, up i), so that one
+    GEMV also applies silu(gate) * up (`torch.ops.tandem.gguf_tile_swiglu`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] fp16/bf16 on CUDA
+        seg = self.gate_up_proj.segments[0]
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            gate, up = F.linear(x, seg.dequantize(x.dtype)).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            act = torch.ops.tandem.gguf_tile_swiglu(x, seg.data, seg.type_id, seg.cols)
+        return row_parallel(self.down_proj, act, self.tp, self.reduce)
+
+
+def pair_gate_up(mlp: nn.Module) -> bool:
+    """Swap a CUDA GatedMLP whose gate_up is one tiled packed segment (no bias) for
+    `QuantSwigluMLP`; returns whether it did."""
+    lin = getattr(mlp, "gate_up_proj", None)
+    if type(mlp) is not GatedMLP or not isinstance(lin, QuantLinear) or lin.bias is not None:
+        return False
+    if len(lin.segments) != 1 or lin.segments[0].layout != "tile16" or lin.segments[0].rows % 32:
+        return False
+    lin.segments[0] = lin.segments[0].as_tiles(pairs=True)
+    mlp.__class__ = QuantSwigluMLP
+    return True
 
 
 class CudaQuantKernel:
@@ -19,6 +51,8 @@ class CudaQuantKernel:
             return torch.nn.functional.linear(x, seg.dequantize(x.dtype))
         if seg.layout == "tile16":
             return torch.ops.tandem.gguf_tile_linear(x, seg.data, seg.type_id, seg.cols)
+        if seg.layout != "rows":  # paired tiles: only QuantSwigluMLP reads them in order
+            return torch.nn.functional.linear(x, seg.dequantize(x.dtype))
         if seg.type_id not in gguf_linear.QTYPES:
             return torch.nn.functional.linear(x, seg.dequantize(x.dtype))
         return torch.ops.tandem.gguf_linear(x, seg.data, seg.type_id, seg.cols)
@@ -48,6 +82,9 @@ def use_cuda_quant_kernels(model: nn.Module, tiles: bool = True) -> int:
         if tiles:
             tile_segments(m)
         m.kernel = kernel
+    if tiles:
+        for mlp in list(model.modules()):
+            pair_gate_up(mlp)
     if tiles and mods:
         torch.cuda.empty_cache()  # the row-layout copies: give them back before KV sizing
     return len(mods)

@@ -1,6 +1,7 @@
 """`QuantizedTensor`: a 2-D weight kept in a checkpoint's packed format (GGUF block types),
 row-major with each row's blocks contiguous (layout "rows") or, on CUDA, re-laid in 16-row
-tiles for the tensor-core GEMV (layout "tile16", ext/cuda/gguf_tile.py), plus its reference
+tiles for the tensor-core GEMV (layout "tile16"; "tile16x2": a gate_up weight's tiles paired
+gate i, up i; ext/cuda/gguf_tile.py), plus its reference
 dequantization. Knows the byte layouts only through `models.gguf_dequant` and that module's
 exact inverse; knows nothing of layers.
 """
@@ -32,7 +33,7 @@ def ggml_block(qtype: str) -> tuple[int, int]:
 @dataclass
 class QuantizedTensor:
     """W [rows, cols] as `data` [rows, cols / block * type_size] uint8 (any device), or with
-    layout "tile16" as [rows / 16, gguf_tile.tile_bytes(type, cols)]."""
+    layout "tile16" / "tile16x2" as [rows / 16, gguf_tile.tile_bytes(type, cols)]."""
 
     qtype: str
     data: torch.Tensor
@@ -43,7 +44,7 @@ class QuantizedTensor:
         block, size = ggml_block(self.qtype)
         if self.data.dtype != torch.uint8 or self.data.dim() != 2:
             raise ValueError(f"{self.qtype} data must be 2-D uint8, got {self.data.dtype}")
-        if self.layout == "tile16":
+        if self.layout in ("tile16", "tile16x2"):
             tid = gguf_tile.type_id_of(self.qtype)
             if tid is None or self.data.shape[1] != gguf_tile.tile_bytes(tid, self.cols):
                 raise ValueError(f"{self.qtype} [{self.cols} columns] has no such tile layout")
@@ -58,7 +59,7 @@ class QuantizedTensor:
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0] * (16 if self.layout == "tile16" else 1)
+        return self.data.shape[0] * (1 if self.layout == "rows" else 16)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -81,15 +82,22 @@ class QuantizedTensor:
         """The same weight in the GGUF row layout (a copy when tiled)."""
         if self.layout == "rows":
             return self
-        rows = gguf_tile.from_tiles(self.data, self.type_id, self.cols)
+        tiles = self.data if self.layout == "tile16" else gguf_tile.unpair_tiles(self.data)
+        rows = gguf_tile.from_tiles(tiles, self.type_id, self.cols)
         return QuantizedTensor(self.qtype, rows, self.cols)
 
-    def as_tiles(self) -> QuantizedTensor:
-        """The same weight in the tile layout (a copy); `gguf_tile.supports` must hold."""
-        if self.layout == "tile16":
+    def as_tiles(self, pairs: bool = False) -> QuantizedTensor:
+        """The same weight in the tile layout (a copy; `pairs`: gate/up tile pairs of a
+        [gate; up] weight); `gguf_tile.supports` must hold."""
+        layout = "tile16x2" if pairs else "tile16"
+        if self.layout == layout:
             return self
-        tiles = gguf_tile.to_tiles(self.data, self.type_id, self.cols)
-        return QuantizedTensor(self.qtype, tiles, self.cols, "tile16")
+        if self.layout == "tile16":
+            data = self.data
+        else:
+            data = gguf_tile.to_tiles(self.as_rows().data, self.type_id, self.cols)
+        return QuantizedTensor(self.qtype, gguf_tile.pair_tiles(data) if pairs else data,
+                               self.cols, layout)  # fmt: skip
 
     def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows `index` (1-D int64), still packed (in the row layout)."""

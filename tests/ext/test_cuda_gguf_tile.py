@@ -94,3 +94,21 @@ def test_inside_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     assert torch.equal(y, torch.ops.tandem.gguf_tile_linear(x, t.data, t.type_id, 512))
     assert not torch.equal(y, eager)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 64, 300])
+def test_swiglu_pairs_match_torch(qtype: str, rows: int) -> None:
+    """silu(x G^T) * (x U^T) from paired gate/up tiles, against the dequantized weights."""
+    from tandem.ext.cuda import gguf_tile  # noqa: F401
+
+    k, inter = 512, 16 * (2 + rows % 3)
+    w = _weight(qtype, 2 * inter, k, rows)
+    p = w.as_tiles(pairs=True)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    gate, up = (x @ w.dequantize(torch.bfloat16).T).chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up).double()
+    got = torch.ops.tandem.gguf_tile_swiglu(x, p.data, p.type_id, k)
+    assert got.shape == (rows, inter) and got.dtype == torch.bfloat16
+    err = (got.double() - expected).norm(dim=1) / expected.norm(dim=1)
+    assert err.max() < 2e-2

@@ -108,3 +108,16 @@ def test_mma_emulation_matches_dequantize(qtype: str, m: int) -> None:
     got = _emulate(to_tiles(w.data, tid, k), tid, k, x)
     expected = x.double() @ w.dequantize().double().T
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+def test_paired_tiles_round_trip(qtype: str) -> None:
+    """A [gate; up] weight with its tiles paired (gate i, up i) dequantizes as the rows did."""
+    w = _weight(qtype, 64, 256, seed=7)
+    paired = w.as_tiles(pairs=True)
+    assert paired.layout == "tile16x2" and paired.rows == 64
+    assert torch.equal(paired.as_rows().data, w.data)
+    assert torch.equal(paired.dequantize(), w.dequantize())
+    tiles = w.as_tiles()
+    assert torch.equal(tiles.as_tiles(pairs=True).data, paired.data)
+    assert torch.equal(paired.data[1], tiles.data[2])  # tile 1 of the pairs: up's first tile

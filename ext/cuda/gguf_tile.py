@@ -7,8 +7,8 @@ scales (Q4_0 d; Q4_1 d, m; Q4_K 8-bit sub-block scales and mins), then (Q4_K) ea
 d, dmin. The bytes stay packed: Q4_0 and Q4_1 take exactly their GGUF size, Q4_K 2.8% more
 (its 6-bit scales widened to bytes). Up to `MAX_ROWS` rows of x: one pass over the tiles with
 the MMA (weights decoded in registers, fp32 accumulation); more rows: dequantize into a scratch
-buffer, then cuBLAS. A gated MLP's gate_up weight may pair its tiles (gate i, up i) so that one
-GEMV also applies silu(gate) * up (`gguf_tile_swiglu`). Knows nothing about models.
+buffer, then cuBLAS. A gated MLP's gate_up weight may pair its rows (8 gate rows, then the same
+8 up rows, in every tile) so that one GEMV also applies silu(gate) * up (`gguf_tile_swiglu`). Knows nothing about models.
 """
 
 from __future__ import annotations
@@ -162,24 +162,26 @@ def from_tiles(tiles_data: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def tiles_per_cta(n: int) -> int:
-    """Tiles one CTA of the GEMV takes: 2 (sharing x's loads and sums) where that still leaves
-    several CTAs per SM, else 1."""
-    return 2 if n >= 16384 and n % 32 == 0 else 1
+def tiles_per_cta(type_id: int, n: int) -> int:
+    """Tiles one CTA of the GEMV takes: for the types with mins, 2 (sharing x's loads and block
+    sums) where that still leaves several CTAs per SM; else 1 (Q4_0 measured faster at one
+    tile and three CTAs an SM)."""
+    return 2 if type_id != 2 and n >= 16384 and n % 32 == 0 else 1
 
 
-def pair_tiles(tiles_data: torch.Tensor) -> torch.Tensor:
-    """A gate_up weight's tiles [gate tiles | up tiles] -> (gate i, up i) pairs (a copy)."""
-    t = tiles_data.shape[0]
-    if t % 2:
-        raise ValueError("pairing needs an even number of tiles")
-    return tiles_data.view(2, t // 2, -1).transpose(0, 1).reshape(t, -1)
+def pair_rows(data: torch.Tensor) -> torch.Tensor:
+    """A [gate; up] weight's rows (any per-row layout) -> blocks of 8 gate rows, then the 8 up
+    rows of the same indices (a copy), so that a tile's rows g and g + 8 are gate and up."""
+    n = data.shape[0]
+    if n % 16:
+        raise ValueError("pairing needs N % 16 == 0")
+    return data.reshape(2, n // 16, 8, -1).transpose(0, 1).reshape(n, *data.shape[1:])
 
 
-def unpair_tiles(tiles_data: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pair_tiles`."""
-    t = tiles_data.shape[0]
-    return tiles_data.view(t // 2, 2, -1).transpose(0, 1).reshape(t, -1)
+def unpair_rows(data: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pair_rows`."""
+    n = data.shape[0]
+    return data.reshape(n // 16, 2, 8, -1).transpose(0, 1).reshape(n, *data.shape[1:])
 
 
 def _check(tiles_data: torch.Tensor, type_id: int, k: int, device: torch.device) -> int:
@@ -198,7 +200,7 @@ def launch_gemv(
     x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, out: torch.Tensor, swiglu: bool = False
 ) -> None:
     """out[M, N] = x[M, K] @ W^T, 1 <= M <= MAX_ROWS, x/out fp16 or bf16, 16-byte rows.
-    `swiglu`: W's tiles are (gate, up) pairs (`pair_tiles`) and out[M, N / 2] = silu(g) * u."""
+    `swiglu`: W's rows are paired (`pair_rows`) and out[M, N / 2] = silu(gate) * up."""
     m, k = x.shape
     n = _check(tiles_data, type_id, k, x.device)
     if not 1 <= m <= MAX_ROWS or x.dtype not in _DT or out.dtype != x.dtype:
@@ -208,9 +210,7 @@ def launch_gemv(
         raise ValueError(f"out must be [{m}, {n_out}] with contiguous rows")
     if x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("x rows must be 16-byte aligned")
-    if swiglu and n % 32:
-        raise ValueError("gate/up tile pairs need N % 32 == 0")
-    r = 2 if swiglu else tiles_per_cta(n)
+    r = tiles_per_cta(type_id, n)
     launch(
         "gguf_tile.cu",
         f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r},{int(swiglu)}>",
@@ -264,7 +264,7 @@ def _(x, tiles_data, type_id, k):
 def gguf_tile_swiglu(
     x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, k: int
 ) -> torch.Tensor:
-    """silu(x @ G^T) * (x @ U^T), [M, N / 2], with [G; U] tiled and paired (`pair_tiles`)."""
+    """silu(x @ G^T) * (x @ U^T), [M, N / 2], with [G; U] paired (`pair_rows`), then tiled."""
     m = x.shape[0]
     n = tiles_data.shape[0] * 16
     if 1 <= m <= MAX_ROWS:
@@ -275,7 +275,7 @@ def gguf_tile_swiglu(
         return out
     w = torch.empty(n, k, device=x.device, dtype=x.dtype)
     launch_dequant(tiles_data, type_id, k, w)
-    y = torch.nn.functional.linear(x, w).view(m, n // 32, 2, 16)
+    y = torch.nn.functional.linear(x, w).view(m, n // 16, 2, 8)
     gate, up = y[:, :, 0].reshape(m, n // 2), y[:, :, 1].reshape(m, n // 2)
     return torch.nn.functional.silu(gate) * up
 

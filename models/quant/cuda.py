@@ -1,7 +1,7 @@
 """Packed GGUF linears on CUDA: Q4_0, Q4_1 and Q4_K weights re-laid once into 16-row tiles for
 ext/cuda's tensor-core GEMV (`gguf_tile_linear`); other types through the row-layout GEMV
 (`gguf_linear`). Both dequantize to a scratch buffer + cuBLAS above 16 rows. A gated MLP's
-tiled gate_up pairs its tiles and applies silu(gate) * up in the same GEMV (`QuantSwigluMLP`).
+tiled gate_up pairs its rows and applies silu(gate) * up in the same GEMV (`QuantSwigluMLP`).
 `use_cuda_quant_kernels(model)` attaches them to every CUDA `QuantLinear` of a fp16/bf16 model."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from tandem.models.quant.tensor import QuantizedTensor
 
 
 class QuantSwigluMLP(GatedMLP):
-    """GatedMLP whose packed gate_up weight has its tiles paired (gate i, up i), so that one
-    GEMV also applies silu(gate) * up (`torch.ops.tandem.gguf_tile_swiglu`)."""
+    """GatedMLP whose packed gate_up weight has its rows paired (8 gate rows, then the same 8
+    up rows, per tile), so that one GEMV also applies silu(gate) * up
+    (`torch.ops.tandem.gguf_tile_swiglu`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] fp16/bf16 on CUDA
@@ -38,7 +39,7 @@ def pair_gate_up(mlp: nn.Module) -> bool:
     lin = getattr(mlp, "gate_up_proj", None)
     if type(mlp) is not GatedMLP or not isinstance(lin, QuantLinear) or lin.bias is not None:
         return False
-    if len(lin.segments) != 1 or lin.segments[0].layout != "tile16" or lin.segments[0].rows % 32:
+    if len(lin.segments) != 1 or lin.segments[0].layout != "tile16":
         return False
     lin.segments[0] = lin.segments[0].as_tiles(pairs=True)
     mlp.__class__ = QuantSwigluMLP

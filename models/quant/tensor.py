@@ -1,7 +1,7 @@
 """`QuantizedTensor`: a 2-D weight kept in a checkpoint's packed format (GGUF block types),
 row-major with each row's blocks contiguous (layout "rows") or, on CUDA, re-laid in 16-row
-tiles for the tensor-core GEMV (layout "tile16"; "tile16x2": a gate_up weight's tiles paired
-gate i, up i; ext/cuda/gguf_tile.py), plus its reference
+tiles for the tensor-core GEMV (layout "tile16"; "tile16x2": a [gate; up] weight's rows paired
+in blocks of 8 before tiling; ext/cuda/gguf_tile.py), plus its reference
 dequantization. Knows the byte layouts only through `models.gguf_dequant` and that module's
 exact inverse; knows nothing of layers.
 """
@@ -82,22 +82,22 @@ class QuantizedTensor:
         """The same weight in the GGUF row layout (a copy when tiled)."""
         if self.layout == "rows":
             return self
-        tiles = self.data if self.layout == "tile16" else gguf_tile.unpair_tiles(self.data)
-        rows = gguf_tile.from_tiles(tiles, self.type_id, self.cols)
+        rows = gguf_tile.from_tiles(self.data, self.type_id, self.cols)
+        if self.layout == "tile16x2":
+            rows = gguf_tile.unpair_rows(rows)
         return QuantizedTensor(self.qtype, rows, self.cols)
 
     def as_tiles(self, pairs: bool = False) -> QuantizedTensor:
-        """The same weight in the tile layout (a copy; `pairs`: gate/up tile pairs of a
-        [gate; up] weight); `gguf_tile.supports` must hold."""
+        """The same weight in the tile layout (a copy; `pairs`: a [gate; up] weight's rows
+        paired for `gguf_tile_swiglu`); `gguf_tile.supports` must hold."""
         layout = "tile16x2" if pairs else "tile16"
         if self.layout == layout:
             return self
-        if self.layout == "tile16":
-            data = self.data
-        else:
-            data = gguf_tile.to_tiles(self.as_rows().data, self.type_id, self.cols)
-        return QuantizedTensor(self.qtype, gguf_tile.pair_tiles(data) if pairs else data,
-                               self.cols, layout)  # fmt: skip
+        rows = self.as_rows().data
+        rows = gguf_tile.pair_rows(rows) if pairs else rows
+        return QuantizedTensor(
+            self.qtype, gguf_tile.to_tiles(rows, self.type_id, self.cols), self.cols, layout
+        )
 
     def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows `index` (1-D int64), still packed (in the row layout)."""

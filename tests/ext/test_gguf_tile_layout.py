@@ -112,12 +112,18 @@ def test_mma_emulation_matches_dequantize(qtype: str, m: int) -> None:
 
 @pytest.mark.parametrize("qtype", list(TYPES))
 def test_paired_tiles_round_trip(qtype: str) -> None:
-    """A [gate; up] weight with its tiles paired (gate i, up i) dequantizes as the rows did."""
+    """A [gate; up] weight with its rows paired (8 gate rows, the same 8 up rows per tile)
+    dequantizes as the rows did."""
     w = _weight(qtype, 64, 256, seed=7)
     paired = w.as_tiles(pairs=True)
     assert paired.layout == "tile16x2" and paired.rows == 64
     assert torch.equal(paired.as_rows().data, w.data)
     assert torch.equal(paired.dequantize(), w.dequantize())
-    tiles = w.as_tiles()
-    assert torch.equal(tiles.as_tiles(pairs=True).data, paired.data)
-    assert torch.equal(paired.data[1], tiles.data[2])  # tile 1 of the pairs: up's first tile
+    assert torch.equal(w.as_tiles().as_tiles(pairs=True).data, paired.data)
+    gate, up = w.data[:32], w.data[32:]
+    tile1 = torch.cat((gate[8:16], up[8:16]))  # tile 1: gate rows 8-15, then up rows 8-15
+    assert torch.equal(paired.data[1], gguf_tile_rows_to_tiles(tile1, TYPES[qtype], 256)[0])
+
+
+def gguf_tile_rows_to_tiles(rows: torch.Tensor, tid: int, k: int) -> torch.Tensor:
+    return to_tiles(rows, tid, k)

@@ -192,14 +192,8 @@ __device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float 
 // SW = 1: each tile holds 8 gate rows then the 8 up rows of the same intermediate indices, so a
 // lane's rows g and g + 8 meet in its registers; out [M][N / 2] = silu(gate) * up, each step
 // rounded to the 16-bit type as the torch expression does.
-// Q4_0 at one tile per CTA fits 3 CTAs an SM (measured faster than deeper prefetch at 2).
-template <int QT, int M, int DT, int R>
-constexpr int min_ctas() {
-  return (QT == 2 && R == 1 && M <= 8) ? 3 : 2;
-}
-
 template <int QT, int M, int DT, int R, int SW = 0>
-__global__ void __launch_bounds__(256, (min_ctas<QT, M, DT, R>())) gguf_tile_gemv_kernel(const u16* __restrict__ x,
+__global__ void __launch_bounds__(256, 2) gguf_tile_gemv_kernel(const u16* __restrict__ x,
                                                                const u8* __restrict__ w,
                                                                u16* __restrict__ out, int K,
                                                                i64 ldx, i64 ldo) {

@@ -2,8 +2,8 @@
 // y[M, N] = x[M, K] @ W[N, K]^T through m16n8k16 MMAs, A = 16 weight rows (codes turned into
 // exact 16-bit integers in registers), B = up to 8 rows of x per MMA, fp32 accumulation; block
 // scales applied to each 32-column partial sum, mins through a second MMA against ones.
-// gguf_tile_gemv_kernel: one CTA per R tiles (16 rows each), its 8 warps split the 64-column
-// chunks, then sum through shared memory. gguf_tile_dequant_kernel: the whole matrix into a scratch
+// gguf_tile_gemv_kernel: one CTA per R tiles (16 rows each), its 8 (or 16) warps split the
+// 64-column chunks, then sum through shared memory. gguf_tile_dequant_kernel: the whole matrix into a scratch
 // buffer for cuBLAS at prefill sizes.
 #include "common.cuh"
 
@@ -188,12 +188,13 @@ __device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float 
 }
 
 // One CTA per R consecutive 16-row tiles; grid.x = N / (16 R). x [M][K] (row stride ldx), out
-// [M][N] (ldo). Warp w takes chunks w, w + 8, ...; the loads of D chunks stay in flight.
+// [M][N] (ldo). Warp w takes chunks w, w + W, ...; the loads of D chunks stay in flight.
 // SW = 1: each tile holds 8 gate rows then the 8 up rows of the same intermediate indices, so a
 // lane's rows g and g + 8 meet in its registers; out [M][N / 2] = silu(gate) * up, each step
 // rounded to the 16-bit type as the torch expression does.
-template <int QT, int M, int DT, int R, int SW = 0>
-__global__ void __launch_bounds__(256, 2) gguf_tile_gemv_kernel(const u16* __restrict__ x,
+// W warps per CTA (8, or 16 for matrices with too few tiles to fill the SMs otherwise).
+template <int QT, int M, int DT, int R, int SW = 0, int W = 8>
+__global__ void __launch_bounds__(W * 32, 2) gguf_tile_gemv_kernel(const u16* __restrict__ x,
                                                                const u8* __restrict__ w,
                                                                u16* __restrict__ out, int K,
                                                                i64 ldx, i64 ldo) {
@@ -212,21 +213,21 @@ __global__ void __launch_bounds__(256, 2) gguf_tile_gemv_kernel(const u16* __res
   ChunkLoads<QT, MT, R> L[D];
 #pragma unroll
   for (int i = 0; i < D; ++i)
-    if (warp + 8 * i < chunks)
-      load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, warp + 8 * i, lane, g, t);
-  for (int c0 = warp; c0 < chunks; c0 += 8 * D) {
+    if (warp + W * i < chunks)
+      load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, warp + W * i, lane, g, t);
+  for (int c0 = warp; c0 < chunks; c0 += W * D) {
 #pragma unroll
     for (int i = 0; i < D; ++i) {
-      const int c = c0 + 8 * i;
+      const int c = c0 + W * i;
       if (c < chunks) {
         mma_chunk<QT, DT, MT, R>(L[i], acc);
-        if (c + 8 * D < chunks)
-          load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, c + 8 * D, lane, g, t);
+        if (c + W * D < chunks)
+          load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, c + W * D, lane, g, t);
       }
     }
   }
 
-  __shared__ float red[8][R * MT * 4][32];
+  __shared__ float red[W][R * MT * 4][32];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(256, 2) gguf_tile_gemv_kernel(const u16* __res
     for (int i = 0; i < 4; ++i) {
       v[i] = 0.f;
 #pragma unroll
-      for (int w2 = 0; w2 < 8; ++w2) v[i] += red[w2][(r * MT + j) * 4 + i][lane];
+      for (int w2 = 0; w2 < W; ++w2) v[i] += red[w2][(r * MT + j) * 4 + i][lane];
     }
 #pragma unroll
     for (int i = 0; i < (SW ? 2 : 4); ++i) {

@@ -169,6 +169,19 @@ def tiles_per_cta(type_id: int, n: int) -> int:
     return 2 if type_id != 2 and n >= 16384 and n % 32 == 0 else 1
 
 
+_SMS: dict[int, int] = {}
+
+
+def warps_per_cta(type_id: int, n: int, m: int, device: torch.device) -> int:
+    """Warps splitting a tile's chunks: 16 where the tiles alone would leave SMs with few
+    warps (Q4_0 at up to 8 rows of x, whose registers allow two such CTAs an SM), else 8."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 16 if type_id == 2 and m <= 8 and n // 16 <= 2 * sms else 8
+
+
 def pair_rows(data: torch.Tensor) -> torch.Tensor:
     """A [gate; up] weight's rows (any per-row layout) -> blocks of 8 gate rows, then the 8 up
     rows of the same indices (a copy), so that a tile's rows g and g + 8 are gate and up."""
@@ -211,12 +224,13 @@ def launch_gemv(
     if x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("x rows must be 16-byte aligned")
     r = tiles_per_cta(type_id, n)
+    w = warps_per_cta(type_id, n, m, x.device)
     launch(
         "gguf_tile.cu",
-        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r},{int(swiglu)}>",
+        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r},{int(swiglu)},{w}>",
         x.device,
         (n // (16 * r), 1, 1),
-        (256, 1, 1),
+        (32 * w, 1, 1),
         (ptr(x), ptr(tiles_data), ptr(out), i32(k), i64(x.stride(0)), i64(out.stride(0))),
     )
 

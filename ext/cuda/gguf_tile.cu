@@ -288,22 +288,24 @@ __global__ void __launch_bounds__(256) gguf_tile_dequant_kernel(const u8* __rest
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const float db = d[2 * h + b], mb = m[2 * h + b];
+      float v[8];  // columns 32b + 8t + {0..7}: both k-tiles' halves, one 16-byte store
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const u32 word = qw[2 * b + s];
-        float v[4];
 #pragma unroll
         for (int e = 0; e < 2; ++e)  // pair p = h + 2e: columns 4s + 2e + {0, 1}
 #pragma unroll
           for (int lo = 0; lo < 2; ++lo) {
             const int qv = (int)((word >> (4 * (h + 2 * e) + 16 * lo)) & 15u) - TileFmt<QT>::OFF;
-            v[2 * e + lo] = db * (float)qv + mb;
+            v[4 * s + 2 * e + lo] = db * (float)qv + mb;
           }
-        U2 o;
-        o.x = pack2<DT>(v[0], v[1]);
-        o.y = pack2<DT>(v[2], v[3]);
-        *(U2*)(orow + b * 32 + s * 4) = o;
       }
+      V16 o;
+      o.x = pack2<DT>(v[0], v[1]);
+      o.y = pack2<DT>(v[2], v[3]);
+      o.z = pack2<DT>(v[4], v[5]);
+      o.w = pack2<DT>(v[6], v[7]);
+      stg16(orow + b * 32, o);
     }
   }
 }

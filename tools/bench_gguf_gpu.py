@@ -198,9 +198,17 @@ def bench_engine(
     load_s = time.perf_counter() - t
     model = llm.engine.model
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    # read per token: every packed matrix but the embedding table (one row gathered)
+    # read per token: every packed matrix but the embedding table (one row gathered); of a MoE
+    # layer's stacked experts (w13/w2) only top_k / num_experts
     embed = sum(m.table.nbytes for m in quant_modules(model) if hasattr(m, "table") and m.table)
-    read_bytes = quantized_bytes(model) - embed + dense
+    cfg = model.config
+    experts = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if n.endswith((".w13", ".w2"))
+    )
+    active = experts * cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0
+    read_bytes = quantized_bytes(model) - embed + dense - experts + active
 
     def run(n: int, prompts: list[list[int]]) -> float:
         p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

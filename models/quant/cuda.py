@@ -72,20 +72,18 @@ def tile_segments(mod: QuantLinear) -> int:
     return done
 
 
-def use_cuda_quant_kernels(model: nn.Module, tiles: bool = True) -> int:
-    """Attach the kernel to the model's CUDA `QuantLinear`s (re-laying 4-bit weights into
-    tiles unless `tiles` is False); returns how many modules."""
+def use_cuda_quant_kernels(model: nn.Module) -> int:
+    """Attach the kernel to the model's CUDA `QuantLinear`s, re-laying 4-bit weights into
+    tiles (and a gated MLP's gate_up into row pairs); returns how many modules."""
     mods = [
         m for m in quant_modules(model) if isinstance(m, QuantLinear) and m.device.type == "cuda"
     ]
     kernel = CudaQuantKernel()
     for m in mods:
-        if tiles:
-            tile_segments(m)
+        tile_segments(m)
         m.kernel = kernel
-    if tiles:
-        for mlp in list(model.modules()):
-            pair_gate_up(mlp)
-    if tiles and mods:
+    for mlp in list(model.modules()):
+        pair_gate_up(mlp)
+    if mods:
         torch.cuda.empty_cache()  # the row-layout copies: give them back before KV sizing
     return len(mods)

@@ -4,12 +4,16 @@ the 32 layers' qkv / o / gate_up / down projections and the lm_head, as a decode
 1 (one CUDA graph of every linear) and as a 2,048-token prefill, next to the floor (packed bytes
 per token at the device-to-device copy bandwidth measured in the same run) and to the same
 shapes in bf16 through cuBLAS. Linears only: attention, norms and sampling are not in it.
+4-bit types run in both layouts: "tile16" (the tensor-core GEMV the engine uses) and "rows"
+(the row-per-warp GEMV).
 
     python tools/bench_gguf_gpu.py --types Q4_0,Q4_K [--json out.json]
-    python tools/bench_gguf_gpu.py --gguf model.gguf     # the whole model through the engine
+    python tools/bench_gguf_gpu.py --gguf model.gguf [--profile] [--streams 16]
 
-With --gguf: batch-1 decode of the file through Tandem's engine (weights packed), rate = new
-tokens / (time(1 + new tokens) - time(1 token)), as tools/bench_offline.py measures it.
+With --gguf: the file through Tandem's engine (weights packed): batch-1 decode, rate = new
+tokens / (time(1 + new tokens) - time(1 token)) as tools/bench_offline.py measures it; a
+2,048-token prefill; --streams N: N concurrent greedy streams' decode tok/s; --profile: the
+top GPU kernels of 32 decode steps (torch.profiler).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.ext.cuda import gguf_linear  # noqa: E402, F401  (registers torch.ops.tandem.gguf_linear)
+from tandem.ext.cuda import gguf_linear, gguf_tile  # noqa: E402, F401  (register the ops)
 from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor, ggml_block  # noqa: E402
 
 HIDDEN, INTER, Q, KV, LAYERS, VOCAB = 4096, 14336, 4096, 1024, 32, 128256
@@ -86,29 +90,43 @@ def graph_of(fn):
     return g.replay
 
 
-def bench_type(qtype: str, bw: float, reps: int) -> dict:
+def linear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
+    if w.layout == "tile16":
+        return torch.ops.tandem.gguf_tile_linear(x, w.data, w.type_id, w.cols)
+    return torch.ops.tandem.gguf_linear(x, w.data, w.type_id, w.cols)
+
+
+def bench_type(qtype: str, bw: float, reps: int, layout: str = "rows") -> dict:
     before = torch.cuda.memory_allocated()
-    weights = [random_packed(qtype, n, k) for _ in range(LAYERS) for n, k in SHAPES]
-    weights.append(random_packed(qtype, VOCAB, HIDDEN))
+    weights = []
+    for n, k in [s for _ in range(LAYERS) for s in SHAPES] + [(VOCAB, HIDDEN)]:
+        w = random_packed(qtype, n, k)
+        weights.append(w.as_tiles() if layout == "tile16" else w)
+        del w
     packed = sum(w.nbytes for w in weights)
     resident = torch.cuda.memory_allocated() - before
     check = weights[0]
     x = torch.randn(3, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    got = torch.ops.tandem.gguf_linear(x, check.data, check.type_id, HIDDEN).float()
+    got = linear(x, check).float()
     ref = x.float() @ check.dequantize().T
     rel = ((got - ref).norm() / ref.norm()).item()
     xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
 
     def decode() -> None:
         for w in weights:
-            torch.ops.tandem.gguf_linear(xs[w.cols], w.data, w.type_id, w.cols)
+            linear(xs[w.cols], w)
 
     step = timed(graph_of(decode), reps)
+    per_shape = []  # one linear of each shape alone, in a graph of 20 distinct layers' copies
+    for i, (n, k) in enumerate(SHAPES + [(VOCAB, HIDDEN)]):
+        ws = weights[i::4][:20] if i < 4 else weights[-1:]
+        t = timed(graph_of(lambda ws=ws: [linear(xs[w.cols], w) for w in ws]), reps) / len(ws)
+        per_shape.append({"n": n, "k": k, "s": t, "floor_s": ws[0].nbytes / bw})
     xp = {k: torch.randn(2048, k, device="cuda", dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
 
     def prefill() -> None:
         for w in weights:
-            torch.ops.tandem.gguf_linear(xp[w.cols], w.data, w.type_id, w.cols)
+            linear(xp[w.cols], w)
 
     pre = timed(prefill, 3)
     flops = 2 * 2048 * sum(w.rows * w.cols for w in weights)
@@ -117,6 +135,8 @@ def bench_type(qtype: str, bw: float, reps: int) -> dict:
     floor_s = packed / bw
     return {
         "type": qtype,
+        "layout": layout,
+        "per_shape": per_shape,
         "packed_bytes": packed,
         "resident_bytes": resident,
         "rel_err_vs_dequant": rel,
@@ -165,31 +185,61 @@ def bench_bf16(bw: float, reps: int) -> dict:
     }
 
 
-def bench_engine(path: str, bw: float, new: int = 128) -> dict:
+def bench_engine(
+    path: str, bw: float, new: int = 128, streams: int = 0, profile: str | None = None
+) -> dict:
     import time
 
-    from tandem.models.quant.linear import quantized_bytes
+    from tandem.models.quant.linear import quant_modules, quantized_bytes
     from tandem.runtime import LLM, SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(path, device="cuda", max_model_len=1024)
+    llm = LLM(path, device="cuda", max_model_len=4096)
     load_s = time.perf_counter() - t
     model = llm.engine.model
-    weight_bytes = quantized_bytes(model) + sum(
-        p.numel() * p.element_size() for p in model.parameters()
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    # read per token: every packed matrix but the embedding table (one row gathered); of a MoE
+    # layer's stacked experts (w13/w2) only top_k / num_experts
+    embed = sum(m.table.nbytes for m in quant_modules(model) if hasattr(m, "table") and m.table)
+    cfg = model.config
+    experts = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if n.endswith((".w13", ".w2"))
     )
+    active = experts * cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0
+    read_bytes = quantized_bytes(model) - embed + dense - experts + active
 
-    def run(n: int) -> float:
+    def run(n: int, prompts: list[list[int]]) -> float:
         p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         t = time.perf_counter()
-        out = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], p)
-        assert len(out[0].token_ids) == n
+        out = llm.generate(prompts, p)
+        assert all(len(o.token_ids) == n for o in out)
         return time.perf_counter() - t
 
-    run(8)
-    rate = new / (run(new + 1) - run(1))
-    return {"gguf": path, "load_s": load_s, "weight_bytes": weight_bytes,
-            "decode_tok_s": rate, "floor_tok_s": bw / weight_bytes}  # fmt: skip
+    one = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    run(8, one)
+    rate = new / (run(new + 1, one) - run(1, one))
+    long = [[(7 * i) % 1000 + 300 for i in range(2048)]]
+    run(1, long)
+    prefill = 2048 / min(run(1, [[p[0] + r, *p[1:]] for p in long]) for r in range(1, 3))
+    r = {"gguf": path, "load_s": load_s, "read_bytes": read_bytes,
+         "resident_bytes": quantized_bytes(model) + dense, "decode_tok_s": rate,
+         "floor_tok_s": bw / read_bytes, "prefill_2048_tok_s": prefill}  # fmt: skip
+    if streams:
+        many = [[11 + i, 2, 3, 4, 5, 6, 7, 8] for i in range(streams)]
+        run(8, many)
+        r["streams"] = streams
+        r["streams_decode_tok_s"] = streams * new / (run(new + 1, many) - run(1, many))
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(33, one)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        Path(profile).write_text(table)
+    return r
 
 
 def main() -> None:
@@ -200,15 +250,24 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_0,Q4_K")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--streams", type=int, default=0, help="with --gguf: N concurrent streams")
+    ap.add_argument("--profile", default=None, help="with --gguf: write the kernel table here")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     if args.gguf:
-        r = bench_engine(args.gguf, bw)
+        r = bench_engine(args.gguf, bw, streams=args.streams, profile=args.profile)
         print(
-            f"{Path(args.gguf).name}: weights {r['weight_bytes'] / 1e9:.2f} GB, load {r['load_s']:.0f} s,"
-            f" batch-1 decode {r['decode_tok_s']:.1f} tok/s, floor {r['floor_tok_s']:.0f} tok/s"
-            f" ({100 * r['decode_tok_s'] / r['floor_tok_s']:.0f}%)"
+            f"{Path(args.gguf).name}: resident {r['resident_bytes'] / 1e9:.2f} GB, read per token"
+            f" {r['read_bytes'] / 1e9:.2f} GB, load {r['load_s']:.0f} s, batch-1 decode"
+            f" {r['decode_tok_s']:.1f} tok/s, floor {r['floor_tok_s']:.0f} tok/s"
+            f" ({100 * r['decode_tok_s'] / r['floor_tok_s']:.0f}%), prefill 2048:"
+            f" {r['prefill_2048_tok_s']:.0f} tok/s"
+            + (
+                f", {r['streams']} streams: {r['streams_decode_tok_s']:.0f} tok/s"
+                if args.streams
+                else ""
+            )
         )
         if args.json:
             Path(args.json).write_text(json.dumps({"copy_bw": bw, "engine": r}, indent=2))
@@ -217,15 +276,22 @@ def main() -> None:
     for qtype in args.types.split(","):
         if qtype not in GGUF_KEPT_TYPES:
             raise SystemExit(f"unknown type {qtype}")
-        r = bench_type(qtype, bw, args.reps)
-        runs.append(r)
-        print(
-            f"{qtype}: packed {r['packed_bytes'] / 1e9:.2f} GB (resident {r['resident_bytes'] / 1e9:.2f})"
-            f" rel.err {r['rel_err_vs_dequant']:.1e} | decode {r['decode_step_s'] * 1e3:.2f} ms"
-            f" = {r['decode_tok_s']:.0f} tok/s, floor {r['decode_floor_tok_s']:.0f} tok/s"
-            f" ({100 * r['decode_vs_floor']:.0f}% of floor) | prefill 2048: "
-            f"{r['prefill_2048_s'] * 1e3:.1f} ms, {r['prefill_tflops']:.0f} TFLOP/s"
-        )
+        layouts = ["tile16", "rows"] if gguf_tile.type_id_of(qtype) is not None else ["rows"]
+        for layout in layouts:
+            r = bench_type(qtype, bw, args.reps, layout)
+            runs.append(r)
+            print(
+                f"{qtype} {layout}: packed {r['packed_bytes'] / 1e9:.2f} GB (resident"
+                f" {r['resident_bytes'] / 1e9:.2f}) rel.err {r['rel_err_vs_dequant']:.1e} | decode"
+                f" {r['decode_step_s'] * 1e3:.2f} ms = {r['decode_tok_s']:.0f} tok/s, floor"
+                f" {r['decode_floor_tok_s']:.0f} tok/s ({100 * r['decode_vs_floor']:.0f}% of floor)"
+                f" | prefill 2048: {r['prefill_2048_s'] * 1e3:.1f} ms, {r['prefill_tflops']:.0f}"
+                " TFLOP/s\n  per linear (n x k: us, % of its floor): "
+                + ", ".join(
+                    f"{p['n']}x{p['k']}: {p['s'] * 1e6:.1f} ({100 * p['floor_s'] / p['s']:.0f}%)"
+                    for p in r["per_shape"]
+                )
+            )
     r = bench_bf16(bw, args.reps)
     runs.append(r)
     print(

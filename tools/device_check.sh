@@ -15,6 +15,7 @@ stages() {
 gpu             CUDA serving path: GPU tests (parity, runner, overlap, sampler), then tools/bench_gpu.py vs HF
 gpu-kernels     ext/cuda attention kernel tests, then tools/bench_attention_kernels.py
 gpu-moe         the "gpu" expert backend: tests, one layer per path; STAGES: model peer split shapes convert
+gguf-gpu        packed GGUF on CUDA: tests, 8B linears per layout, 8B/70B/MoE GGUFs through the engine (STAGES)
 gpu-serving     `tandem serve` on random weights of a shape, swept by tools/bench_serving.py (--smoke: tiny)
 hybrid          hybrid MoE GPU tests, then tools/bench_hybrid_moe.py per expert format
 deepseek        DeepSeek-V3 GPU tests, then the V3 shape hybrid (as many MoE layers as RAM holds)

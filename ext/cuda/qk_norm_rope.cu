@@ -11,9 +11,11 @@
 // HF's RMSNorm (fp32 statistics, the normalized value rounded, times the weight, rounded), then
 // `x * cos + rotate_half(x) * sin` with every product and the sum rounded to the model dtype.
 // It replaces two norms' kernels, ten rotary kernels and the KV write of a layer.
+// NORM = 0: no norms (Llama-style attention after a projection the skinny kernel does not fuse,
+// such as a packed GGUF one): rotary and the KV write only; q_w and k_w are not read.
 #include "common.cuh"
 
-template <int DT, int D>
+template <int DT, int D, int NORM = 1>
 __global__ void __launch_bounds__(256) qk_norm_rope_kernel(
     const u16* __restrict__ qkv, i64 ldq, const u16* __restrict__ q_w,
     const u16* __restrict__ k_w, const u16* __restrict__ cos, const u16* __restrict__ sin,
@@ -43,12 +45,14 @@ __global__ void __launch_bounds__(256) qk_norm_rope_kernel(
     f[m] = ld_f<DT>(src + lane + 32 * m);
     ss += f[m] * f[m];
   }
+  if constexpr (NORM) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float r = rsqrtf(ss / (float)D + eps);
-  const u16* w = is_q ? q_w : k_w;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float r = rsqrtf(ss / (float)D + eps);
+    const u16* w = is_q ? q_w : k_w;
 #pragma unroll
-  for (int m = 0; m < M; ++m) f[m] = round_dt<DT>(ld_f<DT>(w + lane + 32 * m) * round_dt<DT>(f[m] * r));
+    for (int m = 0; m < M; ++m) f[m] = round_dt<DT>(ld_f<DT>(w + lane + 32 * m) * round_dt<DT>(f[m] * r));
+  }
   const u16* cr = cos + (i64)t * ldc;
   const u16* sr = sin + (i64)t * ldc;
   u16* dst = is_q ? q_out + ((i64)t * H + h) * D : k_cache + slot * KVH * D + (i64)(h - H) * D;

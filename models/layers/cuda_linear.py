@@ -120,6 +120,33 @@ class NormRopeAttention(Attention):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
+class RopeAttention(Attention):
+    """Attention without q/k norms whose prologue after the qkv projection (rotary, KV write)
+    is one kernel (`torch.ops.tandem.rope_kv`) at any token count: for projections the skinny
+    prologue does not fuse (packed GGUF weights, more than its rows). Needs a backend with
+    `attend` and a KV cache in the batch."""
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if batch.kv_cache is None:
+            return super().forward(x, cos, sin, batch)
+        t = x.shape[0]
+        q = torch.ops.tandem.rope_kv(
+            self.qkv_proj(x),
+            cos,
+            sin,
+            batch.kv_cache.k[self.layer_idx],
+            batch.kv_cache.v[self.layer_idx],
+            batch.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        out = self.backend.attend(self.layer_idx, q, batch, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
 def _swap(linear: nn.Linear, max_rows: int) -> SkinnyLinear:
     new = SkinnyLinear.__new__(SkinnyLinear)
     nn.Module.__init__(new)
@@ -146,9 +173,9 @@ class _SkinnyLogits:
 def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Swaps the dense projections (qkv/o/gate_up/down) and the logits of a fp16/bf16 CUDA model
     for the skinny path, gated MLPs for the fused gate_up + SiLU-mul and attention layers for the
-    fused qkv + rotary + KV write (backends with `attend`; with per-head q/k norms: the fused
-    norms + rotary + KV write after the projection; OLMoE's whole-row norms and clip_qkv keep
-    the plain Attention), in place; returns how many linears were swapped (0 for another dtype
+    fused qkv + rotary + KV write (backends with `attend`; with per-head q/k norms, or after a
+    packed projection: the fused (norms +) rotary + KV write after the projection; OLMoE's
+    whole-row norms and clip_qkv keep the plain Attention), in place; returns how many linears were swapped (0 for another dtype
     or device). MoE expert weights are not nn.Linears and stay as they are."""
     params = list(model.parameters())
     if (
@@ -189,6 +216,19 @@ def use_cuda_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -
             and module.rotary_dim == module.head_dim
         ):
             module.__class__ = NormRopeAttention
+        elif (
+            type(module) is Attention
+            and type(module.qkv_proj) is not SkinnyLinear
+            and not isinstance(module.qkv_proj, nn.Linear)  # packed (models/quant)
+            and module.q_norm is None
+            and module.clip_qkv is None
+            and module.window is None
+            and module.sinks is None
+            and hasattr(module.backend, "attend")
+            and module.head_dim in qk_norm_rope.HEAD_DIMS
+            and module.rotary_dim == module.head_dim
+        ):
+            module.__class__ = RopeAttention
     packed_head = getattr(model, "quant_head", None) is not None  # models/quant owns it
     if (
         swapped

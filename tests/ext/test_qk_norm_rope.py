@@ -87,3 +87,31 @@ def test_kernel_in_a_cuda_graph():
         ref = qnr.qk_norm_rope_ref(qkv, q_w, k_w, cos, sin, kc2, vc2, slots, 32, 4, 1e-6)
         torch.testing.assert_close(q, ref, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(kc, kc2, rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def test_rope_kv_reference_on_cpu_is_rotary_plus_kv_write():
+    qkv, _, _, cos, sin, kc, vc, slots = _case(3, 4, 2, 64, torch.float32, "cpu")
+    q = torch.ops.tandem.rope_kv(qkv, cos, sin, kc, vc, slots, 4, 2, 64)
+    from tandem.ext.attention_ref import rotate_neox
+
+    expected = rotate_neox(qkv[:, : 4 * 64].reshape(3, 4, 64), cos, sin)
+    torch.testing.assert_close(q, expected)
+    keep = slots >= 0
+    v = qkv[:, 6 * 64 :].reshape(3, 2, 64)
+    torch.testing.assert_close(vc.view(-1, 2, 64)[slots[keep]], v[keep])
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H,KVH,D", [(1, 32, 8, 128), (5, 8, 8, 64), (37, 16, 2, 256)])
+def test_rope_kv_kernel_matches_torch_expression(dtype, T, H, KVH, D):
+    qkv, _, _, cos, sin, kc, vc, slots = _case(T, H, KVH, D, dtype, "cuda", seed=T + D)
+    kc2, vc2 = kc.clone(), vc.clone()
+    assert qnr.rope_supported(qkv, D, cos, sin, kc, vc, H, KVH)
+    q = torch.ops.tandem.rope_kv(qkv, cos, sin, kc, vc, slots, H, KVH, D)
+    q_ref = qnr.rope_kv_ref(qkv, cos, sin, kc2, vc2, slots, H, KVH, D)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=4e-3, atol=4e-3)
+    torch.testing.assert_close(q, q_ref, **tol)
+    assert (q != q_ref).float().mean().item() < 0.01  # the same rounding steps
+    torch.testing.assert_close(kc, kc2, equal_nan=True, **tol)
+    assert torch.equal(vc.isnan(), vc2.isnan()) and torch.equal(vc.nan_to_num(), vc2.nan_to_num())

@@ -31,6 +31,10 @@ def test_packed_model_on_cuda_close_to_dequantized(
     mods = [m for m in fast.modules() if isinstance(m, QuantLinear)]
     assert mods and all(m.kernel is not None and m.segments[0].data.is_cuda for m in mods)
     assert quantized_bytes(fast) > 0
+    segs = [s for m in mods if not m._tied for s in m.segments]  # 4-bit types: tile layout
+    tiled = [s.layout in ("tile16", "tile16x2") for s in segs]
+    assert tiled == [s.qtype in ("Q4_0", "Q4_1", "Q4_K") for s in segs]
+    assert any(s.layout == "tile16x2" for s in segs) == (qtype in ("Q4_0", "Q4_K") and not moe)
     ref, _ = load_model(path, dtype=torch.bfloat16, device="cuda", quantization="none")
     gen = torch.Generator().manual_seed(2)
     for rows in (1, 2, 7, 16, 64, 300):

@@ -3,14 +3,15 @@
 checkpoint can travel to the GPU machine); tools/peers/llama_cpp.sh writes them there.
 
     python3 tools/peers/gen_gguf.py moe  OUT.gguf [--layers 48] [--experts-type q4_0|q8_0|bf16]
-    python3 tools/peers/gen_gguf.py dense OUT.gguf [--layers 32] [--scale N]
+    python3 tools/peers/gen_gguf.py dense OUT.gguf [--layers 32] [--scale N] [--shape 70b]
 
 moe:   Qwen3-30B-A3B shape (arch qwen3moe): 48 layers, hidden 2048, 32 q / 4 kv heads of dim
        128, q/k norm, 128 experts top-8, expert intermediate 768, vocab 151936; experts in
        Q4_0 (random fp16 scale of small magnitude + random nibbles, written as bytes), the rest
        BF16 (norms F32).
 dense: Llama-3-8B shape (arch llama): 32 layers, hidden 4096, 32/8 heads, intermediate 14336,
-       vocab 128256, matrices BF16 or (--dense-type) Q4_0 / Q8_0 (norms F32).
+       vocab 128256, matrices BF16 or (--dense-type) Q4_0 / Q8_0 / Q4_K (norms F32);
+       --shape 70b: Llama-3-70B (80 layers, hidden 8192, 64/8 heads, intermediate 28672).
 Tokenizer: gpt2-style BPE with a synthetic vocab: the 256 byte-level symbols first (so any text
 tokenizes, one token per byte), then generated strings, one merge, control tokens at the real
 models' special ids. Random values come from a pool that tensors view at random offsets (fast:
@@ -68,6 +69,15 @@ class Pools:
         d8 = RNG.uniform(0.0002, 0.0004, q_blocks).astype(np.float16)
         self.q8[:, :2] = d8.view(np.uint8).reshape(q_blocks, 2)
         self.q8[:, 2:] = RNG.integers(0, 256, (q_blocks, 32), dtype=np.uint8)
+        # Q4_K superblock: d, dmin (fp16), 12 bytes of 6-bit scales/mins (all 32 here), 128
+        # bytes of nibbles; dmin = 7.5 d makes 32 d q - 32 dmin zero-mean, std ~ 150 d
+        kb = max(1, q_blocks // 8)
+        self.q4k = RNG.integers(0, 256, (kb, 144), dtype=np.uint8)
+        dk = RNG.uniform(0.0001, 0.0002, kb)
+        self.q4k[:, 0:2] = dk.astype(np.float16).view(np.uint8).reshape(kb, 2)
+        self.q4k[:, 2:4] = (7.5 * dk).astype(np.float16).view(np.uint8).reshape(kb, 2)
+        self.q4k[:, 4:12] = 160  # scales/mins 0-3 = 32, top bits of 4-7 = 2
+        self.q4k[:, 12:16] = 0
         print(f"pools ready in {time.time() - t:.1f}s", flush=True)
 
     def bf16_tensor(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -78,14 +88,16 @@ class Pools:
         return np.resize(self.bf16, n).reshape(shape)  # a copy, repeating the pool
 
     def q_tensor(self, shape: tuple[int, ...], kind: str) -> np.ndarray:
-        pool, bs = (self.q4, 18) if kind == "q4_0" else (self.q8, 34)
-        nblk = int(np.prod(shape)) // 32
+        pool, bs, vals = {"q4_0": (self.q4, 18, 32), "q4_k": (self.q4k, 144, 256)}.get(
+            kind, (self.q8, 34, 32)
+        )
+        nblk = int(np.prod(shape)) // vals
         if nblk <= len(pool) // 2:
             off = int(RNG.integers(0, len(pool) - nblk))
             flat = pool[off : off + nblk]
         else:
             flat = np.resize(pool, (nblk, bs))
-        return flat.reshape(*shape[:-1], shape[-1] // 32 * bs)
+        return flat.reshape(*shape[:-1], shape[-1] // vals * bs)
 
 
 def add_vocab(w: gguf.GGUFWriter, n: int, specials: dict[int, str]) -> None:
@@ -177,17 +189,20 @@ def write_moe(path: str, layers: int, experts_type: str, scale: int) -> None:
     finish(w, path)
 
 
-def write_dense(path: str, layers: int, scale: int, dense_type: str = "bf16") -> None:
+def write_dense(
+    path: str, layers: int, scale: int, dense_type: str = "bf16", shape: str = "8b"
+) -> None:
+    big = shape == "70b"
     H, FF, NH, NKV, HD, V = (
-        4096 // scale,
-        14336 // scale,
-        32 // scale,
+        (8192 if big else 4096) // scale,
+        (28672 if big else 14336) // scale,
+        (64 if big else 32) // scale,
         8 // scale,
         128,
         128256 // scale,
     )
     w = gguf.GGUFWriter(path, "llama")
-    w.add_name("llama-3-8B-shape-random-bf16")
+    w.add_name(f"llama-3-{shape}-shape-random-{dense_type}")
     w.add_context_length(8192)
     w.add_embedding_length(H)
     w.add_block_count(layers)
@@ -248,9 +263,12 @@ if __name__ == "__main__":
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--experts-type", default="q4_0", choices=["q4_0", "q8_0", "bf16"])
     ap.add_argument("--scale", type=int, default=1, help="divide dims by this (local tests)")
-    ap.add_argument("--dense-type", default="bf16", choices=["q4_0", "q8_0", "bf16"])
+    ap.add_argument("--dense-type", default="bf16", choices=["q4_0", "q8_0", "q4_k", "bf16"])
+    ap.add_argument("--shape", default="8b", choices=["8b", "70b"], help="dense only")
     a = ap.parse_args()
     if a.kind == "moe":
         write_moe(a.out, a.layers or 48, a.experts_type, a.scale)
     else:
-        write_dense(a.out, a.layers or 32, a.scale, a.dense_type)
+        write_dense(
+            a.out, a.layers or (80 if a.shape == "70b" else 32), a.scale, a.dense_type, a.shape
+        )

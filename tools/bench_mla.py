@@ -160,6 +160,7 @@ def main() -> None:
     ap.add_argument("--extend-tokens", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-ref", action="store_true", help="do not time the torch reference")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_bw = measure_copy_bw()
@@ -170,7 +171,7 @@ def main() -> None:
     for heads, batch, ctx, kernel in itertools.product(
         args.heads, args.batches, args.contexts, args.kernels
     ):
-        ref = ref_times.get((heads, batch, ctx))
+        ref = float("nan") if args.skip_ref else ref_times.get((heads, batch, ctx))
         r = bench_decode(heads, batch, ctx, copy_bw, args.iters, kernel, ref)
         ref_times[(heads, batch, ctx)] = r["ref_us"] / 1e3
         rows.append(r)

@@ -6,8 +6,8 @@
 //   Q [64 heads x 576] stays in shared memory for the whole partition; tiles of 64 latent rows
 //   stream through a 2-stage cp.async ring; all three operands live in 128-byte-swizzled
 //   "chunks" of [rows x 64 values] so wgmma reads them straight from shared memory.
-//   WG0: S = Q K^T (wgmma m64n64k16 x 36), online softmax in registers (log2 domain),
-//        P (bf16/fp16) to shared memory; loads nothing.
+//   WG0: S = Q K^T (wgmma m64n64k16 x 36; the first QR k-steps of Q held in registers),
+//        online softmax in registers (log2 domain), P (bf16/fp16) to shared memory.
 //   WG1: issues the next tile's cp.async while WG0 computes S.
 //   Both: O[:, 256 wg .. 256 wg + 255] = O * corr + P V (wgmma m64n256k16, V read MN-major).
 // Split-KV partials and the combine kernel are shared with mla_decode.cu.
@@ -66,6 +66,27 @@ __device__ __forceinline__ void wgmma_m64n256(float* d, uint64_t da, uint64_t db
                  : "l"(da), "l"(db), "r"(acc), "n"(TB));
   }
 }
+#define WGMMA_M64N64_RS_ASM(TY) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+
+template <int DT, int TB>
+__device__ __forceinline__ void wgmma_m64n64_rs(float* d, const u32* a, uint64_t db, int acc) {
+  if constexpr (DT == 1) {
+    asm volatile(WGMMA_M64N64_RS_ASM("bf16")
+                 : F8(0), F8(8), F8(16), F8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
+  }
+  else {
+    asm volatile(WGMMA_M64N64_RS_ASM("f16")
+                 : F8(0), F8(8), F8(16), F8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
+  }
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -111,28 +132,39 @@ constexpr int M_OFF = C_OFF + HM * 4;
 constexpr int L_OFF = M_OFF + HM * 4;
 constexpr int SMEM = L_OFF + HM * 4 + 1024;  // + slack to align the base to 1024 bytes
 constexpr int THREADS = 256;
+static_assert(SMEM <= 227 * 1024, "one CTA per SM on sm_90");
 }  // namespace mla90
 
-// Tokens [t0, t0 + 64) of the partition into a swizzled tile; rows at or past `end` are zero.
+// Tokens [t0, t0 + 64) of the partition into a swizzled tile, by one warpgroup (wtid 0..127);
+// rows at or past `end` are zero. Lane l of warp w copies 16-byte unit (l % 8) of each 64-value
+// chunk of rows 16 w + 4 p + l / 8 (p < 4): a warp instruction moves four whole 128-byte lines,
+// and each thread looks up its four block-table entries once, all loads in flight together.
 __device__ __forceinline__ void mla90_load_tile(u32 dst, const u16* __restrict__ cache,
                                                 const int* __restrict__ bt, int t0, int end,
-                                                int bs_shift, int tid, int nthreads) {
+                                                int bs_shift, int wtid) {
   using namespace mla90;
   const int bs_mask = (1 << bs_shift) - 1;
-  for (int i = tid; i < BN * (D / 8); i += nthreads) {
-    const int r = i / (D / 8), u = i % (D / 8);
-    const int t = t0 + r;
-    const bool ok = t < end;
-    const u16* src = cache;
-    if (ok) {
-      const i64 slot = ((i64)bt[t >> bs_shift] << bs_shift) + (t & bs_mask);
-      src = cache + slot * D + u * 8;
-    }
-    cp_async16(dst + (u >> 3) * CHUNK + sw128(r, u & 7), src, ok);
+  const int u = wtid & 7;
+  const u16* src[4];
+  bool ok[4];
+  int row[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    row[p] = (wtid >> 5) * 16 + p * 4 + ((wtid >> 3) & 3);
+    const int t = t0 + row[p];
+    ok[p] = t < end;
+    src[p] = cache;
+    if (ok[p]) src[p] = cache + (((i64)bt[t >> bs_shift] << bs_shift) + (t & bs_mask)) * D + u * 8;
+  }
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+      cp_async16(dst + c * CHUNK + sw128(row[p], u), ok[p] ? src[p] + c * 64 : cache, ok[p]);
   }
 }
 
-template <int DT, int VSWAP>
+template <int DT, int QR>
 __device__ __forceinline__ void mla90_body(
     u16* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_lse,
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope,
@@ -184,9 +216,23 @@ __device__ __forceinline__ void mla90_body(
         : q_rope + (i64)tq * qr_t + (i64)(head0 + r) * qr_h + (u - L / 8) * 8;
     cp_async16(base + Q_OFF + (u >> 3) * CHUNK + sw128(r, u & 7), src, true);
   }
-  if (wg == 1) mla90_load_tile(base + K_OFF, cache, bt, start, end, bs_shift, wtid, 128);
+  if (wg == 1) mla90_load_tile(base + K_OFF, cache, bt, start, end, bs_shift, wtid);
   cp_async_commit();
 
+  // WG0 keeps the first QR k-steps of its Q fragments in registers (less shared-memory
+  // traffic in the score product, which also competes with the tile loads).
+  u32 qf[QR > 0 ? QR : 1][4];
+  if constexpr (QR > 0) {
+    cp_async_wait<0>();
+    __syncthreads();
+    if (wg == 0) {
+      const int r = (wtid >> 5) * 16 + (lane & 15);
+#pragma unroll
+      for (int ks = 0; ks < QR; ++ks)
+        ldmatrix_x4(base + Q_OFF + (ks >> 2) * CHUNK + sw128(r, (ks & 3) * 2 + (lane >> 4)),
+                    qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3]);
+    }
+  }
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -199,10 +245,11 @@ __device__ __forceinline__ void mla90_body(
     __syncthreads();  // tile `it` landed; every PV of tile it - 1 is done
     const u32 kt = base + K_OFF + (it & 1) * TILE;
     const int t0 = start + it * BN;
+    float c0, c1;
     if (wg == 1) {
       if (it + 1 < ntiles)
         mla90_load_tile(base + K_OFF + ((it + 1) & 1) * TILE, cache, bt, t0 + BN, end,
-                        bs_shift, wtid, 128);
+                        bs_shift, wtid);
       cp_async_commit();
     } else {
       float s[32];
@@ -210,8 +257,9 @@ __device__ __forceinline__ void mla90_body(
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         const u32 off = (ks >> 2) * CHUNK + (ks & 3) * 32;
-        wgmma_m64n64<DT, 0>(s, sw128_desc(base + Q_OFF + off, 16, 1024),
-                            sw128_desc(kt + off, 16, 1024), ks > 0);
+        const uint64_t kd = sw128_desc(kt + off, 16, 1024);
+        if (ks < QR) wgmma_m64n64_rs<DT, 0>(s, qf[QR > 0 ? ks : 0], kd, ks > 0);
+        else wgmma_m64n64<DT, 0>(s, sw128_desc(base + Q_OFF + off, 16, 1024), kd, ks > 0);
       }
       wgmma_commit();
       wgmma_wait0();
@@ -234,7 +282,8 @@ __device__ __forceinline__ void mla90_body(
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, w));
       }
       const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);  // finite: tile's first row valid
-      const float c0 = exp2f(m0 - n0), c1 = exp2f(m1 - n1);
+      c0 = exp2f(m0 - n0);
+      c1 = exp2f(m1 - n1);
       m0 = n0;
       m1 = n1;
       float p0 = 0.f, p1 = 0.f;
@@ -257,29 +306,27 @@ __device__ __forceinline__ void mla90_body(
       fence_proxy_async();
     }
     __syncthreads();  // P and corr of tile `it` are in shared memory
-
-    {
-      const float c0 = sC[wrow], c1 = sC[wrow + 8];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= c0;
-        o[4 * j + 1] *= c0;
-        o[4 * j + 2] *= c1;
-        o[4 * j + 3] *= c1;
-      }
-      // V = the tile's first 512 columns, MN-major: 64-column chunks 8 KB apart (LBO), 8-row
-      // groups 1 KB apart (SBO); this warpgroup's 256 columns are chunks 4 wg .. 4 wg + 3.
-      const u32 vlbo = VSWAP ? 1024 : CHUNK, vsbo = VSWAP ? CHUNK : 1024;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        wgmma_m64n256<DT, 1>(o, sw128_desc(base + P_OFF + kk * 32, 16, 1024),
-                             sw128_desc(kt + wg * 4 * CHUNK + kk * 2048, vlbo, vsbo), 1);
-      }
-      wgmma_commit();
-      wgmma_wait0();
-      reg_fence<128>(o);
+    if (wg == 1) {
+      c0 = sC[wrow];
+      c1 = sC[wrow + 8];
     }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= c0;
+      o[4 * j + 1] *= c0;
+      o[4 * j + 2] *= c1;
+      o[4 * j + 3] *= c1;
+    }
+    // V = the tile's first 512 columns, MN-major: 64-column chunks 8 KB apart (LBO), 8-row
+    // groups 1 KB apart (SBO); this warpgroup's 256 columns are chunks 4 wg .. 4 wg + 3.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_m64n256<DT, 1>(o, sw128_desc(base + P_OFF + kk * 32, 16, 1024),
+                           sw128_desc(kt + wg * 4 * CHUNK + kk * 2048, CHUNK, 1024), 1);
+    wgmma_commit();
+    wgmma_wait0();
+    reg_fence<128>(o);
   }
   cp_async_wait<0>();
   if (wg == 0) {
@@ -322,17 +369,18 @@ __device__ __forceinline__ void mla90_body(
   }
 }
 
-#define MLA90_KERNEL(NAME, DT, VSWAP)                                                          \
+#define MLA90_KERNEL(NAME, DT, QR)                                                          \
   extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                   \
       u16* out, float* part_out, float* part_lse, const u16* q_lat, const u16* q_rope,         \
       const u16* cache, const int* qsl, const int* seq_lens, const int* block_tables, int tq0, \
       int num_seqs, int num_heads, i64 ql_t, i64 ql_h, i64 qr_t, i64 qr_h, int bt_stride,      \
       int bs_shift, int part_len, int num_parts, float scale_log2) {                           \
-    mla90_body<DT, VSWAP>(out, part_out, part_lse, q_lat, q_rope, cache, qsl, seq_lens,       \
+    mla90_body<DT, QR>(out, part_out, part_lse, q_lat, q_rope, cache, qsl, seq_lens,       \
                           block_tables, tq0, num_seqs, num_heads, ql_t, ql_h, qr_t, qr_h,      \
                           bt_stride, bs_shift, part_len, num_parts, scale_log2);               \
   }
 
-MLA90_KERNEL(mla90_f16, 0, 0)
-MLA90_KERNEL(mla90_bf16, 1, 0)
-MLA90_KERNEL(mla90_bf16_vswap, 1, 1)
+// QR = 8: measured against 0 (and against P from registers for WG0's half, and two
+// accumulator chains for S), docs/mla.md.
+MLA90_KERNEL(mla90_f16, 0, 8)
+MLA90_KERNEL(mla90_bf16, 1, 8)

@@ -236,10 +236,9 @@ def launch_mla_attention(
     head_tiles = num_heads // hm
     tile = SM90_TILE if cubin else _TILE
     part_len, num_parts = plan_mla(num_tokens, head_tiles, max_seq_len, _num_sms(index), tile)
-    if num_parts > 1:  # the Hopper kernel's partials are in the cache dtype
-        part_dtype = latent_cache.dtype if cubin else torch.float32
+    if num_parts > 1:
         part_out = torch.empty(
-            num_tokens, num_heads, num_parts, latent, dtype=part_dtype, device=device
+            num_tokens, num_heads, num_parts, latent, dtype=torch.float32, device=device
         )
         part_lse = torch.empty(num_tokens, num_heads, num_parts, dtype=torch.float32, device=device)
     else:
@@ -282,7 +281,7 @@ def launch_mla_attention(
         if num_parts > 1:
             launch(
                 "mla_decode.cu",
-                f"mla_combine_kernel<{dt},{latent},{int(cubin is not None)}>",
+                f"mla_combine_kernel<{dt},{latent}>",
                 device,
                 (num_heads, rows, 1),
                 (128, 1, 1),

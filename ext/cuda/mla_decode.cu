@@ -376,9 +376,9 @@ __global__ void __launch_bounds__(NW * 32, 1) mla_attention_kernel(
 // (written directly by the attention kernel).
 constexpr int MLA_MAX_PARTS = 128;
 
-template <int DT, int L, int PH>  // PH: partials in the input dtype (else float32)
+template <int DT, int L>
 __global__ void __launch_bounds__(128) mla_combine_kernel(
-    u16* __restrict__ out, const void* __restrict__ part_out,
+    u16* __restrict__ out, const float* __restrict__ part_out,
     const float* __restrict__ part_lse, const int* __restrict__ qsl,
     const int* __restrict__ seq_lens, int tq0, int num_seqs, int num_heads, int part_len,
     int num_parts) {
@@ -403,12 +403,7 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   for (int c = threadIdx.x; c < L; c += blockDim.x) {
     float o = 0.f;
-    for (int p = 0; p < np; ++p) {
-      const i64 k = (row + p) * L + c;
-      const float v = PH ? ld_f<DT>(static_cast<const u16*>(part_out) + k)
-                         : static_cast<const float*>(part_out)[k];
-      o = fmaf(w[p], v, o);
-    }
+    for (int p = 0; p < np; ++p) o = fmaf(w[p], part_out[(row + p) * L + c], o);
     out[((i64)tq * num_heads + head) * L + c] = from_float<DT>(o * inv);
   }
 }

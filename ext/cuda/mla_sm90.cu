@@ -10,8 +10,7 @@
 //        online softmax in registers (log2 domain), P (bf16/fp16) to shared memory.
 //   WG1: issues the next tile's cp.async while WG0 computes S.
 //   Both: O[:, 256 wg .. 256 wg + 255] = O * corr + P V (wgmma m64n256k16, V read MN-major).
-// Split-KV partials are written in the input dtype (they are 10-20% of the latent bytes at
-// batch 16 and 4 partitions); mla_decode.cu's combine kernel merges them.
+// Split-KV partials and the combine kernel are shared with mla_decode.cu.
 #include "common.cuh"
 
 #include <stdint.h>
@@ -167,7 +166,7 @@ __device__ __forceinline__ void mla90_load_tile(u32 dst, const u16* __restrict__
 
 template <int DT, int QR>
 __device__ __forceinline__ void mla90_body(
-    u16* __restrict__ out, u16* __restrict__ part_out, float* __restrict__ part_lse,
+    u16* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_lse,
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope,
     const u16* __restrict__ cache, const int* __restrict__ qsl,
     const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int tq0,
@@ -219,20 +218,12 @@ __device__ __forceinline__ void mla90_body(
   }
   if (wg == 1) mla90_load_tile(base + K_OFF, cache, bt, start, end, bs_shift, wtid);
   cp_async_commit();
-  // Tile 1 goes to the free second stage at once; tile t >= 2 is issued at the top of
-  // iteration t - 1, when iteration t - 2 has released its stage. `early`: WG1 waits for the
-  // first group only, leaving tile 1 in flight.
-  const bool early = wg == 1 && ntiles > 1;
-  if (early) {
-    mla90_load_tile(base + K_OFF + TILE, cache, bt, start + BN, end, bs_shift, wtid);
-    cp_async_commit();
-  }
 
   // WG0 keeps the first QR k-steps of its Q fragments in registers (less shared-memory
   // traffic in the score product, which also competes with the tile loads).
   u32 qf[QR > 0 ? QR : 1][4];
   if constexpr (QR > 0) {
-    if (early) cp_async_wait<1>(); else cp_async_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();
     if (wg == 0) {
       const int r = (wtid >> 5) * 16 + (lane & 15);
@@ -249,18 +240,17 @@ __device__ __forceinline__ void mla90_body(
   float l0 = 0.f, l1 = 0.f;              // this thread's share of their sums (WG0)
 
   for (int it = 0; it < ntiles; ++it) {
-    if (it == 0 && early) cp_async_wait<1>(); else cp_async_wait<0>();
+    cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // tile `it` landed; every PV of tile it - 1 is done
     const u32 kt = base + K_OFF + (it & 1) * TILE;
     const int t0 = start + it * BN;
     float c0, c1;
     if (wg == 1) {
-      if (it >= 1 && it + 1 < ntiles) {
+      if (it + 1 < ntiles)
         mla90_load_tile(base + K_OFF + ((it + 1) & 1) * TILE, cache, bt, t0 + BN, end,
                         bs_shift, wtid);
-        cp_async_commit();
-      }
+      cp_async_commit();
     } else {
       float s[32];
       wgmma_fence();
@@ -367,8 +357,8 @@ __device__ __forceinline__ void mla90_body(
       if (token_parts == 1) {
         *reinterpret_cast<u32*>(out + orow * L + col) = pack2<DT>(v0, v1);
       } else {
-        *reinterpret_cast<u32*>(part_out + (orow * num_parts + part) * L + col) =
-            pack2<DT>(v0, v1);
+        *reinterpret_cast<float2*>(part_out + (orow * num_parts + part) * L + col) =
+            make_float2(v0, v1);
       }
     }
   }
@@ -381,7 +371,7 @@ __device__ __forceinline__ void mla90_body(
 
 #define MLA90_KERNEL(NAME, DT, QR)                                                          \
   extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                   \
-      u16* out, u16* part_out, float* part_lse, const u16* q_lat, const u16* q_rope,         \
+      u16* out, float* part_out, float* part_lse, const u16* q_lat, const u16* q_rope,         \
       const u16* cache, const int* qsl, const int* seq_lens, const int* block_tables, int tq0, \
       int num_seqs, int num_heads, i64 ql_t, i64 ql_h, i64 qr_t, i64 qr_h, int bt_stride,      \
       int bs_shift, int part_len, int num_parts, float scale_log2) {                           \

@@ -1,7 +1,8 @@
-"""Multi-head latent attention (DeepSeek MLA, absorbed form) on CUDA: the `mla_decode.cu`
-kernel behind the `torch.ops.tandem.mla_attention` custom op, and its split-KV plan.
+"""Multi-head latent attention (DeepSeek MLA, absorbed form) on CUDA: the kernels behind the
+`torch.ops.tandem.mla_attention` custom op (`mla_sm90.cu` on Hopper for 64-head tiles,
+`mla_decode.cu` everywhere else), the choice between them and their split-KV plan.
 
-One kernel serves decode and extend rows: each query token attends with all its heads to its
+Each kernel serves decode and extend rows: each query token attends with all its heads to its
 causal prefix of the paged latent cache. Validation happens before any launch; launches go on
 torch's current stream, read no device value on the host and allocate only the split-KV
 scratch from torch's allocator (CUDA-graph safe). The reference is ext/mla_ref.py.

@@ -255,8 +255,8 @@ def run_kernel(pairs, H, L=512, R=64, dtype=torch.bfloat16, block_size=16, seed=
 @pytest.mark.parametrize("batch", [1, 7, 64, 256])
 @pytest.mark.parametrize("kernel", ["auto", "portable"])
 def test_decode_random_batches(H, batch, kernel):
-    """ "auto" takes the Hopper kernel for 128 heads on an H100/H200; "portable" keeps the
-    mma.sync kernel tested there too."""
+    """kernel="auto" takes the Hopper kernel for 128 heads on an H100/H200; "portable" keeps
+    the mma.sync kernel tested there too."""
     rng = random.Random(batch * 131 + H)
     top = 3000 if batch <= 64 else 1200
     pairs = [(rng.randint(0, top), 1) for _ in range(batch)]

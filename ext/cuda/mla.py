@@ -16,8 +16,8 @@ from functools import cache
 
 import torch
 
-from tandem.ext.cuda._loader import f32, i32, i64, launch, launch_cubin, ptr
-from tandem.ext.cuda.sm90_build import Sm90BuildError, sm90_cubin
+from tandem.ext.cuda._loader import f32, get_cubin_kernel, i32, i64, launch, launch_cubin, ptr
+from tandem.ext.cuda.sm90_build import sm90_cubin
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +183,22 @@ def _sm90_device(index: int) -> bool:
 _sm90_warned = False
 
 
+@cache
+def _sm90_module(index: int) -> str | Exception:
+    """The built cubin's path once its kernels load on device `index`, else the error."""
+    try:
+        path = str(sm90_cubin("mla_sm90.cu"))
+        for name in _SM90_NAMES.values():
+            get_cubin_kernel(path, name, index)
+        return path
+    except Exception as e:  # no nvcc, a failed build, a driver that refuses the cubin
+        return e
+
+
 def choose_kernel(kernel: str, latent: int, rope: int, num_heads: int, index: int) -> str | None:
     """The sm_90a cubin's path where `kernel` allows it and it covers the shape (L = 512,
-    R = 64, heads a multiple of 64, a compute-capability 9.0 device, nvcc to build it); None:
-    the portable kernel. `kernel="sm90"` raises instead of falling back."""
+    R = 64, heads a multiple of 64, a compute-capability 9.0 device, a cubin that builds and
+    loads); None: the portable kernel. `kernel="sm90"` raises instead of falling back."""
     _check(kernel in KERNELS, f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "portable":
         return None
@@ -194,17 +206,18 @@ def choose_kernel(kernel: str, latent: int, rope: int, num_heads: int, index: in
     if kernel == "sm90":
         _check(covered, f"the sm90 MLA kernel needs L, R = {SM90_SHAPE} and heads % 64 == 0")
         _check(_sm90_device(index), "the sm90 MLA kernel needs a compute-capability 9.0 GPU")
-        return str(sm90_cubin("mla_sm90.cu"))
-    if not covered or not _sm90_device(index):
+    elif not covered or not _sm90_device(index):
         return None
-    try:
-        return str(sm90_cubin("mla_sm90.cu"))
-    except Sm90BuildError as e:
-        global _sm90_warned
-        if not _sm90_warned:
-            _sm90_warned = True
-            log.warning("MLA: the Hopper kernel is unavailable, using the portable one (%s)", e)
-        return None
+    got = _sm90_module(index)
+    if not isinstance(got, Exception):
+        return got
+    if kernel == "sm90":
+        raise RuntimeError(f"the sm90 MLA kernel is unavailable: {got}") from got
+    global _sm90_warned
+    if not _sm90_warned:
+        _sm90_warned = True
+        log.warning("MLA: the Hopper kernel is unavailable, using the portable one (%s)", got)
+    return None
 
 
 def launch_mla_attention(

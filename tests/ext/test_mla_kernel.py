@@ -308,6 +308,35 @@ def test_kernel_choice_on_cpu():
     assert mla_cuda.plan_mla(1, 2, 32768, 132, tile=64)[0] % 64 == 0
 
 
+def test_kernel_choice_falls_back_when_the_cubin_is_unavailable(monkeypatch, caplog):
+    """No nvcc / a failed build / a cubin the driver refuses: "auto" takes the portable kernel
+    with one warning, "sm90" raises."""
+    monkeypatch.setattr(mla_cuda, "_sm90_device", lambda index: True)
+    monkeypatch.setattr(mla_cuda, "_sm90_warned", False)
+    err = sm90_build.Sm90BuildError("nvcc not found")
+    monkeypatch.setattr(mla_cuda, "_sm90_module", lambda index: err)
+    with caplog.at_level("WARNING"):
+        assert mla_cuda.choose_kernel("auto", 512, 64, 128, 0) is None
+        assert mla_cuda.choose_kernel("auto", 512, 64, 128, 0) is None
+    assert sum("Hopper kernel is unavailable" in r.message for r in caplog.records) == 1
+    with pytest.raises(RuntimeError, match="unavailable: nvcc not found"):
+        mla_cuda.choose_kernel("sm90", 512, 64, 128, 0)
+    monkeypatch.setattr(mla_cuda, "_sm90_module", lambda index: "/x/mla_sm90.cubin")
+    assert mla_cuda.choose_kernel("auto", 512, 64, 128, 0) == "/x/mla_sm90.cubin"
+    assert mla_cuda.choose_kernel("auto", 512, 64, 16, 0) is None  # V2-Lite's 16 heads
+
+
+def test_sm90_module_reports_a_load_failure(monkeypatch):
+    monkeypatch.setattr(mla_cuda, "sm90_cubin", lambda name: "/x/mla_sm90.cubin")
+
+    def refuse(path, name, index):
+        raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+
+    monkeypatch.setattr(mla_cuda, "get_cubin_kernel", refuse)
+    got = mla_cuda._sm90_module.__wrapped__(0)
+    assert isinstance(got, RuntimeError) and "NO_BINARY" in str(got)
+
+
 @pytest.mark.skipif(sm90_build.nvcc_path() is None, reason="needs nvcc")
 def test_sm90_source_builds(tmp_path, monkeypatch):
     """The sm_90a source compiles (nvcc, no GPU needed) into a cubin naming its kernels."""

@@ -12,6 +12,7 @@ caches and block tables so the 50 MB L2 does not hold the latent rows between ca
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -19,7 +20,7 @@ import statistics
 import torch
 
 from tandem.ext.cuda import mla_attention_cuda
-from tandem.ext.cuda.mla import plan_mla, rows_per_cta
+from tandem.ext.cuda.mla import SM90_HEADS, SM90_TILE, choose_kernel, plan_mla, rows_per_cta
 from tandem.ext.mla_ref import mla_attention_ref
 
 L, R, BS = 512, 64, 16
@@ -66,7 +67,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_decode(heads: int, batch: int, ctx: int, copy_bw: float, iters: int) -> dict:
+def bench_decode(
+    heads: int,
+    batch: int,
+    ctx: int,
+    copy_bw: float,
+    iters: int,
+    kernel: str = "auto",
+    ref_ms: float | None = None,
+) -> dict:
+    """One decode shape; `ref_ms`: the torch reference's time if already measured."""
     latent_bytes = batch * ctx * (L + R) * 2
     rot = max(1, min(16, math.ceil(256e6 / latent_bytes)))
     blocks_per_seq = ctx // BS
@@ -83,32 +93,37 @@ def bench_decode(heads: int, batch: int, ctx: int, copy_bw: float, iters: int) -
 
     def ours_all():
         for t in tables:
-            mla_attention_cuda(q_lat, q_rope, cache, qsl, seq_lens, t, scale, ctx, out=out)
+            mla_attention_cuda(
+                q_lat, q_rope, cache, qsl, seq_lens, t, scale, ctx, out=out, kernel=kernel
+            )
 
     ours_all()
     ref = mla_attention_ref(q_lat, q_rope, cache, [1] * batch, [ctx] * batch, tables[-1], scale)
     err = rel_err(out, ref)
     kernel_ms = graph_ms(ours_all, iters) / rot
-    ref_ms = time_ms(
-        lambda: mla_attention_ref(
-            q_lat, q_rope, cache, [1] * batch, [ctx] * batch, tables[0], scale
-        ),  # fmt: skip
-        max(2, iters // 10),
-        warmup=1,
-    )
+    if ref_ms is None:
+        ref_ms = time_ms(
+            lambda: mla_attention_ref(
+                q_lat, q_rope, cache, [1] * batch, [ctx] * batch, tables[0], scale
+            ),  # fmt: skip
+            max(2, iters // 10),
+            warmup=1,
+        )
     flops = batch * ctx * heads * 2 * (2 * L + R)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    _, parts = plan_mla(batch, heads // rows_per_cta(heads), ctx, sms)
+    sm90 = choose_kernel(kernel, L, R, heads, 0) is not None
+    hm, tile = (SM90_HEADS, SM90_TILE) if sm90 else (rows_per_cta(heads), 32)
+    _, parts = plan_mla(batch, heads // hm, ctx, sms, tile)
     floor_us = latent_bytes / copy_bw * 1e6
     return dict(
-        heads=heads, batch=batch, ctx=ctx, parts=parts, kernel_us=kernel_ms * 1e3,
+        kernel="sm90" if sm90 else "portable", heads=heads, batch=batch, ctx=ctx, parts=parts, kernel_us=kernel_ms * 1e3,
         floor_us=floor_us, pct_floor=100 * floor_us / (kernel_ms * 1e3),
         tflops=flops / (kernel_ms * 1e-3) / 1e12, ref_us=ref_ms * 1e3,
         speedup=ref_ms / kernel_ms, err=err,
     )  # fmt: skip
 
 
-def bench_extend(heads: int, tokens: int, iters: int) -> dict:
+def bench_extend(heads: int, tokens: int, iters: int, kernel: str = "auto") -> dict:
     """One prefill chunk of `tokens` tokens with no prefix (causal), kernel vs reference."""
     nb = tokens // BS
     cache = torch.randn(nb, BS, L + R, device="cuda", dtype=DTYPE)
@@ -120,7 +135,9 @@ def bench_extend(heads: int, tokens: int, iters: int) -> dict:
     out = torch.empty_like(q_lat)
     scale = (128 + R) ** -0.5
     ours = time_ms(
-        lambda: mla_attention_cuda(q_lat, q_rope, cache, qsl, sl, table, scale, tokens, out=out),
+        lambda: mla_attention_cuda(
+            q_lat, q_rope, cache, qsl, sl, table, scale, tokens, out=out, kernel=kernel
+        ),
         iters,
     )
     ref_ms = time_ms(
@@ -129,7 +146,7 @@ def bench_extend(heads: int, tokens: int, iters: int) -> dict:
     ref = mla_attention_ref(q_lat, q_rope, cache, [tokens], [tokens], table, scale)
     flops = tokens * (tokens + 1) / 2 * heads * 2 * (2 * L + R)
     return dict(
-        heads=heads, tokens=tokens, kernel_us=ours * 1e3, tflops=flops / (ours * 1e-3) / 1e12,
+        kernel=kernel, heads=heads, tokens=tokens, kernel_us=ours * 1e3, tflops=flops / (ours * 1e-3) / 1e12,
         ref_us=ref_ms * 1e3, err=rel_err(out, ref),
     )  # fmt: skip
 
@@ -139,31 +156,36 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs="+", default=[128])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--kernels", nargs="+", default=["auto"], help="auto, sm90, portable")
     ap.add_argument("--extend-tokens", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-ref", action="store_true", help="do not time the torch reference")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_bw = measure_copy_bw()
     print(f"device {torch.cuda.get_device_name(0)}; d2d copy {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'H':>4} {'batch':>5} {'ctx':>6} {'parts':>5} {'kernel us':>10} {'floor us':>9} "
-          f"{'%floor':>7} {'TFLOP/s':>8} {'torch ref us':>13} {'x ref':>7} {'rel err':>8}")  # fmt: skip
-    rows = []
-    for heads in args.heads:
-        for batch in args.batches:
-            for ctx in args.contexts:
-                r = bench_decode(heads, batch, ctx, copy_bw, args.iters)
-                rows.append(r)
-                print(f"{heads:>4} {batch:>5} {ctx:>6} {r['parts']:>5} {r['kernel_us']:>10.1f} "
-                      f"{r['floor_us']:>9.1f} {r['pct_floor']:>6.1f}% {r['tflops']:>8.1f} "
-                      f"{r['ref_us']:>13.0f} {r['speedup']:>6.1f}x {r['err']:>8.1e}", flush=True)  # fmt: skip
-                torch.cuda.empty_cache()
+    print(f"{'kernel':>8} {'H':>4} {'batch':>5} {'ctx':>6} {'parts':>5} {'kernel us':>10} "
+          f"{'floor us':>9} {'%floor':>7} {'TFLOP/s':>8} {'torch ref us':>13} {'x ref':>7} {'rel err':>8}")  # fmt: skip
+    rows, ref_times = [], {}
+    for heads, batch, ctx, kernel in itertools.product(
+        args.heads, args.batches, args.contexts, args.kernels
+    ):
+        ref = float("nan") if args.skip_ref else ref_times.get((heads, batch, ctx))
+        r = bench_decode(heads, batch, ctx, copy_bw, args.iters, kernel, ref)
+        ref_times[(heads, batch, ctx)] = r["ref_us"] / 1e3
+        rows.append(r)
+        print(f"{r['kernel']:>8} {heads:>4} {batch:>5} {ctx:>6} {r['parts']:>5} "
+              f"{r['kernel_us']:>10.1f} {r['floor_us']:>9.1f} {r['pct_floor']:>6.1f}% "
+              f"{r['tflops']:>8.1f} {r['ref_us']:>13.0f} {r['speedup']:>6.1f}x "
+              f"{r['err']:>8.1e}", flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
     ext = []
     if args.extend_tokens:
-        for heads in args.heads:
-            e = bench_extend(heads, args.extend_tokens, max(3, args.iters // 5))
+        for heads, kernel in itertools.product(args.heads, args.kernels):
+            e = bench_extend(heads, args.extend_tokens, max(3, args.iters // 5), kernel)
             ext.append(e)
-            print(f"extend H{heads} {e['tokens']} tokens: kernel {e['kernel_us']:.0f} us "
+            print(f"extend {kernel} H{heads} {e['tokens']} tokens: kernel {e['kernel_us']:.0f} us "
                   f"({e['tflops']:.0f} TFLOP/s causal), torch ref {e['ref_us']:.0f} us, "
                   f"rel err {e['err']:.1e}", flush=True)  # fmt: skip
     if args.json:

@@ -104,14 +104,48 @@ def launch(
     kernel's parameter order; `shared_mem` is the dynamic shared memory in bytes (above 48 KiB
     the kernel's limit is raised once).
     """
-    cp = cupy_module()
     index = device.index if device.index is not None else torch.cuda.current_device()
+    _launch(get_kernel(filename, name, index), (filename, name, index), index, grid, block,
+            args, shared_mem)  # fmt: skip
+
+
+def get_cubin_kernel(path: str, name: str, device_index: int) -> Any:
+    """The `extern "C"` kernel `name` of a prebuilt cubin (ext/cuda/sm90_build.py)."""
+    key = (path, name, device_index)
+    fn = _kernels.get(key)
+    if fn is None:
+        cp = cupy_module()
+        with _lock, cp.cuda.Device(device_index):
+            fn = _kernels.get(key)
+            if fn is None:
+                fn = cp.RawModule(path=path).get_function(name)
+                _kernels[key] = fn
+    return fn
+
+
+def launch_cubin(
+    path: str,
+    name: str,
+    device: torch.device,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    args: tuple,
+    shared_mem: int = 0,
+) -> None:
+    """`launch` for a kernel of a prebuilt cubin."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _launch(get_cubin_kernel(path, name, index), (path, name, index), index, grid, block,
+            args, shared_mem)  # fmt: skip
+
+
+def _launch(fn: Any, key: tuple[str, str, int], index: int, grid: tuple[int, int, int],
+            block: tuple[int, int, int], args: tuple, shared_mem: int) -> None:  # fmt: skip
+    cp = cupy_module()
     device = torch.device("cuda", index)
-    fn = get_kernel(filename, name, index)
     with cp.cuda.Device(index), _stream(device):
-        if shared_mem > _smem_limits.get((filename, name, index), 48 * 1024):
+        if shared_mem > _smem_limits.get(key, 48 * 1024):
             fn.max_dynamic_shared_size_bytes = shared_mem
-            _smem_limits[(filename, name, index)] = shared_mem
+            _smem_limits[key] = shared_mem
         fn(grid, block, args, shared_mem=shared_mem)
 
 

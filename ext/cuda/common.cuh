@@ -138,3 +138,19 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
+
+// The sequence of query token `tq` (largest s with qsl[s] <= tq) and its context length;
+// ctx <= 0 for a row outside every sequence or of an empty (padded) sequence.
+__device__ __forceinline__ int token_context(const int* __restrict__ qsl,
+                                             const int* __restrict__ seq_lens, int num_seqs,
+                                             int tq, int& seq) {
+  seq = 0;
+  if (num_seqs <= 0 || tq >= qsl[num_seqs]) return 0;
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (qsl[mid] <= tq) lo = mid; else hi = mid - 1;
+  }
+  seq = lo;
+  return seq_lens[lo] - (qsl[lo + 1] - 1 - tq);
+}

@@ -1,7 +1,8 @@
-"""Multi-head latent attention (DeepSeek MLA, absorbed form) on CUDA: the `mla_decode.cu`
-kernel behind the `torch.ops.tandem.mla_attention` custom op, and its split-KV plan.
+"""Multi-head latent attention (DeepSeek MLA, absorbed form) on CUDA: the kernels behind the
+`torch.ops.tandem.mla_attention` custom op (`mla_sm90.cu` on Hopper for 64-head tiles,
+`mla_decode.cu` everywhere else), the choice between them and their split-KV plan.
 
-One kernel serves decode and extend rows: each query token attends with all its heads to its
+Each kernel serves decode and extend rows: each query token attends with all its heads to its
 causal prefix of the paged latent cache. Validation happens before any launch; launches go on
 torch's current stream, read no device value on the host and allocate only the split-KV
 scratch from torch's allocator (CUDA-graph safe). The reference is ext/mla_ref.py.
@@ -9,12 +10,16 @@ scratch from torch's allocator (CUDA-graph safe). The reference is ext/mla_ref.p
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import cache
 
 import torch
 
-from tandem.ext.cuda._loader import f32, i32, i64, launch, ptr
+from tandem.ext.cuda._loader import f32, get_cubin_kernel, i32, i64, launch, launch_cubin, ptr
+from tandem.ext.cuda.sm90_build import sm90_cubin
+
+log = logging.getLogger(__name__)
 
 LATENT_DIMS = (128, 256, 512)  # kv_lora_rank values the kernel is built for
 ROPE_DIMS = (16, 32, 64)
@@ -24,6 +29,13 @@ _TILE = 32  # tokens per CTA iteration (MLA_N)
 _STAGES = 3
 _MIN_PART_LEN = 128  # a partition re-loads its CTA's queries: keep that under half its reads
 _MAX_PARTS = 128  # mla_combine_kernel's shared weight array
+# Hopper kernel (mla_sm90.cu): wgmma over 64 heads x 64-row tiles, for L = 512, R = 64
+SM90_SHAPE = (512, 64)
+SM90_HEADS = 64
+SM90_TILE = 64
+SM90_SMEM = 3 * 64 * 576 * 2 + 64 * 64 * 2 + 3 * 64 * 4 + 1024  # mirrors mla90:: in the .cu
+_SM90_NAMES = {torch.float16: "mla90_f16", torch.bfloat16: "mla90_bf16"}
+KERNELS = ("auto", "sm90", "portable")
 _MAX_GRID_Y = 65535  # tokens per launch (grid.y); x is the head tile, so both tiles of a token
 # run in the same wave and the second reads the latent rows from L2
 
@@ -65,17 +77,20 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_mla(num_tokens: int, head_tiles: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
+def plan_mla(
+    num_tokens: int, head_tiles: int, max_seq_len: int, num_sms: int, tile: int = _TILE
+) -> tuple[int, int]:
     """Split-KV plan (part_len, num_parts) from host integers only, so a CUDA graph captured
     with an upper bound `max_seq_len` stays valid for shorter contexts. One CTA fits an SM:
-    aim for one full wave (never a second, mostly idle one)."""
+    aim for one full wave (never a second, mostly idle one). part_len is a multiple of the
+    kernel's `tile`."""
     max_seq_len = max(1, max_seq_len)
     base = max(1, num_tokens * head_tiles)
     want = min(_MAX_PARTS, num_sms // base)
     if want <= 1 or max_seq_len <= _MIN_PART_LEN:
         return max_seq_len, 1
     part_len = max(_MIN_PART_LEN, math.ceil(max_seq_len / want))
-    part_len = math.ceil(part_len / _TILE) * _TILE
+    part_len = math.ceil(part_len / tile) * tile
     return part_len, math.ceil(max_seq_len / part_len)
 
 
@@ -160,6 +175,51 @@ def check_mla_args(
     return latent, rope, num_heads, block_size
 
 
+@cache
+def _sm90_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+_sm90_warned = False
+
+
+@cache
+def _sm90_module(index: int) -> str | Exception:
+    """The built cubin's path once its kernels load on device `index`, else the error."""
+    try:
+        path = str(sm90_cubin("mla_sm90.cu"))
+        for name in _SM90_NAMES.values():
+            get_cubin_kernel(path, name, index)
+        return path
+    except Exception as e:  # no nvcc, a failed build, a driver that refuses the cubin
+        return e
+
+
+def choose_kernel(kernel: str, latent: int, rope: int, num_heads: int, index: int) -> str | None:
+    """The sm_90a cubin's path where `kernel` allows it and it covers the shape (L = 512,
+    R = 64, heads a multiple of 64, a compute-capability 9.0 device, a cubin that builds and
+    loads); None: the portable kernel. `kernel="sm90"` raises instead of falling back."""
+    _check(kernel in KERNELS, f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "portable":
+        return None
+    covered = (latent, rope) == SM90_SHAPE and num_heads % SM90_HEADS == 0
+    if kernel == "sm90":
+        _check(covered, f"the sm90 MLA kernel needs L, R = {SM90_SHAPE} and heads % 64 == 0")
+        _check(_sm90_device(index), "the sm90 MLA kernel needs a compute-capability 9.0 GPU")
+    elif not covered or not _sm90_device(index):
+        return None
+    got = _sm90_module(index)
+    if not isinstance(got, Exception):
+        return got
+    if kernel == "sm90":
+        raise RuntimeError(f"the sm90 MLA kernel is unavailable: {got}") from got
+    global _sm90_warned
+    if not _sm90_warned:
+        _sm90_warned = True
+        log.warning("MLA: the Hopper kernel is unavailable, using the portable one (%s)", got)
+    return None
+
+
 def launch_mla_attention(
     out: torch.Tensor,
     q_latent: torch.Tensor,
@@ -170,9 +230,11 @@ def launch_mla_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_seq_len: int,
+    kernel: str = "auto",
 ) -> None:
     """Fill out `[T, H, L]`; `max_seq_len` (>= every seq_len; <= 0: the block table's width)
-    sizes the split-KV grid."""
+    sizes the split-KV grid. `kernel`: "auto" (the Hopper kernel where it applies), "sm90"
+    or "portable" (benchmarks and tests)."""
     latent, rope, num_heads, block_size = check_mla_args(
         out, q_latent, q_rope, latent_cache, query_start_loc, seq_lens, block_tables
     )
@@ -181,11 +243,13 @@ def launch_mla_attention(
         return
     if max_seq_len <= 0:
         max_seq_len = block_tables.shape[1] * block_size
-    hm = rows_per_cta(num_heads)
-    head_tiles = num_heads // hm
     device = latent_cache.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    part_len, num_parts = plan_mla(num_tokens, head_tiles, max_seq_len, _num_sms(index))
+    cubin = choose_kernel(kernel, latent, rope, num_heads, index)
+    hm = SM90_HEADS if cubin else rows_per_cta(num_heads)
+    head_tiles = num_heads // hm
+    tile = SM90_TILE if cubin else _TILE
+    part_len, num_parts = plan_mla(num_tokens, head_tiles, max_seq_len, _num_sms(index), tile)
     if num_parts > 1:
         part_out = torch.empty(
             num_tokens, num_heads, num_parts, latent, dtype=torch.float32, device=device
@@ -198,37 +262,36 @@ def launch_mla_attention(
     nw = warps_per_cta(latent, hm)
     for tq0 in range(0, num_tokens, _MAX_GRID_Y):
         rows = min(_MAX_GRID_Y, num_tokens - tq0)
-        launch(
-            "mla_decode.cu",
-            f"mla_attention_kernel<{dt},{latent},{rope},{hm // 16},{nw}>",
-            device,
-            (head_tiles, rows, num_parts),
-            (nw * 32, 1, 1),
-            (
-                ptr(out),
-                ptr(part_out),
-                ptr(part_lse),
-                ptr(q_latent),
-                ptr(q_rope),
-                ptr(latent_cache),
-                ptr(query_start_loc),
-                ptr(seq_lens),
-                ptr(block_tables),
-                i32(tq0),
-                i32(num_seqs),
-                i32(num_heads),
-                i64(q_latent.stride(0)),
-                i64(q_latent.stride(1)),
-                i64(q_rope.stride(0)),
-                i64(q_rope.stride(1)),
-                i32(block_tables.stride(0)),
-                i32(block_size.bit_length() - 1),
-                i32(part_len),
-                i32(num_parts),
-                f32(scale * _LOG2E),
-            ),
-            shared_mem=smem,
+        args = (
+            ptr(out),
+            ptr(part_out),
+            ptr(part_lse),
+            ptr(q_latent),
+            ptr(q_rope),
+            ptr(latent_cache),
+            ptr(query_start_loc),
+            ptr(seq_lens),
+            ptr(block_tables),
+            i32(tq0),
+            i32(num_seqs),
+            i32(num_heads),
+            i64(q_latent.stride(0)),
+            i64(q_latent.stride(1)),
+            i64(q_rope.stride(0)),
+            i64(q_rope.stride(1)),
+            i32(block_tables.stride(0)),
+            i32(block_size.bit_length() - 1),
+            i32(part_len),
+            i32(num_parts),
+            f32(scale * _LOG2E),
         )
+        grid = (head_tiles, rows, num_parts)
+        if cubin:
+            name = _SM90_NAMES[latent_cache.dtype]
+            launch_cubin(cubin, name, device, grid, (256, 1, 1), args, shared_mem=SM90_SMEM)
+        else:
+            name = f"mla_attention_kernel<{dt},{latent},{rope},{hm // 16},{nw}>"
+            launch("mla_decode.cu", name, device, grid, (nw * 32, 1, 1), args, shared_mem=smem)
         if num_parts > 1:
             launch(
                 "mla_decode.cu",
@@ -262,16 +325,17 @@ def mla_attention_op(
     block_tables: torch.Tensor,
     scale: float,
     max_seq_len: int,
+    kernel: str = "auto",
 ) -> None:
     launch_mla_attention(
         out, q_latent, q_rope, latent_cache, query_start_loc, seq_lens, block_tables, scale,
-        max_seq_len,
+        max_seq_len, kernel,
     )  # fmt: skip
 
 
 @mla_attention_op.register_fake
 def _(out, q_latent, q_rope, latent_cache, query_start_loc, seq_lens, block_tables, scale,
-      max_seq_len) -> None:  # fmt: skip
+      max_seq_len, kernel="auto") -> None:  # fmt: skip
     return None
 
 
@@ -285,17 +349,18 @@ def mla_attention_cuda(
     scale: float,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """MLA of a ragged batch: q_latent `[T, H, L]`, q_rope `[T, H, R]`; sequence i owns rows
     `query_start_loc[i]:query_start_loc[i+1]` (int32 `[S + 1]`), the last tokens of its
     `seq_lens[i]` (int32 `[S]`), whose rows are already in latent_cache `[num_blocks,
     block_size, L + R]`; block_tables int32 `[S, max_blocks]`. Decode (one row per sequence)
     and extend rows alike. `max_seq_len`: a host bound on seq_lens (default: table width).
-    Returns `[T, H, L]` in the cache dtype."""
+    `kernel`: see `launch_mla_attention`. Returns `[T, H, L]` in the cache dtype."""
     if out is None:
         out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     torch.ops.tandem.mla_attention(
         out, q_latent, q_rope, latent_cache, query_start_loc, seq_lens, block_tables,
-        float(scale), int(max_seq_len or 0),
+        float(scale), int(max_seq_len or 0), kernel,
     )  # fmt: skip
     return out

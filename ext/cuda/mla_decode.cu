@@ -37,22 +37,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The sequence of query token `tq` (largest s with qsl[s] <= tq) and its context length;
-// ctx <= 0 for a row outside every sequence or of an empty (padded) sequence.
-__device__ __forceinline__ int token_context(const int* __restrict__ qsl,
-                                             const int* __restrict__ seq_lens, int num_seqs,
-                                             int tq, int& seq) {
-  seq = 0;
-  if (num_seqs <= 0 || tq >= qsl[num_seqs]) return 0;
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (qsl[mid] <= tq) lo = mid; else hi = mid - 1;
-  }
-  seq = lo;
-  return seq_lens[lo] - (qsl[lo + 1] - 1 - tq);
-}
-
 constexpr int MLA_N = 32;  // tokens per tile (= one lane per token in the softmax)
 constexpr int MLA_STAGES = 3;
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import tandem.ext.cuda as cuda_ext
 from tandem.ext.cuda import mla as mla_cuda
+from tandem.ext.cuda import sm90_build
 from tandem.ext.mla_ref import gather_latent, mla_attention_ref
 
 TOL = 1e-2
@@ -234,7 +235,7 @@ def test_backend_support_check():
 
 
 def run_kernel(pairs, H, L=512, R=64, dtype=torch.bfloat16, block_size=16, seed=0,
-               max_seq_len=None):  # fmt: skip
+               max_seq_len=None, kernel="auto"):  # fmt: skip
     """pairs: (prefix_len, query_len) per sequence; returns the per-token relative error."""
     query_lens = [n for _, n in pairs]
     seq_lens = [p + n for p, n in pairs]
@@ -243,7 +244,8 @@ def run_kernel(pairs, H, L=512, R=64, dtype=torch.bfloat16, block_size=16, seed=
     )
     scale = (128 + R) ** -0.5
     out = torch.full_like(ql, float("nan"))
-    cuda_ext.mla_attention_cuda(ql, qr, cache, qsl, sl, bt, scale, max_seq_len, out=out)
+    cuda_ext.mla_attention_cuda(ql, qr, cache, qsl, sl, bt, scale, max_seq_len, out=out,
+                                kernel=kernel)  # fmt: skip
     ref = mla_attention_ref(ql, qr, cache, query_lens, seq_lens, bt, scale)
     return rel_err_per_token(out, ref)
 
@@ -251,12 +253,99 @@ def run_kernel(pairs, H, L=512, R=64, dtype=torch.bfloat16, block_size=16, seed=
 @gpu_test
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("batch", [1, 7, 64, 256])
-def test_decode_random_batches(H, batch):
+@pytest.mark.parametrize("kernel", ["auto", "portable"])
+def test_decode_random_batches(H, batch, kernel):
+    """kernel="auto" takes the Hopper kernel for 128 heads on an H100/H200; "portable" keeps
+    the mma.sync kernel tested there too."""
     rng = random.Random(batch * 131 + H)
     top = 3000 if batch <= 64 else 1200
     pairs = [(rng.randint(0, top), 1) for _ in range(batch)]
     pairs[0] = (0, 1)  # a context of one token
-    assert run_kernel(pairs, H, seed=batch + H) < TOL
+    assert run_kernel(pairs, H, seed=batch + H, kernel=kernel) < TOL
+
+
+def _is_sm90() -> bool:
+    return cuda_ext.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def sm90_test(fn):
+    skip = pytest.mark.skipif(not _is_sm90(), reason="needs a compute-capability 9.0 GPU")
+    return pytest.mark.gpu(skip(fn))
+
+
+@sm90_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(4))
+def test_sm90_random_shapes(dtype, seed):
+    """The wgmma kernel on random batches (1-256 rows), contexts (1-32k), block sizes and
+    head counts (multiples of 64), block tables with holes, split-KV or not."""
+    rng = random.Random(seed)
+    batch = rng.choice([1, 2, 16, 100, 256])
+    top = {1: 32768, 2: 32768, 16: 9000, 100: 3000, 256: 1500}[batch]
+    pairs = [(rng.randint(0, top - 1), 1) for _ in range(batch)]
+    H = rng.choice([64, 128, 128, 256])
+    bs = rng.choice([1, 16, 64])
+    err = run_kernel(pairs, H, dtype=dtype, block_size=bs, seed=seed, kernel="sm90")
+    assert err < TOL, (batch, H, bs)
+
+
+@sm90_test
+@pytest.mark.parametrize("H", [64, 128])
+def test_sm90_extend_and_tile_edges(H):
+    """Extend rows, and contexts at and around the 64-row tile and the partition edges."""
+    edges = [(0, 1), (62, 1), (63, 1), (64, 1), (127, 1), (128, 1), (4095, 1), (4096, 1)]
+    assert run_kernel(edges + MIXED, H, seed=11, kernel="sm90") < TOL
+
+
+def test_kernel_choice_on_cpu():
+    assert mla_cuda.choose_kernel("portable", 512, 64, 128, 0) is None
+    with pytest.raises(ValueError, match="kernel must be"):
+        mla_cuda.choose_kernel("fast", 512, 64, 128, 0)
+    with pytest.raises(ValueError, match="sm90 MLA kernel needs L, R"):
+        mla_cuda.choose_kernel("sm90", 128, 32, 128, 0)
+    with pytest.raises(ValueError, match="heads % 64"):
+        mla_cuda.choose_kernel("sm90", 512, 64, 16, 0)
+    assert mla_cuda.plan_mla(1, 2, 32768, 132, tile=64)[0] % 64 == 0
+
+
+def test_kernel_choice_falls_back_when_the_cubin_is_unavailable(monkeypatch, caplog):
+    """No nvcc / a failed build / a cubin the driver refuses: "auto" takes the portable kernel
+    with one warning, "sm90" raises."""
+    monkeypatch.setattr(mla_cuda, "_sm90_device", lambda index: True)
+    monkeypatch.setattr(mla_cuda, "_sm90_warned", False)
+    err = sm90_build.Sm90BuildError("nvcc not found")
+    monkeypatch.setattr(mla_cuda, "_sm90_module", lambda index: err)
+    with caplog.at_level("WARNING"):
+        assert mla_cuda.choose_kernel("auto", 512, 64, 128, 0) is None
+        assert mla_cuda.choose_kernel("auto", 512, 64, 128, 0) is None
+    assert sum("Hopper kernel is unavailable" in r.message for r in caplog.records) == 1
+    with pytest.raises(RuntimeError, match="unavailable: nvcc not found"):
+        mla_cuda.choose_kernel("sm90", 512, 64, 128, 0)
+    monkeypatch.setattr(mla_cuda, "_sm90_module", lambda index: "/x/mla_sm90.cubin")
+    assert mla_cuda.choose_kernel("auto", 512, 64, 128, 0) == "/x/mla_sm90.cubin"
+    assert mla_cuda.choose_kernel("auto", 512, 64, 16, 0) is None  # V2-Lite's 16 heads
+
+
+def test_sm90_module_reports_a_load_failure(monkeypatch):
+    monkeypatch.setattr(mla_cuda, "sm90_cubin", lambda name: "/x/mla_sm90.cubin")
+
+    def refuse(path, name, index):
+        raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+
+    monkeypatch.setattr(mla_cuda, "get_cubin_kernel", refuse)
+    got = mla_cuda._sm90_module.__wrapped__(0)
+    assert isinstance(got, RuntimeError) and "NO_BINARY" in str(got)
+
+
+@pytest.mark.skipif(sm90_build.nvcc_path() is None, reason="needs nvcc")
+def test_sm90_source_builds(tmp_path, monkeypatch):
+    """The sm_90a source compiles (nvcc, no GPU needed) into a cubin naming its kernels."""
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setattr(sm90_build, "_built", {})
+    path = sm90_build.sm90_cubin("mla_sm90.cu")
+    data = path.read_bytes()
+    assert path.parent == tmp_path / "cuda_sm90"
+    assert all(name.encode() in data for name in mla_cuda._SM90_NAMES.values())
 
 
 @gpu_test

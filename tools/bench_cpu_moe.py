@@ -312,10 +312,11 @@ def main() -> None:
                 )
                 if args.phases:
                     print_phases(phases, info["num_threads"])
-        if args.peer_kt:
-            rows = [r for r in results if r["format"] == fmt]
-            outs = {T: pool_out[fmt, T] for T, _, _ in cases}
-            time_kt_peer(args, fmt, w13, w2, cases, rows, outs)
+    # kt-kernel after every pool run: its worker threads outlive its layers
+    for fmt in args.formats if args.peer_kt else []:
+        rows = [r for r in results if r["format"] == fmt]
+        outs = {T: pool_out[fmt, T] for T, _, _ in cases}
+        time_kt_peer(args, fmt, w13, w2, cases, rows, outs)
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -175,16 +175,17 @@ def time_kt_peer(args, fmt: str, w13, w2, cases, rows: list[dict], pool_out: dic
     print(f"{'kt':>5} {kt.method} ({kt.variant} build, {threads} threads) converted in "
           f"{kt.convert_s:.2f} s a layer")  # fmt: skip
     for (T, hidden, routings), row in zip(cases, rows, strict=True):
-        kt.forward(0, hidden, *routings[0])
+        staged = [kt.stage(hidden, *r) for r in routings]
+        kt.forward(0, staged[0])
         ref = pool_out[T]
         row["kt_rel_diff_vs_pool"] = ((kt.last_output() - ref).norm() / ref.norm()).item()
-        for i, r in enumerate(routings):  # warm every routing, as for the pool
-            kt.forward(i % args.layers, hidden, *r)
+        for i, s in enumerate(staged):  # warm every routing, as for the pool
+            kt.forward(i % args.layers, s)
         times, start = [], time.perf_counter()
         while len(times) < 3 or time.perf_counter() - start < args.min_time:
             i = len(times)
-            layer, r = (i // len(routings)) % args.layers, routings[i % len(routings)]
-            times.append(kt.forward(layer, hidden, *r))
+            layer = (i // len(staged)) % args.layers
+            times.append(kt.forward(layer, staged[i % len(staged)]))
         row["kt_method"], row["kt_ms"] = kt.method, 1e3 * statistics.median(times)
         row["vs_kt"] = row["kt_ms"] / row["pool_ms"]
         print(f"{'kt':>5} {T:>6} {'':>7} {row['kt_ms']:>9.3f}   pool {row['pool_ms']:.3f} ms: "

@@ -88,13 +88,20 @@ class KtMoeLayers:
             self.layers.append(w)
         self.convert_s = (time.perf_counter() - t0) / layers
 
-    def forward(
-        self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> float:
-        """Seconds of kt-kernel's CPU job for hidden [T, H] routed to ids/weights [T, k]."""
+    @staticmethod
+    def stage(
+        hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One call's inputs on the GPU, where kt-kernel's graph path finds them: made once
+        per routing, so no CPU-side torch work (whose OpenMP threads spin on after it) runs
+        just before a timed call."""
+        return hidden.to(torch.bfloat16).cuda(), ids.cuda(), weights.float().cuda()
+
+    def forward(self, layer: int, staged: tuple[torch.Tensor, ...]) -> float:
+        """Seconds of kt-kernel's CPU job for staged hidden [T, H], ids / weights [T, k]."""
         w = self.layers[layer]
-        hs = hidden.to(torch.bfloat16).cuda()
-        w.copy_inputs_to_cpu_buffers(hs, ids.cuda(), weights.float().cuda())
+        hs, ids, weights = staged
+        w.copy_inputs_to_cpu_buffers(hs, ids, weights)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         w.run_pinned_forward_sync(hs, 0)

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# llama.cpp as the end-to-end peer, next to Tandem on the same shapes, in one device call (about
+# 9 minutes). llama.cpp's CUDA build runs on cores 2-15 while the GGUFs are written and Tandem's
+# GPU-only figures are taken on cores 0-1 (tools/bench_gguf_gpu.py --gguf on the files llama.cpp
+# reads: Llama-3-8B shape in Q4_0 / Q4_K / bf16, the Qwen3-30B-A3B shape with every expert on the
+# GPU). Then, with every core: llama-bench hybrid decode (Q4_0 experts, -ngl 99 -ot exps=CPU),
+# `tandem serve` hybrid (int4 experts on the CPU pool) at 1 and 16 streams with the CPU floor
+# measured after it (tools/device/gpu-serving.sh SHAPE=30B-A3B), and llama-bench's GPU workloads.
+#   bash tools/peers/llama_cpp.sh fetch            # here, once: .peers/llama.cpp (carry it)
+#   bash tools/device_check.sh peers-llama         # GPU machine
+# $OUT: summary.txt and logs.tgz (every log; the device tool returns at most 8 files).
+# Env: GGUFS ["moe-q4_0 dense-q4_0 dense-q4_k dense-bf16"], DEADLINE [575] (s; a stage that would start later is skipped), TANDEM_GPU ["dense-q4_0
+#   dense-q4_k moe-q4_0 dense-bf16"], LLAMA_GPU ["dense-q4_0-gpu dense-q4_k-gpu moe-gpu
+#   dense-gpu"], HYBRID [1], GGUF_DIR [/dev/shm/gguf], THREADS [14,16] (llama-bench hybrid).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/tandem_peers_llama}
+source tools/device/env.sh
+W=$(mktemp -d /tmp/peers-llama.XXXX)
+export GGUF_DIR=${GGUF_DIR:-/dev/shm/gguf} REPS=${REPS:-3} THREADS=${THREADS:-14,16}
+T0=$SECONDS DEADLINE=${DEADLINE:-575} last=$(($(nproc) - 1))
+say() { echo "[$((SECONDS - T0))s] $*" | tee -a "$W/summary.txt"; }
+room() {  # room SECONDS WHAT: true if WHAT's SECONDS still fit before the deadline
+  [ $((DEADLINE - (SECONDS - T0))) -ge "$1" ] || { say "skipped: $2 (needs ${1}s)"; false; }
+}
+finish() { cp "$W/summary.txt" "$OUT/" 2>/dev/null; tar -czf "$OUT/logs.tgz" -C "$W" .; }
+trap finish EXIT
+
+OUT=$W TARGETS=llama-bench taskset -c "2-$last" bash tools/peers/llama_cpp.sh build \
+  >"$W/build.out" 2>&1 &
+build_pid=$!
+say "llama.cpp build started on cores 2-$last"
+files=${GGUFS-moe-q4_0 dense-q4_0 dense-q4_k dense-bf16}
+if [ -n "$files" ]; then
+  # shellcheck disable=SC2086
+  OUT=$W taskset -c 0,1 bash tools/peers/llama_cpp.sh gguf $files >"$W/gguf.out" 2>&1 \
+    || say "gguf failed: $(tail -n 3 "$W/gguf.out")"
+  say "$(grep -h ggufs "$W/llama_cpp.log")"
+fi
+streams=()
+python3 tools/bench_gguf_gpu.py --help 2>/dev/null | grep -q -- --streams && streams=(--streams 16)
+for f in ${TANDEM_GPU-dense-q4_0 dense-q4_k moe-q4_0 dense-bf16}; do
+  # no later than the build's usual end (about 330 s), so the hybrid part keeps its time
+  [ $((SECONDS - T0)) -lt 250 ] || { say "skipped: tandem $f (the build's time is used)"; continue; }
+  taskset -c 0,1 timeout 120 python3 tools/bench_gguf_gpu.py --gguf "$GGUF_DIR/$f.gguf" \
+    "${streams[@]}" >"$W/tandem_$f.log" 2>&1
+  say "tandem $f rc=$?: $(grep -E "decode|tok/s" "$W/tandem_$f.log" | tail -n 2 | tr '\n' ' ')"
+done
+wait "$build_pid"
+say "$(grep -h 'build rc' "$W/llama_cpp.log" 2>/dev/null || tail -n 3 "$W/build.out")"
+lb=.peers/llama.cpp/build/bin/llama-bench
+if [ "${HYBRID:-1}" != 0 ] && [ -x "$lb" ] && room 200 "llama.cpp hybrid"; then
+  OUT=$W bash tools/peers/llama_cpp.sh bench moe-hybrid-decode >/dev/null 2>&1
+  say "llama.cpp hybrid: $(grep -h 'moe-hybrid-decode rc' "$W/llama_cpp.log")"
+  grep -E '^\| qwen' "$W/llama_moe-hybrid-decode.md" | tee -a "$W/summary.txt"
+fi
+if [ "${HYBRID:-1}" != 0 ] && room 150 "tandem serve hybrid"; then
+  OUT=$W/serve SHAPE=30B-A3B EXPERT_FORMAT=int4 INPUT_LEN=128 OUTPUT_LEN=64 CONCURRENCY=1,16 \
+    NUM_PROMPTS=4,16 WARMUP=2 MAX_NUM_SEQS=32 START_TIMEOUT=200 BENCH_TIMEOUT=120 \
+    timeout $((DEADLINE - (SECONDS - T0))) bash tools/device/gpu-serving.sh >"$W/serve.log" 2>&1
+  say "tandem serve hybrid int4 rc=$?"
+  cat "$W/serve/summary.txt" >>"$W/summary.txt" 2>/dev/null || tail -n 20 "$W/serve.log"
+fi
+if [ -x "$lb" ]; then
+  for name in ${LLAMA_GPU-dense-q4_0-gpu dense-q4_k-gpu moe-gpu dense-gpu}; do
+    room 25 "llama.cpp $name" || continue
+    OUT=$W bash tools/peers/llama_cpp.sh bench "$name" >/dev/null 2>&1
+    say "llama.cpp $name: $(grep -E '^\| (qwen|llama)' "$W/llama_$name.md" | tr -s ' ' | tr '\n' ' ')"
+  done
+fi

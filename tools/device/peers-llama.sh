@@ -11,13 +11,19 @@
 # $OUT: summary.txt and logs.tgz (every log; the device tool returns at most 8 files).
 # Env: GGUFS ["moe-q4_0 dense-q4_0 dense-q4_k dense-bf16"], DEADLINE [575] (s; a stage that would start later is skipped), TANDEM_GPU ["dense-q4_0
 #   dense-q4_k moe-q4_0 dense-bf16"], LLAMA_GPU ["dense-q4_0-gpu dense-q4_k-gpu moe-gpu
-#   dense-gpu"], HYBRID [1], GGUF_DIR [/dev/shm/gguf], THREADS [14,16] (llama-bench hybrid).
+#   dense-gpu"], HYBRID [1], GGUF_DIR [the roomier of /dev/shm and /tmp], THREADS [14,16] (llama-bench hybrid).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_peers_llama}
 source tools/device/env.sh
 W=$(mktemp -d /tmp/peers-llama.XXXX)
-export GGUF_DIR=${GGUF_DIR:-/dev/shm/gguf} REPS=${REPS:-3} THREADS=${THREADS:-14,16}
+free_gb() { df -BG --output=avail "$1" 2>/dev/null | tail -n 1 | tr -dc 0-9; }
+if [ -z "${GGUF_DIR:-}" ]; then  # the roomier of RAM (/dev/shm) and the disk (/tmp)
+  GGUF_DIR=/dev/shm/gguf
+  [ "$(free_gb /tmp)" -gt "$(free_gb /dev/shm)" ] && GGUF_DIR=/tmp/gguf
+fi
+mkdir -p "$GGUF_DIR"
+export GGUF_DIR REPS=${REPS:-3} THREADS=${THREADS:-14,16}
 T0=$SECONDS DEADLINE=${DEADLINE:-575} last=$(($(nproc) - 1))
 say() { echo "[$((SECONDS - T0))s] $*" | tee -a "$W/summary.txt"; }
 room() {  # room SECONDS WHAT: true if WHAT's SECONDS still fit before the deadline
@@ -30,7 +36,13 @@ OUT=$W TARGETS=llama-bench taskset -c "2-$last" bash tools/peers/llama_cpp.sh bu
   >"$W/build.out" 2>&1 &
 build_pid=$!
 say "llama.cpp build started on cores 2-$last"
-files=${GGUFS-moe-q4_0 dense-q4_0 dense-q4_k dense-bf16}
+files=${GGUFS-moe-q4_0 dense-q4_0 dense-q4_k dense-bf16}  # 17 + 4.6 + 4.7 + 16 GB
+room_gb=$(free_gb "$GGUF_DIR")
+say "GGUF files in $GGUF_DIR (${room_gb} GB free)"
+if [ "${room_gb:-0}" -lt 46 ] && [[ " $files " == *" dense-bf16 "* ]]; then
+  files=${files/dense-bf16/}
+  say "skipped: dense-bf16 (too little room for its 16 GB)"
+fi
 if [ -n "$files" ]; then
   # shellcheck disable=SC2086
   OUT=$W taskset -c 0,1 bash tools/peers/llama_cpp.sh gguf $files >"$W/gguf.out" 2>&1 \
@@ -40,6 +52,7 @@ fi
 streams=()
 python3 tools/bench_gguf_gpu.py --help 2>/dev/null | grep -q -- --streams && streams=(--streams 16)
 for f in ${TANDEM_GPU-dense-q4_0 dense-q4_k moe-q4_0 dense-bf16}; do
+  [ -f "$GGUF_DIR/$f.gguf" ] || { say "skipped: tandem $f (no file)"; continue; }
   # no later than the build's usual end (about 330 s), so the hybrid part keeps its time
   [ $((SECONDS - T0)) -lt 250 ] || { say "skipped: tandem $f (the build's time is used)"; continue; }
   taskset -c 0,1 timeout 120 python3 tools/bench_gguf_gpu.py --gguf "$GGUF_DIR/$f.gguf" \

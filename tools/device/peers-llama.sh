@@ -3,15 +3,18 @@
 # 9 minutes). llama.cpp's CUDA build runs on cores 2-15 while the GGUFs are written and Tandem's
 # GPU-only figures are taken on cores 0-1 (tools/bench_gguf_gpu.py --gguf on the files llama.cpp
 # reads: Llama-3-8B shape in Q4_0 / Q4_K / bf16, the Qwen3-30B-A3B shape with every expert on the
-# GPU). Then, with every core: llama-bench hybrid decode (Q4_0 experts, -ngl 99 -ot exps=CPU),
-# `tandem serve` hybrid (int4 experts on the CPU pool) at 1 and 16 streams with the CPU floor
-# measured after it (tools/device/gpu-serving.sh SHAPE=30B-A3B), and llama-bench's GPU workloads.
+# GPU, whose load dequantizes the experts and needs every core: it runs last). Then, with every
+# core: llama-bench hybrid decode (Q4_0 experts, -ngl 99 -ot exps=CPU), `tandem serve` hybrid
+# (int4 experts on the CPU pool) at 1 and 16 streams with the CPU floor measured after it
+# (tools/device/gpu-serving.sh SHAPE=30B-A3B; needs the llguidance wheel in .device-wheels),
+# llama-bench's GPU workloads, and Tandem on the MoE file.
 #   bash tools/peers/llama_cpp.sh fetch            # here, once: .peers/llama.cpp (carry it)
 #   bash tools/device_check.sh peers-llama         # GPU machine
 # $OUT: summary.txt and logs.tgz (every log; the device tool returns at most 8 files).
-# Env: GGUFS ["moe-q4_0 dense-q4_0 dense-q4_k dense-bf16"], DEADLINE [575] (s; a stage that would start later is skipped), TANDEM_GPU ["dense-q4_0
-#   dense-q4_k moe-q4_0 dense-bf16"], LLAMA_GPU ["dense-q4_0-gpu dense-q4_k-gpu moe-gpu
-#   dense-gpu"], HYBRID [1], GGUF_DIR [the roomier of /dev/shm and /tmp], THREADS [14,16] (llama-bench hybrid).
+# Env: GGUFS ["moe-q4_0 dense-q4_0 dense-q4_k dense-bf16"], TANDEM_GPU ["dense-q4_0 dense-q4_k
+#   dense-bf16"], TANDEM_LAST ["moe-q4_0"], LLAMA_GPU ["dense-q4_0-gpu dense-q4_k-gpu moe-gpu
+#   dense-gpu"], HYBRID [1], DEADLINE [575] (s; a stage that would end later is skipped),
+#   GGUF_DIR [the roomier of /dev/shm and /tmp], THREADS [14,16] (llama-bench hybrid).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_peers_llama}
@@ -51,13 +54,18 @@ if [ -n "$files" ]; then
 fi
 streams=()
 python3 tools/bench_gguf_gpu.py --help 2>/dev/null | grep -q -- --streams && streams=(--streams 16)
-for f in ${TANDEM_GPU-dense-q4_0 dense-q4_k moe-q4_0 dense-bf16}; do
+tandem_gguf() {  # tandem_gguf FILE LIMIT [taskset args...]: Tandem's engine on one GGUF file
+  local f=$1 limit=$2
+  shift 2
+  "$@" timeout "$limit" python3 tools/bench_gguf_gpu.py --gguf "$GGUF_DIR/$f.gguf" \
+    "${streams[@]}" >"$W/tandem_$f.log" 2>&1
+  say "tandem $f rc=$?: $(grep -E "decode|tok/s" "$W/tandem_$f.log" | tail -n 2 | tr '\n' ' ')"
+}
+for f in ${TANDEM_GPU-dense-q4_0 dense-q4_k dense-bf16}; do
   [ -f "$GGUF_DIR/$f.gguf" ] || { say "skipped: tandem $f (no file)"; continue; }
   # no later than the build's usual end (about 330 s), so the hybrid part keeps its time
   [ $((SECONDS - T0)) -lt 250 ] || { say "skipped: tandem $f (the build's time is used)"; continue; }
-  taskset -c 0,1 timeout 120 python3 tools/bench_gguf_gpu.py --gguf "$GGUF_DIR/$f.gguf" \
-    "${streams[@]}" >"$W/tandem_$f.log" 2>&1
-  say "tandem $f rc=$?: $(grep -E "decode|tok/s" "$W/tandem_$f.log" | tail -n 2 | tr '\n' ' ')"
+  tandem_gguf "$f" 120 taskset -c 0,1
 done
 wait "$build_pid"
 say "$(grep -h 'build rc' "$W/llama_cpp.log" 2>/dev/null || tail -n 3 "$W/build.out")"
@@ -67,7 +75,9 @@ if [ "${HYBRID:-1}" != 0 ] && [ -x "$lb" ] && room 200 "llama.cpp hybrid"; then
   say "llama.cpp hybrid: $(grep -h 'moe-hybrid-decode rc' "$W/llama_cpp.log")"
   grep -E '^\| qwen' "$W/llama_moe-hybrid-decode.md" | tee -a "$W/summary.txt"
 fi
-if [ "${HYBRID:-1}" != 0 ] && room 150 "tandem serve hybrid"; then
+if [ "${HYBRID:-1}" != 0 ] && ! python3 -c "import llguidance" 2>/dev/null; then
+  say "skipped: tandem serve hybrid (no llguidance here: add its wheel to .device-wheels)"
+elif [ "${HYBRID:-1}" != 0 ] && room 150 "tandem serve hybrid"; then
   OUT=$W/serve SHAPE=30B-A3B EXPERT_FORMAT=int4 INPUT_LEN=128 OUTPUT_LEN=64 CONCURRENCY=1,16 \
     NUM_PROMPTS=4,16 WARMUP=2 MAX_NUM_SEQS=32 START_TIMEOUT=200 BENCH_TIMEOUT=120 \
     timeout $((DEADLINE - (SECONDS - T0))) bash tools/device/gpu-serving.sh >"$W/serve.log" 2>&1
@@ -81,3 +91,6 @@ if [ -x "$lb" ]; then
     say "llama.cpp $name: $(grep -E '^\| (qwen|llama)' "$W/llama_$name.md" | tr -s ' ' | tr '\n' ' ')"
   done
 fi
+for f in ${TANDEM_LAST-moe-q4_0}; do
+  [ -f "$GGUF_DIR/$f.gguf" ] && room 150 "tandem $f" && tandem_gguf "$f" $((DEADLINE - (SECONDS - T0)))
+done

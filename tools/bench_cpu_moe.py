@@ -13,10 +13,13 @@ reads are mostly not in the last-level cache (a fixed routing would time the L3,
     python tools/bench_cpu_moe.py [--tokens 1 8 64 256] [--formats bf16 int8 int4]
         [--threads N] [--isa amx] [--floor-gbps GBPS] [--experts 128] [--json out.json]
         [--int-path auto|off|N] [--phases] [--peer-kt DIR]
+        [--shape qwen3-30b-a3b|mixtral-8x7b|deepseek-v3] [--distinct-experts N]
 
 --peer-kt DIR: also time KTransformers' own CPU MoE kernels (kt-kernel, fetched into DIR by
 tools/peers/fetch_kt_kernel.sh; needs CUDA) on the same layer copies and routings: BF16 /
-AMXINT8 / AMXINT4 against the pool's bf16 / int8 / int4, with "vs kt" = kt ms / pool ms.
+AMXINT8 / AMXINT4 against the pool's bf16 / int8 / int4, with "vs kt" = kt ms / pool ms, after
+every pool run, its output checked against the pool's. One shape per process (kt-kernel caches
+its pinned buffers by batch size alone).
 
 --int-path: int8/int4 experts with >= N tokens multiply the quantized weights as integers
 (VNNI / AMX int8; "auto": the pool's default, "off": never). --phases: per measurement, where

@@ -82,7 +82,8 @@ elif [ "${HYBRID:-1}" != 0 ] && room 150 "tandem serve hybrid"; then
     NUM_PROMPTS=4,16 WARMUP=2 MAX_NUM_SEQS=32 START_TIMEOUT=200 BENCH_TIMEOUT=120 \
     timeout $((DEADLINE - (SECONDS - T0))) bash tools/device/gpu-serving.sh >"$W/serve.log" 2>&1
   say "tandem serve hybrid int4 rc=$?"
-  cat "$W/serve/summary.txt" >>"$W/summary.txt" 2>/dev/null || tail -n 20 "$W/serve.log"
+  if [ -f "$W/serve/summary.txt" ]; then tee -a "$W/summary.txt" <"$W/serve/summary.txt"
+  else tail -n 20 "$W/serve.log"; fi
 fi
 if [ -x "$lb" ]; then
   for name in ${LLAMA_GPU-dense-q4_0-gpu dense-q4_k-gpu moe-gpu dense-gpu}; do

@@ -13,10 +13,13 @@ reads are mostly not in the last-level cache (a fixed routing would time the L3,
     python tools/bench_cpu_moe.py [--tokens 1 8 64 256] [--formats bf16 int8 int4]
         [--threads N] [--isa amx] [--floor-gbps GBPS] [--experts 128] [--json out.json]
         [--int-path auto|off|N] [--phases] [--peer-kt DIR]
+        [--shape qwen3-30b-a3b|mixtral-8x7b|deepseek-v3] [--distinct-experts N]
 
 --peer-kt DIR: also time KTransformers' own CPU MoE kernels (kt-kernel, fetched into DIR by
 tools/peers/fetch_kt_kernel.sh; needs CUDA) on the same layer copies and routings: BF16 /
-AMXINT8 / AMXINT4 against the pool's bf16 / int8 / int4, with "vs kt" = kt ms / pool ms.
+AMXINT8 / AMXINT4 against the pool's bf16 / int8 / int4, with "vs kt" = kt ms / pool ms, after
+every pool run, its output checked against the pool's. One shape per process (kt-kernel caches
+its pinned buffers by batch size alone).
 
 --int-path: int8/int4 experts with >= N tokens multiply the quantized weights as integers
 (VNNI / AMX int8; "auto": the pool's default, "off": never). --phases: per measurement, where
@@ -42,13 +45,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.ext.cpu import CpuExpertPool  # noqa: E402
 from tools.peers.cpu_bandwidth import read_bandwidth_gbps  # noqa: E402
 
+# One MoE layer of each model: hidden, expert intermediate, experts, top-k.
+SHAPES = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "deepseek-v3": (7168, 2048, 256, 8),
+}
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=SHAPES, default=None, help="sets the four below")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument(
+        "--distinct-experts",
+        type=int,
+        default=0,
+        help="draw this many random experts and repeat them to fill the layer (each copy its "
+        "own memory): DeepSeek-V3's 11G parameters a layer take minutes to draw. 0: all",
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--formats", nargs="+", default=["bf16", "int8", "int4"])
     p.add_argument("--group-size", type=int, default=64)
@@ -75,7 +93,24 @@ def parse_args() -> argparse.Namespace:
         help="copies of the layer the calls rotate through (each routing on every copy): 8 "
         "keeps the weights read per cycle past a 300 MB L3, so 1 token reads from DRAM",
     )
-    return p.parse_args()
+    args = p.parse_args()
+    if args.shape:
+        args.hidden, args.inter, args.experts, args.topk = SHAPES[args.shape]
+    return args
+
+
+def random_experts(
+    E: int, H: int, inter: int, distinct: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, 2I, H] gate rows then up rows and [E, H, I], bf16 as checkpoints ship them."""
+    n = E if distinct <= 0 else min(distinct, E)
+    w13 = (torch.randn(n, 2 * inter, H, generator=g) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(n, H, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    if n < E:
+        reps = -(-E // n)
+        w13 = w13.repeat(reps, 1, 1)[:E].contiguous()
+        w2 = w2.repeat(reps, 1, 1)[:E].contiguous()
+    return w13, w2
 
 
 def time_call(fn, min_time: float, min_reps: int = 3) -> float:
@@ -131,8 +166,9 @@ def torch_moe(hidden, w13, w2, ids, weights) -> torch.Tensor:
     return out
 
 
-def time_kt_peer(args, fmt: str, w13, w2, cases, rows: list[dict]) -> None:
-    """kt-kernel on the same layer copies and routings; adds kt_ms / vs_kt to the pool's rows."""
+def time_kt_peer(args, fmt: str, w13, w2, cases, rows: list[dict], pool_out: dict) -> None:
+    """kt-kernel on the same layer copies and routings; adds kt_ms / vs_kt to the pool's rows
+    and kt's relative difference from the pool's output (pool_out[T]: routing 0, copy 0)."""
     from tools.peers.kt_moe import KtMoeLayers
 
     threads = rows[0]["threads"] if rows else (args.threads or max(1, (os.cpu_count() or 2) - 1))
@@ -142,17 +178,22 @@ def time_kt_peer(args, fmt: str, w13, w2, cases, rows: list[dict]) -> None:
     print(f"{'kt':>5} {kt.method} ({kt.variant} build, {threads} threads) converted in "
           f"{kt.convert_s:.2f} s a layer")  # fmt: skip
     for (T, hidden, routings), row in zip(cases, rows, strict=True):
-        for i, r in enumerate(routings):  # warm every routing, as for the pool
-            kt.forward(i % args.layers, hidden, *r)
+        staged = [kt.stage(hidden, *r) for r in routings]
+        kt.forward(0, staged[0])
+        ref = pool_out[T]
+        row["kt_rel_diff_vs_pool"] = ((kt.last_output() - ref).norm() / ref.norm()).item()
+        for i, s in enumerate(staged):  # warm every routing, as for the pool
+            kt.forward(i % args.layers, s)
         times, start = [], time.perf_counter()
         while len(times) < 3 or time.perf_counter() - start < args.min_time:
             i = len(times)
-            layer, r = (i // len(routings)) % args.layers, routings[i % len(routings)]
-            times.append(kt.forward(layer, hidden, *r))
+            layer = (i // len(staged)) % args.layers
+            times.append(kt.forward(layer, staged[i % len(staged)]))
         row["kt_method"], row["kt_ms"] = kt.method, 1e3 * statistics.median(times)
         row["vs_kt"] = row["kt_ms"] / row["pool_ms"]
         print(f"{'kt':>5} {T:>6} {'':>7} {row['kt_ms']:>9.3f}   pool {row['pool_ms']:.3f} ms: "
-              f"{row['vs_kt']:.2f}x kt-kernel's speed")  # fmt: skip
+              f"{row['vs_kt']:.2f}x kt-kernel's speed; outputs differ by "
+              f"{row['kt_rel_diff_vs_pool']:.1e}")  # fmt: skip
     kt.close()
 
 
@@ -165,9 +206,7 @@ def main() -> None:
         print(f"# CPU read bandwidth now: {args.floor_gbps:.1f} GB/s with {threads} threads "
               "(tools/peers/cpu_bandwidth.c)", flush=True)  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    # [E, 2I, H] gate rows then up rows, [E, H, I]; bf16 as checkpoints ship them.
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    w13, w2 = random_experts(E, H, inter, args.distinct_experts, g)
     cases = []
     for T in dict.fromkeys(args.tokens):  # a count given twice: one row (results keyed by it)
         hidden = torch.randn(T, H, generator=g)
@@ -191,6 +230,7 @@ def main() -> None:
             )
 
     results = []
+    pool_out: dict[tuple[str, int], torch.Tensor] = {}
     print(
         f"MoE layer H={H} I={inter} E={E} top-{k}; torch {torch.__version__} with "
         f"{torch.get_num_threads()} threads; floor {args.floor_gbps:g} GB/s"
@@ -236,6 +276,7 @@ def main() -> None:
                 phases = phase_row(pool.phase_stats())
                 active = statistics.mean(int(ids.unique().numel()) for ids, _ in routings)
                 pool.forward(0, hidden, *routings[0], out)
+                pool_out[fmt, T] = out.clone()
                 gbps = active * bytes_per_expert / (ms * 1e-3) / 1e9
                 # the weights read at the floor bandwidth: no call can be faster (caches aside),
                 # so torch ms / floor ms caps the speed-up any kernel can show on this shape
@@ -275,8 +316,11 @@ def main() -> None:
                 )
                 if args.phases:
                     print_phases(phases, info["num_threads"])
-        if args.peer_kt:
-            time_kt_peer(args, fmt, w13, w2, cases, [r for r in results if r["format"] == fmt])
+    # kt-kernel after every pool run: its worker threads outlive its layers
+    for fmt in args.formats if args.peer_kt else []:
+        rows = [r for r in results if r["format"] == fmt]
+        outs = {T: pool_out[fmt, T] for T, _, _ in cases}
+        time_kt_peer(args, fmt, w13, w2, cases, rows, outs)
     if args.json:
         args.json.write_text(
             json.dumps(

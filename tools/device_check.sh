@@ -25,6 +25,8 @@ pack            A/B of the CPU pool's packed int rows (TANDEM_CPU_PACK_ROWS off/
 pool-ab         A/B of a CPU-pool change: a command in this tree and with AB_FILES swapped back
 pool-cpu        CPU pool start-up (fill and convert) and its idle spin with the model on the CPU
 amx-tile        AMX int8 tiles: pool tests on AMX, VNNI crossover, layer A/Bs (STAGES)
+peers-kt        one MoE layer per shape: the CPU pool against kt-kernel (KTransformers), bench_cpu_moe --peer-kt
+peers-llama     llama.cpp (CUDA build on the machine) vs Tandem: hybrid MoE decode, 8B Q4_0/Q4_K/bf16, MoE all on the GPU
 LIST
 }
 

@@ -21,7 +21,8 @@
 #   CONFIG (an HF config.json to serve instead of SHAPE, e.g. tools/shapes/mixtral-8x7b.json; a MoE
 #   one is hybrid like 30B-A3B), LAYERS (cut CONFIG to that many layers),
 #   HBM_GBPS (bandwidth for the floor; default: measured here on CUDA), HEALTH_PROBE [1] (0: no
-#   GET /health every 20 ms during the load). TANDEM_COMPILE,
+#   GET /health every 20 ms during the load), PROFILE [0] (1: the server under
+#   tools/sample_stacks.py, every thread's stacks and CPU seconds into $OUT/profile.txt). TANDEM_COMPILE,
 #   TANDEM_CUDA_GRAPHS, TANDEM_OVERLAP reach the server through the environment.
 # Files in $OUT: llama-$SHAPE-dummy/config.json, server.log, bench.log, serving.json, serving.png (or .svg
 # where matplotlib is missing), summary.txt. Exit 0 only if every request of every level succeeded
@@ -111,7 +112,9 @@ EOF
 } 2>&1 | tee "$OUT/device.txt"
 
 # shellcheck disable=SC2086
-SERVER_CMD=("$PY" -m app.cli serve --model "$MODEL_DIR" --load-format dummy --device "$DEVICE"
+PROFILER=()  # PROFILE=1: the server runs under tools/sample_stacks.py ($OUT/profile.txt)
+[ "${PROFILE:-0}" != 0 ] && PROFILER=(tools/sample_stacks.py --out "$OUT/profile.txt")
+SERVER_CMD=("$PY" "${PROFILER[@]}" -m tandem.app.cli serve --model "$MODEL_DIR" --load-format dummy --device "$DEVICE"
   --host 127.0.0.1 --port "$PORT"
   --max-num-seqs "$MAX_NUM_SEQS" --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS"
   --max-queue 4096 -v $SERVER_ARGS)

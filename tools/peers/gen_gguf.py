@@ -215,7 +215,15 @@ def write_dense(
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(V)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    F = gguf.LlamaFileType  # the file's label (llama-bench prints it); the tensors carry their type
+    w.add_file_type(
+        {
+            "bf16": F.MOSTLY_BF16,
+            "q4_0": F.MOSTLY_Q4_0,
+            "q8_0": F.MOSTLY_Q8_0,
+            "q4_k": F.MOSTLY_Q4_K_S,
+        }[dense_type]
+    )
     sp = {V - 256: "<|begin_of_text|>", V - 255: "<|end_of_text|>", V - 247: "<|eot_id|>"}
     add_vocab(w, V, sp)
     w.add_bos_token_id(V - 256)

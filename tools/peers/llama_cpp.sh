@@ -4,17 +4,20 @@
 # (tools/peers/gen_gguf.py) with llama-bench, next to Tandem's own benchmarks in the same call.
 #
 #   bash tools/peers/llama_cpp.sh fetch            # HERE: the pruned tree into .peers/llama.cpp (git-ignored, ~31 MB)
-#   bash tools/peers/llama_cpp.sh build            # GPU machine: .peers/llama.cpp/build/bin/{llama-bench,llama-server} (~5 min)
-#   bash tools/peers/llama_cpp.sh gguf             # GPU machine: $GGUF_DIR/{moe-q4_0,dense-bf16}.gguf (~20 GB, ~15 s)
+#   bash tools/peers/llama_cpp.sh build            # GPU machine: .peers/llama.cpp/build/bin/$TARGETS (~5 min)
+#   bash tools/peers/llama_cpp.sh gguf [FILE...]   # GPU machine: $GGUF_DIR/FILE.gguf [moe-q4_0 dense-bf16] (~20 GB, ~15 s)
 #   bash tools/peers/llama_cpp.sh bench [NAME...]  # GPU machine: llama-bench workloads into $OUT/llama_<NAME>.md
 #
+# Files (tools/peers/gen_gguf.py): moe-q4_0 (Qwen3-30B-A3B shape, Q4_0 experts), dense-bf16,
+# dense-q4_0, dense-q4_k (Llama-3-8B shape, every matrix in that type).
 # Workloads (the commands behind the peer figures in docs/BENCHMARKS.md):
 #   moe-hybrid-decode  Qwen3-30B-A3B shape, Q4_0 experts on the CPU (-ot exps=CPU), tg128
 #   moe-hybrid-prefill the same, pp2048 at micro-batch 512 and 2048
 #   moe-gpu            every weight on the GPU: pp2048 + tg128
 #   dense-gpu          Llama-3-8B shape, bf16: pp2048 + tg128
+#   dense-q4_0-gpu, dense-q4_k-gpu  the same shape in Q4_0 / Q4_K: pp2048 + tg128
 # Env: LLAMA_CPP_PY_VERSION [0.3.36], GGUF_DIR [/root/gguf, else /dev/shm/gguf], THREADS [14,16],
-# REPS [3], OUT [./peer-out], CUDA_ARCH [90].
+# REPS [3], OUT [./peer-out], CUDA_ARCH [90], TARGETS ["llama-bench llama-server"].
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TREE=.peers/llama.cpp
@@ -46,7 +49,7 @@ build() {
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DGGML_NATIVE=ON > "$OUT/llama_configure.log" 2>&1 \
-    && cmake --build "$TREE/build" --target llama-bench llama-server -j"$(nproc)" \
+    && cmake --build "$TREE/build" --target ${TARGETS:-llama-bench llama-server} -j"$(nproc)" \
       > "$OUT/llama_build.log" 2>&1
   local rc=$?
   say "build rc=$rc in $((SECONDS - t)) s"
@@ -60,12 +63,22 @@ gguf_dir() {
 }
 
 gguf() {
-  local dir t=$SECONDS
+  local dir t=$SECONDS name args
   dir=$(gguf_dir)
   mkdir -p "$dir"
-  python3 tools/peers/gen_gguf.py moe "$dir/moe-q4_0.gguf" && \
-    python3 tools/peers/gen_gguf.py dense "$dir/dense-bf16.gguf"
-  say "ggufs in $dir in $((SECONDS - t)) s"
+  [ $# -gt 0 ] || set -- moe-q4_0 dense-bf16
+  for name in "$@"; do
+    case $name in
+      moe-q4_0) args=(moe --experts-type q4_0) ;;
+      dense-bf16) args=(dense) ;;
+      dense-q4_0) args=(dense --dense-type q4_0) ;;
+      dense-q4_k) args=(dense --dense-type q4_k) ;;
+      *) say "unknown file $name"; return 2 ;;
+    esac
+    [ -f "$dir/$name.gguf" ] || python3 tools/peers/gen_gguf.py "${args[@]}" "$dir/$name.gguf" \
+      || return 1
+  done
+  say "ggufs $* in $dir in $((SECONDS - t)) s"
 }
 
 bench() {
@@ -81,6 +94,8 @@ bench() {
       moe-hybrid-prefill) args=(-m "$moe" -ngl 99 -ot exps=CPU -fa on -t "$threads" -p 2048 -n 0 -ub 512,2048) ;;
       moe-gpu) args=(-m "$moe" -ngl 99 -fa on -p 2048 -n 128 -ub 512,2048) ;;
       dense-gpu) args=(-m "$dense" -ngl 99 -fa on -p 2048 -n 128 -ub 512,2048) ;;
+      dense-q4_0-gpu | dense-q4_k-gpu)
+        args=(-m "$dir/${name%-gpu}.gguf" -ngl 99 -fa on -p 2048 -n 128 -ub 512,2048) ;;
       *) say "unknown workload $name"; exit 2 ;;
     esac
     local t=$SECONDS
@@ -94,5 +109,5 @@ stage=${1:-}
 shift || true
 case $stage in
   fetch | build | gguf | bench) "$stage" "$@" ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

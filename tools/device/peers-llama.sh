@@ -11,8 +11,8 @@
 #   bash tools/peers/llama_cpp.sh fetch            # here, once: .peers/llama.cpp (carry it)
 #   bash tools/device_check.sh peers-llama         # GPU machine
 # $OUT: summary.txt and logs.tgz (every log; the device tool returns at most 8 files).
-# Env: GGUFS ["moe-q4_0 dense-q4_0 dense-q4_k dense-bf16"], TANDEM_GPU ["dense-q4_0 dense-q4_k
-#   dense-bf16"], TANDEM_LAST ["moe-q4_0"], LLAMA_GPU ["dense-q4_0-gpu dense-q4_k-gpu moe-gpu
+# Env: GGUFS ["moe-q4_0 dense-q4_0 dense-q4_k dense-bf16"], OWN_GPU ["dense-q4_0 dense-q4_k
+#   dense-bf16"], OWN_LAST ["moe-q4_0"], LLAMA_GPU ["dense-q4_0-gpu dense-q4_k-gpu moe-gpu
 #   dense-gpu"], HYBRID [1], DEADLINE [575] (s; a stage that would end later is skipped),
 #   GGUF_DIR [the roomier of /dev/shm and /tmp], THREADS [14,16] (llama-bench hybrid).
 set -uo pipefail
@@ -61,7 +61,7 @@ tandem_gguf() {  # tandem_gguf FILE LIMIT [taskset args...]: Tandem's engine on 
     "${streams[@]}" >"$W/tandem_$f.log" 2>&1
   say "tandem $f rc=$?: $(grep -E "decode|tok/s" "$W/tandem_$f.log" | tail -n 2 | tr '\n' ' ')"
 }
-for f in ${TANDEM_GPU-dense-q4_0 dense-q4_k dense-bf16}; do
+for f in ${OWN_GPU-dense-q4_0 dense-q4_k dense-bf16}; do
   [ -f "$GGUF_DIR/$f.gguf" ] || { say "skipped: tandem $f (no file)"; continue; }
   # no later than the build's usual end (about 330 s), so the hybrid part keeps its time
   [ $((SECONDS - T0)) -lt 250 ] || { say "skipped: tandem $f (the build's time is used)"; continue; }
@@ -92,6 +92,6 @@ if [ -x "$lb" ]; then
     say "llama.cpp $name: $(grep -E '^\| (qwen|llama)' "$W/llama_$name.md" | tr -s ' ' | tr '\n' ' ')"
   done
 fi
-for f in ${TANDEM_LAST-moe-q4_0}; do
+for f in ${OWN_LAST-moe-q4_0}; do
   [ -f "$GGUF_DIR/$f.gguf" ] && room 150 "tandem $f" && tandem_gguf "$f" $((DEADLINE - (SECONDS - T0)))
 done

@@ -14,7 +14,12 @@ import torch
 
 from tandem.models.loader.gguf import gguf_model_config
 from tests.models.deepseek_cases import CASES, save_deepseek
-from tests.models.test_gguf import _assert_hf_logits, _gguf_tensors, _write_gguf
+from tests.models.test_gguf import (
+    _assert_hf_logits,
+    _assert_pool_logits,
+    _gguf_tensors,
+    _write_gguf,
+)
 
 _NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -111,20 +116,8 @@ def test_deepseek2_gguf_matches_hf(name: str, split: bool, tmp_path: Path, paged
 def test_deepseek2_gguf_experts_into_the_pool(tmp_path: Path, paged_runner) -> None:
     """--cpu-experts all on a deepseek2 GGUF: the routed experts go from the file's stacked
     tensors straight into the pool (float32 -> bf16, exact for bf16-valued experts)."""
-    from tandem.models.loader import load_model
-
     path, ref = _deepseek2_gguf("v3", True, tmp_path, bf16_experts=True)
-    model, config = load_model(
-        path, dtype=torch.float32, device="cpu", expert_backend="cpu_pool",
-        expert_options={"isa": "scalar", "num_threads": 1},
-    )  # fmt: skip
-    assert all(b.w13.numel() == 0 for b in model.modules() if hasattr(b, "w13"))
-    ids = [5, 17, 3, 60, 9, 1, 33, 2]
-    ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
-    model.expert_backend.close()
+    _assert_pool_logits(path, ref, paged_runner)
 
 
 def test_split_layout_without_v_b_is_refused(tmp_path: Path) -> None:

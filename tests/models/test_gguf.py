@@ -310,6 +310,25 @@ def _assert_hf_logits(path: Path, ref, ids: list[int], paged_runner) -> None:
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+def _assert_pool_logits(path: Path, ref, paged_runner) -> None:
+    """`--cpu-experts all` on the GGUF at `path` (bf16-valued experts): the stacked expert
+    tensors go from the file straight into the scalar pool (none stays on the model), and the
+    logits equal the HF model's."""
+    from tandem.models.loader import load_model
+
+    model, config = load_model(
+        path, dtype=torch.float32, device="cpu", expert_backend="cpu_pool",
+        expert_options={"isa": "scalar", "num_threads": 1},
+    )  # fmt: skip
+    assert all(b.w13.numel() == 0 for b in model.modules() if hasattr(b, "w13"))
+    ids = [5, 17, 3, 60, 9, 1, 33, 2]
+    ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    model.expert_backend.close()
+
+
 _GGUF_OF_HF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -15,7 +15,12 @@ import transformers as hf
 
 from tandem.models.loader.gguf import gguf_model_config
 from tests.models.deepseek_cases import save_random_hf
-from tests.models.test_gguf import _assert_hf_logits, _gguf_tensors, _write_gguf
+from tests.models.test_gguf import (
+    _assert_hf_logits,
+    _assert_pool_logits,
+    _gguf_tensors,
+    _write_gguf,
+)
 from tests.models.test_glm4_moe import BASE, CASES
 
 _NAMES = {
@@ -103,17 +108,5 @@ def test_glm4moe_gguf_matches_hf(name: str, extra: dict, tmp_path: Path, paged_r
 def test_glm4moe_gguf_experts_into_the_pool(tmp_path: Path, paged_runner) -> None:
     """--cpu-experts all on a glm4moe GGUF: the stacked experts go from the file straight into
     the pool (float32 -> bf16, exact for bf16-valued experts)."""
-    from tandem.models.loader import load_model
-
     path, ref, _ = _glm4moe_gguf("grouped", tmp_path, bf16_experts=True)
-    model, config = load_model(
-        path, dtype=torch.float32, device="cpu", expert_backend="cpu_pool",
-        expert_options={"isa": "scalar", "num_threads": 1},
-    )  # fmt: skip
-    assert all(b.w13.numel() == 0 for b in model.modules() if hasattr(b, "w13"))
-    ids = [5, 17, 3, 60, 9, 1, 33, 2]
-    ours = paged_runner(model, config, block_size=4).step([(0, ids)])[0]
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
-    model.expert_backend.close()
+    _assert_pool_logits(path, ref, paged_runner)

@@ -203,6 +203,7 @@ def load_model(
     are in, where `read_experts(layer)` reads one skipped layer's experts after all."""
     fmt = resolve_load_format(model_path, load_format) if load_format != "dummy" else "dummy"
     path = Path(model_path)
+    _check_quantization(fmt, quantization)
     config = config or read_model_config(path, load_format)
     packed: set[str] = set()
     kept = _packed_tensors(path, fmt, quantization)
@@ -343,6 +344,17 @@ def _packed_kernels_serve(device: torch.device | str, dtype: torch.dtype) -> boo
     return (kind == "cpu" and dtype == torch.bfloat16) or (
         kind == "cuda" and dtype in (torch.float16, torch.bfloat16)
     )
+
+
+def _check_quantization(fmt: str, quantization: str) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
+    if quantization == "gguf" and fmt != "gguf":
+        raise ValueError(f"quantization 'gguf' needs a GGUF checkpoint, got format {fmt!r}")
+    if quantization in HF_QUANT_FORMATS and fmt != "safetensors":
+        raise ValueError(
+            f"quantization {quantization!r} needs an HF safetensors checkpoint, got format {fmt!r}"
+        )
 
 
 def _packed_tensors(path: Path, fmt: str, quantization: str) -> dict[str, str]:

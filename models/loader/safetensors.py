@@ -114,9 +114,7 @@ def infer_quant_config(tensors: _Tensors, method: str) -> HfQuantConfig:
     raise UnsupportedModelError(f"--quantization {method}: the checkpoint has no qweight tensors")
 
 
-def read_quantized(
-    tensors: _Tensors, name: str, kind: str, quant: HfQuantConfig | None
-) -> Any:
+def read_quantized(tensors: _Tensors, name: str, kind: str, quant: HfQuantConfig | None) -> Any:
     """The quantized weight `name` (`<module>.weight`) as an `Int4Tensor` or `Fp8Tensor`."""
     if kind == "fp8":
         block = quant.block if quant is not None and quant.method == "fp8" else (128, 128)

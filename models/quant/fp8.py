@@ -100,7 +100,9 @@ def read_fp8(
         if scale is not None:
             scale = scale.float()
             if scale.dim() == 0 or scale.numel() == 1:  # one block covers the tensor
-                return Fp8Tensor(weight, scale.reshape(1, 1).expand(rows, 1).contiguous(), (1, cols))
+                return Fp8Tensor(
+                    weight, scale.reshape(1, 1).expand(rows, 1).contiguous(), (1, cols)
+                )
             return Fp8Tensor(weight, scale.contiguous(), block)
         scale = get(name + PLAIN_SCALE)
         if scale is None:
@@ -142,6 +144,4 @@ def merge_fp8(parts: list[Fp8Tensor]) -> Fp8Tensor | None:
         block = first.block
     else:
         return None
-    return Fp8Tensor(
-        torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), block
-    )
+    return Fp8Tensor(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), block)

@@ -43,7 +43,10 @@ class Int4Tensor:
                 f"int4 codes [{n}, {half}] with group {self.group}: K must be a multiple of 32 "
                 "and of the group, the group a multiple of 32"
             )
-        if tuple(self.scales.shape) != (n, k // self.group) or self.zeros.shape != self.scales.shape:
+        if (
+            tuple(self.scales.shape) != (n, k // self.group)
+            or self.zeros.shape != self.scales.shape
+        ):
             raise ValueError(
                 f"int4 scales/zeros must be [{n}, {k // self.group}], got "
                 f"{tuple(self.scales.shape)} and {tuple(self.zeros.shape)}"

@@ -54,18 +54,22 @@ def _checkpoint_quant_bytes(path: Path) -> int:
         for name in f.keys():  # noqa: SIM118
             quantized = any(name.endswith(s) for s in (".qweight", ".qzeros", ".scales", ".g_idx"))
             t = f.get_tensor(name)
-            if quantized or t.dtype == torch.float8_e4m3fn or name.endswith("_scale") or (
-                name.endswith("_scale_inv")
+            if (
+                quantized
+                or t.dtype == torch.float8_e4m3fn
+                or name.endswith("_scale")
+                or (name.endswith("_scale_inv"))
             ):
                 total += t.numel() * t.element_size()
     return total
 
 
-MODEL_CASES = [(m, o, moe) for m, o in CASES for moe in (False, True)
-               if not (moe and o.get("group") == 128)]  # experts' 64-wide down_proj: no g128
-MODEL_IDS = [f"{i}-{'moe' if moe else 'dense'}" for i, (_, _, moe) in
-             zip([i for i, (_, o) in zip(IDS, CASES) for moe in (False, True)
-                  if not (moe and o.get("group") == 128)], MODEL_CASES)]  # fmt: skip
+MODEL_CASES, MODEL_IDS = [], []
+for case_id, (case_method, case_opts) in zip(IDS, CASES, strict=True):
+    for case_moe in (False, True):
+        if not (case_moe and case_opts.get("group") == 128):  # experts' 64-wide down_proj
+            MODEL_CASES.append((case_method, case_opts, case_moe))
+            MODEL_IDS.append(f"{case_id}-{'moe' if case_moe else 'dense'}")
 
 
 @pytest.mark.parametrize(("method", "opts", "moe"), MODEL_CASES, ids=MODEL_IDS)
@@ -85,3 +89,101 @@ def test_packed_model_matches_hf(tmp_path: Path, method: str, opts: dict, moe: b
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
     if not moe:
         assert quantized_bytes(model) <= 1.05 * _checkpoint_quant_bytes(tmp_path)
+
+
+KERNEL_CASES = [
+    ("gptq", dict(group=32, sym=True), False),
+    ("gptq", dict(group=64, sym=False, act_order=True), False),
+    ("awq", dict(group=32), True),
+    ("gptq", dict(group=32, sym=False, act_order=True), True),
+    ("fp8", dict(scheme="block"), False),
+    ("fp8", dict(scheme="channel"), True),
+    ("fp8", dict(scheme="tensor"), False),
+]
+
+
+@pytest.mark.parametrize(("method", "opts", "moe"), KERNEL_CASES)
+def test_cpu_kernels_close_to_torch_reference(
+    tmp_path: Path, method: str, opts: dict, moe: bool, paged_runner
+) -> None:
+    """bf16 model with the packed weights through ext/cpu's kernel vs the same checkpoint
+    dequantized at load (torch): logits within 3% of their range at 1, 2, 7, 16, 64 and 300
+    rows (bf16 rounding of activations and outputs in another order). MoE: a near-tie in the
+    router may flip a tenth of the tokens (at least one)."""
+    from tandem.ext.cpu import supported_isas
+
+    write_quantized(tmp_path, method, moe=moe, **opts)
+    fast, cfg = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
+    linears = [m for m in fast.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.kernel is not None for m in linears)
+    if "avx512" in supported_isas():
+        assert all(m.kernel.vector for m in linears)
+    ref, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cpu", quantization="none")
+    assert not any(isinstance(m, QuantLinear) for m in ref.modules())
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 7, 16, 64, 300):
+        ids = [int(i) for i in torch.randint(0, 128, (rows,), generator=gen)]
+        run = [paged_runner(m, cfg, block_size=16, num_blocks=32, dtype=torch.bfloat16)
+               for m in (fast, ref)]  # fmt: skip
+        a, b = (r.step([(0, ids)])[0] for r in run)
+        row_ok = (a - b).abs().amax(-1) <= 0.03 * b.abs().max()
+        allowed = max(1, rows // 10) if moe else 0
+        assert int((~row_ok).sum()) <= allowed, rows
+
+
+@pytest.mark.parametrize("method", ["gptq", "fp8"])
+def test_moe_experts_go_to_the_cpu_pool(tmp_path: Path, method: str, paged_runner) -> None:
+    """--cpu-experts on a GPTQ / FP8 checkpoint: each layer's experts are dequantized right
+    before the pool converts them (bf16 here) and the torch copies freed; logits as the
+    torch experts' within 3% of their range."""
+    write_quantized(tmp_path, method, moe=True, group=32)
+    options = {"num_threads": 1, "expert_cache": False}
+    pooled, cfg = load_model(tmp_path, dtype=torch.bfloat16, device="cpu",
+                             expert_backend="cpu_pool", expert_options=options)  # fmt: skip
+    ref, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
+    assert all(b.w13.numel() == 0 for b in pooled.modules() if hasattr(b, "w13"))
+    ids = [5, 17, 3, 60, 9, 1, 33, 2, 90, 127, 0]
+    a = paged_runner(pooled, cfg, block_size=4, dtype=torch.bfloat16).step([(0, ids)])[0]
+    b = paged_runner(ref, cfg, block_size=4, dtype=torch.bfloat16).step([(0, ids)])[0]
+    assert int(((a - b).abs().amax(-1) > 0.03 * b.abs().max()).sum()) <= 1
+    pooled.expert_backend.close()
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("quant", "message"),
+    [
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "GPTQ with 8-bit"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "GPTQ group size 48"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "compressed-tensors"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "FP8 format 'e5m2'"),
+    ],
+)
+def test_unsupported_config_is_refused_naming_the_format(
+    tmp_path: Path, quant: dict, message: str
+) -> None:
+    write_quantized(tmp_path, "gptq", group=32)
+    config = _config(tmp_path)
+    config["quantization_config"] = quant
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for q in ("auto", "none"):
+        with pytest.raises(UnsupportedModelError, match=message):
+            load_model(tmp_path, dtype=torch.bfloat16, device="cpu", quantization=q)
+
+
+def test_quantization_flag_names_the_format_when_config_json_does_not(tmp_path: Path) -> None:
+    ref, _ = write_quantized(tmp_path, "awq", group=64, config_json=False)
+    with pytest.raises(UnsupportedModelError, match="--quantization gptq or --quantization awq"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+    model, cfg = load_model(tmp_path, dtype=torch.float32, device="cpu", quantization="awq")
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    with pytest.raises(ValueError, match="needs an HF safetensors"):
+        load_model(tmp_path / "x.gguf", dtype=torch.float32, device="cpu", quantization="gptq")
+    write_quantized(tmp_path / "f", "fp8", scheme="channel")
+    with pytest.raises(UnsupportedModelError, match="--quantization gptq but .* says fp8"):
+        load_model(tmp_path / "f", dtype=torch.float32, device="cpu", quantization="gptq")

@@ -229,6 +229,13 @@ def load_model(
         expert_options=expert_options,
         prepare=prepare if kept else None,
     )
+    if kept and len(packed) < len(kept):
+        log.info(
+            "%d quantized tensors without a packed layer (MoE experts: the cpu_pool converts "
+            "them to its own formats, the gpu/torch experts hold them in %s) dequantized at load",
+            len(kept) - len(packed),
+            dtype,
+        )
     backend = getattr(model, "expert_backend", None)
     read_experts = None
     if fmt == "dummy":

@@ -140,8 +140,8 @@ def from_gptq(
     zero_offset: int = 1,
 ) -> Int4Tensor:
     """AutoGPTQ's 4-bit layout: qweight int32 [K / 8, N] (input channel 8i + j in nibble j),
-    qzeros int32 [groups, N / 8] (output channel 8i + j in nibble j; stored minus 1 in the
-    "gptq" (v1) checkpoint format, `zero_offset` 1; "gptq_v2" stores it as is, 0), scales
+    qzeros int32 [groups, N / 8] (output channel 8i + j in nibble j; stored minus 1, modulo
+    16, in the "gptq" (v1) checkpoint format, `zero_offset` 1; "gptq_v2" stores it as is, 0), scales
     [groups, N], g_idx int32 [K] (input channel -> group; act-order permutes it)."""
     k8, n = qweight.shape
     k = k8 * 8
@@ -161,7 +161,7 @@ def from_gptq(
             f"group size {group}"
         )
     q = _nibbles(qweight).permute(1, 0, 2).reshape(n, k)  # [N, K]
-    z = _nibbles(qzeros).reshape(groups, n).t() + zero_offset  # [N, groups]
+    z = (_nibbles(qzeros).reshape(groups, n).t() + zero_offset) & 15  # [N, groups]
     perm = None
     if g_idx is not None:
         if g_idx.numel() != k:
@@ -169,8 +169,6 @@ def from_gptq(
         perm = _group_order(g_idx, group, name)
     if perm is not None:
         q = q[:, perm]
-    if int(z.min()) < 0 or int(z.max()) > 15:
-        raise UnsupportedModelError(f"GPTQ tensor {name!r}: zero points outside 0-15")
     return Int4Tensor(
         "gptq", pack_codes(q), scales.t().contiguous(), z.to(torch.uint8).contiguous(), group,
         None if perm is None else perm.to(torch.int32),

@@ -66,7 +66,7 @@ def dequant_int4(codes, scales, zeros, g_idx) -> torch.Tensor:
 
 def _pack_rows(values: torch.Tensor, order=range(8)) -> torch.Tensor:
     """[R, C] ints 0-15 -> [R, C / 8] int32 along the last dim, nibble i = column order[i]."""
-    v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
+    v = (values.to(torch.int64) & 15).reshape(values.shape[0], -1, 8)  # v1 zeros: -1 is 15
     word = torch.zeros(v.shape[:2], dtype=torch.int64)
     for i, col in enumerate(order):
         word |= v[:, :, col] << (4 * i)

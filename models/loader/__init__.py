@@ -407,6 +407,7 @@ def _hf_packed_tensors(path: Path, quantization: str) -> dict[str, str]:
 
     quant = _hf_quant(path, "safetensors", quantization)
     kept = packed_candidates(path)
+    kept.pop("model.embed_tokens.weight", None)  # a gathered table: dequantized at load
     if quantization in HF_QUANT_FORMATS and not kept:
         raise UnsupportedModelError(
             f"--quantization {quantization}: the checkpoint holds no {quantization} weights"

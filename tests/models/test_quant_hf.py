@@ -187,3 +187,39 @@ def test_quantization_flag_names_the_format_when_config_json_does_not(tmp_path: 
     write_quantized(tmp_path / "f", "fp8", scheme="channel")
     with pytest.raises(UnsupportedModelError, match="--quantization gptq but .* says fp8"):
         load_model(tmp_path / "f", dtype=torch.float32, device="cpu", quantization="gptq")
+
+
+def test_int4_experts_reach_the_pool_one_layer_at_a_time(tmp_path: Path, monkeypatch) -> None:
+    """--cpu-experts all on a GPTQ checkpoint: a layer's experts are read (and dequantized)
+    right before that layer is converted into the pool, never all layers first."""
+    import tandem.models.loader as loader
+    from tandem.ext.cpu import CpuExpertPool
+    from tandem.models.weights import expert_layer
+    from tests.models import hf_quant_cases
+
+    monkeypatch.setitem(hf_quant_cases.DENSE, "num_hidden_layers", 3)
+    write_quantized(tmp_path, "gptq", moe=True, group=32)
+    events: list[tuple[str, int]] = []
+    read = loader.iter_safetensors_weights
+
+    def spy_read(*args, **kwargs):
+        for name, t in read(*args, **kwargs):
+            if expert_layer(name) is not None:
+                assert not isinstance(t, Int4Tensor)  # dequantized for the pool
+                events.append(("read", expert_layer(name)))
+            yield name, t
+
+    add = CpuExpertPool.add_layer
+
+    def spy_add(self, layer, *args, **kwargs):
+        events.append(("convert", layer))
+        return add(self, layer, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "iter_safetensors_weights", spy_read)
+    monkeypatch.setattr(CpuExpertPool, "add_layer", spy_add)
+    options = {"num_threads": 1, "expert_cache": False, "fmt": "int4"}
+    model, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cpu", expert_backend="cpu_pool",
+                          expert_options=options)  # fmt: skip
+    collapsed = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
+    assert collapsed == [("read", 1), ("convert", 1), ("read", 2), ("convert", 2)]
+    model.expert_backend.close()

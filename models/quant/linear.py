@@ -1,4 +1,5 @@
-"""`QuantLinear` and `QuantEmbedding`: layers whose weights stay packed (`QuantizedTensor`).
+"""`QuantLinear` and `QuantEmbedding`: layers whose weights stay packed (GGUF `QuantizedTensor`;
+the linear also GPTQ/AWQ `Int4Tensor` and FP8 `Fp8Tensor`).
 
 A fused projection (qkv, gate_up) is a stack of row parts that may differ in type (a Q4_K_M
 file keeps v in Q6_K and q/k in Q4_K); consecutive parts of one type share one segment buffer,

@@ -8,30 +8,11 @@ import torch
 
 from tandem.ext.cpu import supported_isas
 from tandem.ext.cpu.qlinear import CpuQuantLinearPool
-from tandem.models.quant.fp8 import Fp8Tensor
-from tandem.models.quant.int4 import Int4Tensor, pack_codes
-from tests.models.hf_quant_cases import fp8_quant
+from tests.models.hf_quant_cases import random_fp8, random_int4
 
 pytestmark = pytest.mark.skipif(
     "avx512" not in supported_isas(), reason="the HF-format CPU kernels need AVX-512 BF16"
 )
-
-
-def random_int4(n: int, k: int, group: int, seed: int) -> Int4Tensor:
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g)
-    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half()
-    zeros = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8)
-    return Int4Tensor("gptq", pack_codes(codes), scales, zeros, group)
-
-
-def random_fp8(n: int, k: int, scheme: str, seed: int) -> Fp8Tensor:
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
-    w[0, :7] = torch.tensor([0.0, 1e-6, -1e-6, 3e-4, -2e-5, 0.5, -0.5])  # subnormals and zero
-    q, s, _, _ = fp8_quant(w, scheme, block=32)
-    if scheme == "block":
-        return Fp8Tensor(q, s, (32, 32))
-    return Fp8Tensor(q, s.reshape(1, 1).expand(n, 1).contiguous() if s.dim() == 0 else s, (1, k))
 
 
 def _check(pool: CpuQuantLinearPool, got_fn, w, x: torch.Tensor) -> None:

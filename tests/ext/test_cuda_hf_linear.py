@@ -18,7 +18,7 @@ ROWS = [1, 2, 7, 16, 64, 300]
 
 
 def _int4(n, k, group, sdt, seed):
-    from tests.ext.test_cpu_qlinear_hf import random_int4
+    from tests.models.hf_quant_cases import random_int4
 
     w = random_int4(n, k, group, seed)
     w.scales = w.scales.to(sdt)
@@ -26,7 +26,7 @@ def _int4(n, k, group, sdt, seed):
 
 
 def _fp8(n, k, scheme, seed):
-    from tests.ext.test_cpu_qlinear_hf import random_fp8
+    from tests.models.hf_quant_cases import random_fp8
 
     return random_fp8(n, k, scheme, seed).to("cuda")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.ext.test_cpu_qlinear_hf import random_fp8, random_int4
+from tests.models.hf_quant_cases import random_fp8, random_int4
 
 CU = Path(__file__).resolve().parents[2] / "ext" / "cuda" / "hf_linear.cu"
 SHIM = r"""

@@ -13,6 +13,8 @@ import torch
 import transformers as hf
 from safetensors.torch import load_file, save_file
 
+from tandem.models.quant.fp8 import Fp8Tensor
+from tandem.models.quant.int4 import Int4Tensor, pack_codes
 from tests.models.deepseek_cases import save_random_hf
 
 AWQ_PACK = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_PACK[i]
@@ -211,3 +213,20 @@ def _set_hf(params: dict[str, torch.nn.Parameter], name: str, d: torch.Tensor) -
         rows = d.shape[0]
         off = 0 if proj == "gate_proj" else rows
         params[f"{prefix}.experts.gate_up_proj"][int(e), off : off + rows] = d
+
+
+def random_int4(n: int, k: int, group: int, seed: int) -> Int4Tensor:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half()
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8)
+    return Int4Tensor("gptq", pack_codes(codes), scales, zeros, group)
+
+
+def random_fp8(n: int, k: int, scheme: str, seed: int) -> Fp8Tensor:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    w[0, :7] = torch.tensor([0.0, 1e-6, -1e-6, 3e-4, -2e-5, 0.5, -0.5])  # subnormals and zero
+    q, s, _, _ = fp8_quant(w, scheme, block=32)
+    if scheme == "block":
+        return Fp8Tensor(q, s, (32, 32))
+    return Fp8Tensor(q, s.reshape(1, 1).expand(n, 1).contiguous() if s.dim() == 0 else s, (1, k))

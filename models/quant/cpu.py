@@ -50,4 +50,15 @@ def use_cpu_quant_kernels(model: nn.Module, pool: CpuQuantLinearPool | None = No
     kernel = CpuQuantKernel(pool or CpuQuantLinearPool(num_threads=1))
     for m in mods:
         m.kernel = kernel
+        m.segments = [_fp16_scales(s) for s in m.segments]
     return len(mods)
+
+
+def _fp16_scales(seg: PackedWeight) -> PackedWeight:
+    """An int4 tensor with bf16 scales that fp16 holds exactly gets fp16 ones (the kernel's)."""
+    if not isinstance(seg, Int4Tensor) or seg.scales.dtype != torch.bfloat16:
+        return seg
+    half = seg.scales.to(torch.float16)
+    if not torch.equal(half.to(torch.bfloat16), seg.scales):
+        return seg
+    return Int4Tensor(seg.qtype, seg.codes, half, seg.zeros, seg.group, seg.perm)

@@ -68,3 +68,22 @@ def test_bad_arguments_are_refused() -> None:
         pool.linear_int4(torch.randn(1, 64), w.codes, w.scales.float(), w.zeros, 32)
     with pytest.raises(ValueError, match="x must be"):
         pool.linear_int4(torch.randn(1, 96), w.codes, w.scales, w.zeros, 32)
+
+
+def test_bf16_scales_reach_the_kernel_when_fp16_holds_them() -> None:
+    from torch import nn
+
+    from tandem.models.quant.cpu import use_cpu_quant_kernels
+    from tandem.models.quant.linear import QuantLinear
+
+    w = random_int4(40, 96, 32, 0)
+    w.scales = w.scales.to(torch.bfloat16)
+    lin = QuantLinear(96, [40], ["w"], False, "cpu", ["int4"])
+    lin.set_part(0, w)
+    lin.finalize()
+    model = nn.Sequential(lin)
+    assert use_cpu_quant_kernels(model) == 1
+    assert lin.segments[0].scales.dtype == torch.float16
+    x = torch.randn(3, 96)
+    expected = x.bfloat16().double() @ w.dequantize().double().T
+    torch.testing.assert_close(lin(x).double(), expected, rtol=1e-5, atol=1e-4)

@@ -263,6 +263,10 @@ def load_model(
     attach = getattr(backend, "attach", None)
     if attach is not None:
         attach(model, read_experts)  # e.g. cpu_pool: experts into the pool, torch copies freed
+    if packed:
+        from tandem.models.quant.act_order import fold_down_perms
+
+        fold_down_perms(model)  # GPTQ act-order: down_proj's gather into gate_up's row order
     if deterministic:
         make_batch_invariant(model, device, dtype)
     else:

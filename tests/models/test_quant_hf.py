@@ -82,6 +82,11 @@ def test_packed_model_matches_hf(tmp_path: Path, method: str, opts: dict, moe: b
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     dense_mlps = 1 if moe else cfg.num_hidden_layers  # the MoE case's layer 0 is dense
     assert len(linears) == 2 * cfg.num_hidden_layers + 2 * dense_mlps
+    if opts.get("act_order"):  # down_proj's gather folded into gate_up; qkv and o keep theirs
+        downs = [m.down_proj for m in model.modules()
+                 if isinstance(getattr(m, "down_proj", None), QuantLinear)]  # fmt: skip
+        assert downs and all(d.segments[0].perm is None for d in downs)
+        assert all(layer.self_attn.qkv_proj.segments[0].perm is not None for layer in model.layers)
     ids = [5, 17, 3, 60, 9, 1, 33, 2, 90, 127, 0]
     ours = paged_runner(model, cfg, block_size=4).step([(0, ids)])[0]
     with torch.no_grad():

@@ -24,6 +24,7 @@ SHIM = r"""
 #define HF_LINEAR_DECODE_ONLY
 typedef unsigned int u32;
 inline float __uint_as_float(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
 """
 DRIVER = r"""
 // Rows as the kernel reads them: words of each 32-value chunk, one scale (and zero) per chunk.

@@ -11,7 +11,8 @@ OUT=${OUT:-/tmp/tandem_quant_hf}
 source tools/device/env.sh
 rc=0 stages=" ${STAGES:-tests bench} "
 if [[ $stages == *" tests "* ]]; then
-  run_tests quant_hf "${TEST_LIMIT:-240}" tests/ext/test_cuda_hf_linear.py -m gpu -x || rc=1
+  run_tests quant_hf "${TEST_LIMIT:-240}" tests/ext/test_cuda_hf_linear.py \
+    tests/models/test_quant_hf_cuda.py -m gpu -x || rc=1
 fi
 if [[ $stages == *" bench "* ]]; then
   python3 tools/bench_hf_quant_gpu.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" || rc=1

@@ -7,6 +7,7 @@ torch._scaled_mm), next to the floor (packed bytes at the device-to-device copy 
 measured in the same run) and to the same shapes in bf16 through cuBLAS. Linears only.
 
     python tools/bench_hf_quant_gpu.py [--json out.json]
+    python tools/bench_hf_quant_gpu.py --crossover 1,2,4,6,8,16   # GEMV vs dequantize + cuBLAS
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_gguf_gpu import copy_bandwidth, graph_of, timed  # noqa: E402
 
+from tandem.ext.cuda import hf_linear  # noqa: E402
 from tandem.ext.cuda.hf_linear import fp8_scaled_mm  # noqa: E402
 from tandem.models.quant.cuda import CudaQuantKernel  # noqa: E402
 from tandem.models.quant.fp8 import Fp8Tensor  # noqa: E402
@@ -94,6 +96,31 @@ def bench_format(fmt: str, bw: float, reps: int) -> dict:
     return out
 
 
+def crossover(fmt: str, rows_list: list[int], reps: int) -> list[dict]:
+    """The decode step at each row count through the GEMV and through dequantize + cuBLAS."""
+    weights = [random_weight(fmt, n, k) for _ in range(LAYERS) for n, k in SHAPES]
+    kernel = CudaQuantKernel()
+    out = []
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
+
+        def step(xs=xs) -> None:
+            for w in weights:
+                kernel(xs[w.cols], w)
+
+        row = {"format": fmt, "rows": rows}
+        for path, limit in (("gemv_s", 16), ("dequant_cublas_s", 0)):
+            hf_linear.MAX_ROWS = limit
+            row[path] = timed(graph_of(step), reps)
+        hf_linear.MAX_ROWS = 16
+        out.append(row)
+        print(f"{fmt} M={rows}: GEMV {row['gemv_s'] * 1e3:.2f} ms, dequantize + cuBLAS "
+              f"{row['dequant_cublas_s'] * 1e3:.2f} ms")  # fmt: skip
+    weights.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
 def bench_bf16(bw: float, reps: int) -> dict:
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES]
     total = sum(w.numel() * 2 for w in ws) * LAYERS
@@ -117,9 +144,16 @@ def main() -> None:
     ap.add_argument("--formats", default="gptq,gptq-actorder,fp8-block,fp8-channel")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--crossover", default=None, help="row counts: GEMV vs dequantize + cuBLAS")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    if args.crossover:
+        rows = [int(r) for r in args.crossover.split(",")]
+        runs = [r for fmt in args.formats.split(",") for r in crossover(fmt, rows, args.reps)]
+        if args.json:
+            Path(args.json).write_text(json.dumps({"copy_bw": bw, "crossover": runs}, indent=2))
+        return
     runs = []
     for fmt in args.formats.split(","):
         r = bench_format(fmt, bw, args.reps)

@@ -109,10 +109,12 @@ def crossover(fmt: str, rows_list: list[int], reps: int) -> list[dict]:
                 kernel(xs[w.cols], w)
 
         row = {"format": fmt, "rows": rows}
+        fid = hf_linear.INT4 if fmt.startswith("gptq") else hf_linear.FP8
+        default = hf_linear.GEMV_MAX_ROWS[fid]
         for path, limit in (("gemv_s", 16), ("dequant_cublas_s", 0)):
-            hf_linear.MAX_ROWS = limit
+            hf_linear.GEMV_MAX_ROWS[fid] = limit
             row[path] = timed(graph_of(step), reps)
-        hf_linear.MAX_ROWS = 16
+        hf_linear.GEMV_MAX_ROWS[fid] = default
         out.append(row)
         print(f"{fmt} M={rows}: GEMV {row['gemv_s'] * 1e3:.2f} ms, dequantize + cuBLAS "
               f"{row['dequant_cublas_s'] * 1e3:.2f} ms")  # fmt: skip

@@ -1,7 +1,7 @@
 """GPTQ/AWQ int4 and FP8 e4m3 linears on CUDA (`hf_linear.cu`): `torch.ops.tandem.int4_linear`
 and `torch.ops.tandem.fp8_linear`, in the serving layouts of models/quant/int4.py and fp8.py.
 
-Up to `MAX_ROWS` rows of x: one pass over the packed weight, dequantized in registers (the
+Up to `GEMV_MAX_ROWS` rows of x: one pass over the packed weight, dequantized in registers (the
 decode path, inside CUDA graphs like any op on torch's current stream). More rows: the weight
 dequantized into a scratch buffer, then cuBLAS (prefill). `fp8_scaled_mm` is the FP8 tensor-core
 alternative for per-row-scaled weights (activations quantized per row). Reference: the tensors'
@@ -14,9 +14,13 @@ import torch
 
 from tandem.ext.cuda._loader import i32, i64, launch, ptr
 
-MAX_ROWS = 16
+MAX_ROWS = 16  # the GEMV's largest instantiation
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 INT4, FP8 = 0, 1
+# Row counts up to which the GEMV beats dequantize + cuBLAS on the 8B-shaped linear stack (H100,
+# tools/bench_hf_quant_gpu.py --crossover; docs/BENCHMARKS.md): its cost grows with every row of
+# x (each lane re-reads x per weight row), the scratch path's does not.
+GEMV_MAX_ROWS = {INT4: 8, FP8: 6}
 
 
 def _check_common(x: torch.Tensor, wq: torch.Tensor, k: int) -> None:
@@ -82,7 +86,7 @@ def dequantize_into(fmt: int, sdt: int, bufs, geo, out: torch.Tensor) -> None:
 
 
 def _run(fmt, sdt, x, bufs, geo, n) -> torch.Tensor:
-    if 1 <= x.shape[0] <= MAX_ROWS:
+    if 1 <= x.shape[0] <= min(GEMV_MAX_ROWS[fmt], MAX_ROWS):
         return _gemv(fmt, sdt, x, bufs, geo, n)
     w = torch.empty(n, x.shape[1], device=x.device, dtype=x.dtype)  # scratch, torch's cache
     dequantize_into(fmt, sdt, bufs, geo, w)

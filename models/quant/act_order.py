@@ -1,7 +1,8 @@
 """GPTQ act-order folded out of the down projections. A down_proj stored in act-order column
 order (`Int4Tensor.perm`) must be given h[:, perm]; since h = silu(gate) * up is elementwise in
 the intermediate channel, permuting the rows of gate_up the same way produces exactly that h,
-so the per-call gather goes away. qkv and o keep theirs (their inputs are not elementwise)."""
+so the per-call gather goes away. qkv, o and gate_up keep theirs (their inputs cannot be
+reordered)."""
 
 from __future__ import annotations
 

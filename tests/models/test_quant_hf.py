@@ -228,3 +228,17 @@ def test_int4_experts_reach_the_pool_one_layer_at_a_time(tmp_path: Path, monkeyp
     collapsed = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
     assert collapsed == [("read", 1), ("convert", 1), ("read", 2), ("convert", 2)]
     model.expert_backend.close()
+
+
+def test_cuda_dispatch_leaves_hf_segments_to_hf_linear(tmp_path: Path) -> None:
+    """The CUDA set-up re-lays GGUF segments into tiles and pairs tiled gate_up rows; GPTQ and
+    FP8 segments are neither (checked on the CPU: no GPU needed for the layout decisions)."""
+    from tandem.models.quant.cuda import pair_gate_up, tile_segments
+
+    for method in ("gptq", "fp8"):
+        write_quantized(tmp_path / method, method, group=32)
+        model, _ = load_model(tmp_path / method, dtype=torch.float32, device="cpu",
+                              quantization=method)  # fmt: skip
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert linears and all(tile_segments(m) == 0 for m in linears)
+        assert not any(pair_gate_up(m) for m in model.modules())

@@ -86,16 +86,15 @@ def quantized_weights(tensors: _Tensors) -> dict[str, str]:
 
 
 def _companions(tensors: _Tensors, quantized: dict[str, str]) -> set[str]:
+    """The tensors read as part of a quantized weight (never yielded on their own)."""
     skip: set[str] = set()
     for name, kind in quantized.items():
         base = name[: -len(".weight")]
-        parts = INT4_PARTS if kind == "int4" else tuple(s for s in SCALE_SUFFIXES) + FP8_EXTRA
-        for part in parts:
-            full = base + part if kind == "int4" or part in FP8_EXTRA else name + part
-            if full in tensors.where:
-                skip.add(full)
         if kind == "int4":
-            skip.add(base + ".qweight")
+            names = [base + ".qweight", *(base + p for p in INT4_PARTS)]
+        else:
+            names = [name + s for s in SCALE_SUFFIXES] + [base + p for p in FP8_EXTRA]
+        skip.update(n for n in names if n in tensors.where)
     return skip
 
 

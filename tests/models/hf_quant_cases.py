@@ -129,6 +129,7 @@ def write_quantized(
     act_order: bool = False,
     scheme: str = "block",
     config_json: bool = True,
+    v2: bool = False,
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A tiny random HF model at `path` whose projections (experts too) are `method` ("gptq",
     "awq", "fp8"); returns the HF model holding the dequantized weights and those weights."""
@@ -151,7 +152,7 @@ def write_quantized(
             g = w.shape[1] if group <= 0 else group
             codes, scales, zeros, g_idx = rtn_int4(w, g, sym, order)
             d = dequant_int4(codes, scales, zeros, g_idx)
-            packed = pack_gptq(codes, scales, zeros, g_idx) if method == "gptq" else pack_awq(
+            packed = pack_gptq(codes, scales, zeros, g_idx, not v2) if method == "gptq" else pack_awq(
                 codes, scales, zeros)  # fmt: skip
             if method == "gptq" and not act_order and torch.rand(1, generator=gen) < 0.5:
                 packed.pop("g_idx")  # some GPTQ checkpoints drop a trivial g_idx
@@ -163,7 +164,8 @@ def write_quantized(
     if config_json:
         if method == "gptq":
             q = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
-                 "desc_act": act_order, "checkpoint_format": "gptq"}  # fmt: skip
+                 "desc_act": act_order,
+                 "checkpoint_format": "gptq_v2" if v2 else "gptq"}  # fmt: skip
         elif method == "awq":
             q = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                  "version": "gemm"}  # fmt: skip

@@ -25,6 +25,7 @@ INT4_CASES = [
     ("gptq", dict(group=64, sym=False)),
     ("gptq", dict(group=32, sym=False, act_order=True)),
     ("gptq", dict(group=-1, sym=True)),
+    ("gptq", dict(group=32, sym=False, v2=True)),
     ("awq", dict(group=32)),
     ("awq", dict(group=128)),
 ]
@@ -46,6 +47,23 @@ def test_reader_decodes_the_quantizers_weights(tmp_path: Path, method: str, opts
     dense = dict(iter_safetensors_weights(tmp_path, torch.float32))
     for name, d in deq.items():
         torch.testing.assert_close(dense[name], d, rtol=0, atol=0)
+
+
+def test_gptq_v1_zero_point_zero_is_stored_as_15() -> None:
+    """v1 stores zero - 1 in a nibble, so a zero point of 0 is on disk as 15 and reads back 0."""
+    from tandem.models.quant.int4 import from_gptq
+    from tests.models.hf_quant_cases import dequant_int4, pack_gptq
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (16, 64), generator=g, dtype=torch.int32)
+    scales = (torch.rand(16, 2, generator=g) * 0.01 + 0.001).half()
+    zeros = torch.randint(0, 16, (16, 2), generator=g, dtype=torch.int32)
+    zeros[:, 0] = 0
+    g_idx = (torch.arange(64) // 32).to(torch.int32)
+    p = pack_gptq(codes, scales, zeros, g_idx)
+    assert int(p["qzeros"][0, 0] & 15) == 15
+    w = from_gptq("w", p["qweight"], p["qzeros"], p["scales"], p["g_idx"], 32, zero_offset=1)
+    torch.testing.assert_close(w.dequantize(), dequant_int4(codes, scales, zeros, g_idx))
 
 
 def _checkpoint_quant_bytes(path: Path) -> int:

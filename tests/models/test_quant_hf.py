@@ -260,3 +260,48 @@ def test_cuda_dispatch_leaves_hf_segments_to_hf_linear(tmp_path: Path) -> None:
         linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert linears and all(tile_segments(m) == 0 for m in linears)
         assert not any(pair_gate_up(m) for m in model.modules())
+
+
+def test_quant_config_forms() -> None:
+    from tandem.models.quant.hf_config import HfQuantConfig, parse_quant_config
+
+    assert parse_quant_config(None) is None
+    assert parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": -1}) == (
+        HfQuantConfig("gptq", 0, 1)
+    )
+    assert parse_quant_config({"quant_method": "awq", "bits": 4, "group_size": 64}) == (
+        HfQuantConfig("awq", 64)
+    )
+    assert parse_quant_config({"quant_method": "fbgemm_fp8"}) == HfQuantConfig("fp8")
+    blocks = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float",
+              "strategy": "block", "block_structure": [64, 128]}}}}  # fmt: skip
+    assert parse_quant_config(blocks) == HfQuantConfig("fp8", block=(64, 128))
+    with pytest.raises(UnsupportedModelError, match="quant_method ''"):
+        parse_quant_config({"bits": 4})
+
+
+def test_compressed_tensors_fp8_with_input_scales(tmp_path: Path, paged_runner) -> None:
+    """compressed-tensors' float-quantized FP8 (weight_scale per channel, a static input_scale
+    Tandem does not use) loads packed and matches transformers holding the decoded weights."""
+    from safetensors.torch import load_file, save_file
+
+    ref, deq = write_quantized(tmp_path, "fp8", scheme="channel")
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in deq:
+        tensors[name[: -len("weight")] + "input_scale"] = torch.tensor(0.02)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = _config(tmp_path)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel"}}},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, cfg = load_model(tmp_path, dtype=torch.float32, device="cpu", quantization="fp8")
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    ids = [5, 17, 3, 60, 9, 1, 33]
+    ours = paged_runner(model, cfg, block_size=4).step([(0, ids)])[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)

@@ -70,9 +70,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "gguf"],
-        help="auto: a checkpoint's quantized weights (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K) are "
-        "served from their packed bytes; none: dequantized to --dtype at load",
+        choices=["auto", "none", "gguf", "gptq", "awq", "fp8"],
+        help="auto: a checkpoint's quantized weights (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, "
+        "GPTQ/AWQ int4, FP8 e4m3) are served from their packed bytes; none: dequantized to --dtype at load; gptq/awq/fp8: "
+        "name the format of a safetensors checkpoint whose config.json does not",
     )
     parser.add_argument(
         "--dequantize",

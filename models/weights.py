@@ -18,7 +18,11 @@ import torch
 
 from tandem.models.config import ModelConfig, UnsupportedModelError
 from tandem.models.layers.parallel import Shard, tensor_parallel_shards
+from tandem.models.quant.fp8 import Fp8Tensor
+from tandem.models.quant.int4 import Int4Tensor
 from tandem.models.quant.tensor import QuantizedTensor
+
+PACKED = (QuantizedTensor, Int4Tensor, Fp8Tensor)  # checkpoint weights still in their format
 
 if TYPE_CHECKING:
     from tandem.models.decoder import DecoderForCausalLM
@@ -250,7 +254,7 @@ def load_hf_weights(
         for name, tensor in weights:
             if _IGNORED.match(name) or is_mtp(name, model.config):
                 continue
-            if isinstance(tensor, QuantizedTensor):
+            if isinstance(tensor, PACKED):
                 canon = _canonical(name)
                 if canon in quant:
                     for module, index in quant[canon]:  # each copies it into its own buffer

@@ -50,7 +50,7 @@ class ModelSpec:
     # (auto: a GGUF's quantized type as int4/int8, bf16 for float checkpoints)
     cpu_expert_group_size: int | None = None  # int4 groups of converted experts (None: 64)
     gpu_prefill: str | None = None  # auto | off | N tokens: CPU-pool layers computed on the GPU
-    quantization: str = "auto"  # auto | none | gguf: which packed weights stay packed
+    quantization: str = "auto"  # auto | none | gguf | gptq | awq | fp8: which stay packed
     dequantize: bool = False  # True: every weight dequantized to dtype at load (quantization none)
     tokenizer_path: str | None = None  # a tokenizer directory or .gguf (None: the model's own)
     chat_template: str | None = None  # jinja2 template text replacing the tokenizer's

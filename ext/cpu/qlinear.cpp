@@ -9,7 +9,7 @@ namespace tandem_cpu {
 
 int qtype_block_elems(int qtype) {
   switch (qtype) {
-    case QT_Q4_0: case QT_Q4_1: case QT_Q8_0: return 32;
+    case QT_Q4_0: case QT_Q4_1: case QT_Q8_0: case QT_INT4G: case QT_FP8: return 32;
     case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: return 256;
     default: return 0;
   }
@@ -23,6 +23,8 @@ int qtype_block_bytes(int qtype) {
     case QT_Q4_K: return 144;
     case QT_Q5_K: return 176;
     case QT_Q6_K: return 210;
+    case QT_INT4G: return 16;
+    case QT_FP8: return 32;
     default: return 0;
   }
 }
@@ -67,6 +69,16 @@ void QLinearPool::run(const QLinearArgs& a, const void* x, bool x_bf16) {
   if (a.K % be) throw std::invalid_argument("K must be a multiple of the type's block");
   if (a.row_bytes != (size_t)(a.K / be) * qtype_block_bytes(a.qtype))
     throw std::invalid_argument("row_bytes does not match K and the type");
+  if (a.qtype == QT_INT4G || a.qtype == QT_FP8) {
+    if (std::string(kernels_.name) != "avx512")
+      throw std::invalid_argument("int4-group and fp8 weights need the AVX-512 BF16 kernel");
+    if (!a.scales) throw std::invalid_argument("scales missing");
+    if (a.qtype == QT_INT4G && (!a.zeros || a.group < 32 || a.group % 32 || a.K % a.group))
+      throw std::invalid_argument("int4-group: zeros missing or bad group");
+    if (a.qtype == QT_FP8 && (a.block_rows < 1 || a.block_cols < 32 || a.block_cols % 32 ||
+                              a.scale_cols != (a.K + a.block_cols - 1) / a.block_cols))
+      throw std::invalid_argument("fp8: bad scale block");
+  }
   std::lock_guard<std::mutex> lk(mu_);
   const size_t need = kernels_.prep_bytes(a.K, a.M);
   if (xprep_.size() < need) xprep_.resize(need);

@@ -17,8 +17,13 @@
 
 namespace tandem_cpu {
 
-// ggml type ids (the GGUF file's own numbers).
-enum QType : int { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
+// ggml type ids (the GGUF file's own numbers), then the HF formats' serving layouts
+// (models/quant/int4.py, fp8.py): int4 codes with fp16 group scales and uint8 zero points
+// (GPTQ, AWQ), and e4m3 values with fp32 block scales (FP8). Those two: AVX-512 kernel only.
+enum QType : int {
+  QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14,
+  QT_INT4G = 100, QT_FP8 = 101,
+};
 
 // Bytes and elements of one block of a type; 0 for a type this unit does not serve.
 int qtype_block_elems(int qtype);
@@ -31,6 +36,11 @@ struct QLinearArgs {
   int N = 0, K = 0, M = 0;     // K: a multiple of the type's block
   void* y = nullptr;           // [M][N] fp32 or bf16
   bool y_bf16 = false;
+  // QT_INT4G: scales [N][K / group] fp16, zeros [N][K / group] uint8.
+  // QT_FP8: scales [ceil(N / block_rows)][scale_cols] fp32, one per block_rows x block_cols.
+  const void* scales = nullptr;
+  const uint8_t* zeros = nullptr;
+  int group = 0, block_rows = 0, block_cols = 0, scale_cols = 0;
 };
 
 // prep: x [M][K] (fp32 or bf16) into the ISA's activation layout followed by fp32 sums of

@@ -72,3 +72,75 @@ class CpuQuantLinearPool:
             x.dtype == torch.bfloat16, M, out.data_ptr(), out.dtype == torch.bfloat16,
         )  # fmt: skip
         return out
+
+    def _check_x(self, x: torch.Tensor, K: int) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:
+            raise ValueError("x must be a 2-D CPU tensor")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+        if x.shape[0] == 0 or x.shape[1] != K:
+            raise ValueError(f"x must be [M >= 1, {K}], got {tuple(x.shape)}")
+        return x.contiguous()
+
+    def linear_int4(
+        self,
+        x: torch.Tensor,  # [M, K] float32 or bfloat16, CPU (columns in the codes' order)
+        codes: torch.Tensor,  # [N, K / 2] uint8 (models/quant/int4.py's nibble order)
+        scales: torch.Tensor,  # [N, K / group] float16
+        zeros: torch.Tensor,  # [N, K / group] uint8
+        group: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """GPTQ/AWQ int4 with group scales and zero points (AVX-512 BF16 kernel only)."""
+        N, K = codes.shape[0], codes.shape[1] * 2
+        _check_packed(codes, torch.uint8, (N, K // 2), "codes")
+        if group < 32 or group % 32 or K % group:
+            raise ValueError(f"group must be a multiple of 32 dividing K={K}, got {group}")
+        _check_packed(scales, torch.float16, (N, K // group), "scales")
+        _check_packed(zeros, torch.uint8, (N, K // group), "zeros")
+        x = self._check_x(x, K)
+        out = output_buffer(out, x.shape[0], N, x.dtype)
+        self._pool.run_scaled(
+            QT_INT4G, codes.data_ptr(), K // 2, N, K, x.data_ptr(), x.dtype == torch.bfloat16,
+            x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, scales.data_ptr(),
+            zeros.data_ptr(), group, 0, 0, 0,
+        )  # fmt: skip
+        return out
+
+    def linear_fp8(
+        self,
+        x: torch.Tensor,  # [M, K] float32 or bfloat16, CPU
+        data: torch.Tensor,  # [N, K] float8_e4m3fn
+        scale: torch.Tensor,  # [ceil(N / block[0]), ceil(K / block[1])] float32
+        block: tuple[int, int],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """FP8 e4m3 with block scales; block[1] a multiple of 32 or K (AVX-512 BF16 only)."""
+        N, K = data.shape
+        _check_packed(data, torch.float8_e4m3fn, (N, K), "data")
+        if K % 32 or block[1] % 32 or block[0] < 1:
+            raise ValueError(f"fp8 needs K and block columns multiples of 32, got {K}, {block}")
+        cols = -(-K // block[1])
+        _check_packed(scale, torch.float32, (-(-N // block[0]), cols), "scale")
+        x = self._check_x(x, K)
+        out = output_buffer(out, x.shape[0], N, x.dtype)
+        self._pool.run_scaled(
+            QT_FP8, data.data_ptr(), K, N, K, x.data_ptr(), x.dtype == torch.bfloat16,
+            x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, scale.data_ptr(), 0, 0,
+            block[0], block[1], cols,
+        )  # fmt: skip
+        return out
+
+
+QT_INT4G, QT_FP8 = 100, 101  # ext/cpu/qlinear.h's ids of the HF formats' layouts
+
+
+def _check_packed(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int], what: str) -> None:
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != dtype
+        or t.device.type != "cpu"
+        or tuple(t.shape) != shape
+        or not t.is_contiguous()
+    ):
+        raise ValueError(f"{what} must be a contiguous {list(shape)} {dtype} CPU tensor")

@@ -171,46 +171,117 @@ void prep(const void* x, bool x_bf16, int M, int K, void* dst) {
   }
 }
 
+// Row decoders: chunks(r, emit) calls emit(c, bf16 codes, scale, min) for every 32-value chunk
+// c of weight row r, in order (value = code * scale + min, as Fmt's blocks).
+template <int QT>
+struct GgufRows {
+  using F = Fmt<QT>;
+  static constexpr bool kMin = F::kMin;
+  const QLinearArgs& a;
+  const Tables& T;
+  template <class E>
+  inline void chunks(int r, E&& emit) const {
+    const uint8_t* row = a.w + (size_t)r * a.row_bytes;
+    const int blocks = a.K / (F::kChunks * 32);
+    for (int i = 0; i < blocks; ++i)
+      F::block(row + (size_t)i * F::kBytes, T, [&](int j, __m512bh wv, __m512 sc, float mn) {
+        emit(i * F::kChunks + j, wv, sc, mn);
+      });
+  }
+};
+
+// GPTQ/AWQ int4 (models/quant/int4.py): Q4_0's nibble order, an fp16 scale and a uint8 zero
+// point per group; s * (q - z) = s * (128 + q) - s * (128 + z).
+struct Int4GroupRows {
+  static constexpr bool kMin = true;
+  const QLinearArgs& a;
+  template <class E>
+  inline void chunks(int r, E&& emit) const {
+    const uint8_t* row = a.w + (size_t)r * a.row_bytes;
+    const int groups = a.K / a.group, per = a.group / 32;
+    const uint8_t* sc = (const uint8_t*)a.scales + (size_t)r * groups * 2;
+    const uint8_t* zp = a.zeros + (size_t)r * groups;
+    for (int g = 0; g < groups; ++g) {
+      const float d = f16(sc + 2 * g);
+      const __m512 dv = _mm512_set1_ps(d);
+      const float mn = -d * (128.f + (float)zp[g]);
+      for (int j = 0; j < per; ++j) {
+        const int c = g * per + j;
+        emit(c, biased_bf16(nibbles16(row + (size_t)c * 16)), dv, mn);
+      }
+    }
+  }
+};
+
+// 32 e4m3 bytes -> their exact bf16: normals by moving the exponent and mantissa bits into
+// place (bias 7 -> 127), the 8 subnormal magnitudes from a table.
+inline __m512bh e4m3x32_to_bf16(const uint8_t* p, __m512i subnormals) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7F));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8);
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  const __mmask32 small = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  const __m512i sub = _mm512_permutexvar_epi16(mag, subnormals);
+  return (__m512bh)_mm512_or_si512(_mm512_mask_blend_epi16(small, normal, sub), sign);
+}
+
+// FP8 e4m3 (models/quant/fp8.py): fp32 scale per block_rows x block_cols (block_cols a
+// multiple of 32, so a chunk never straddles two scales).
+struct Fp8Rows {
+  static constexpr bool kMin = false;
+  const QLinearArgs& a;
+  __m512i subnormals;
+  template <class E>
+  inline void chunks(int r, E&& emit) const {
+    const uint8_t* row = a.w + (size_t)r * a.row_bytes;
+    const float* sc = (const float*)a.scales + (size_t)(r / a.block_rows) * a.scale_cols;
+    const int chunks = a.K / 32, per = a.block_cols / 32;
+    for (int c = 0; c < chunks; ++c)
+      emit(c, e4m3x32_to_bf16(row + (size_t)c * 32, subnormals), _mm512_set1_ps(sc[c / per]),
+           0.f);
+  }
+};
+
 // One weight row against tokens [t0, t0 + NT). Per token: two vector accumulators taking the
 // chunks alternately, one scalar accumulator for the mins; the same order for every NT.
-template <int QT, int NT>
-inline void row_tile(const QLinearArgs& a, const uint16_t* X, const float* S, int r, int t0,
-                     const Tables& T) {
-  using F = Fmt<QT>;
-  const int K = a.K, chunks = K / 32, blocks = K / (F::kChunks * 32);
-  const uint8_t* row = a.w + (size_t)r * a.row_bytes;
+template <class D, int NT>
+inline void row_tile(const QLinearArgs& a, const D& dec, const uint16_t* X, const float* S,
+                     int r, int t0) {
+  const int K = a.K, chunks = K / 32;
   const __m512 zero = _mm512_setzero_ps();
   __m512 acc[2][NT];
   float accm[NT];
   for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = zero, accm[t] = 0.f;
   const uint16_t* Xt = X + (size_t)t0 * K;
   const float* St = S + (size_t)t0 * chunks;
-  for (int i = 0; i < blocks; ++i) {
-    F::block(row + (size_t)i * F::kBytes, T, [&](int j, __m512bh wv, __m512 s, float mn) {
-      const int c = i * F::kChunks + j;
-      for (int t = 0; t < NT; ++t) {
-        const __m512bh xv =
-            (__m512bh)_mm512_loadu_si512((const void*)(Xt + (size_t)t * K + c * 32));
-        acc[c & 1][t] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, wv, xv), s, acc[c & 1][t]);
-        if (F::kMin) accm[t] = std::fma(mn, St[(size_t)t * chunks + c], accm[t]);
-      }
-    });
-  }
+  dec.chunks(r, [&](int c, __m512bh wv, __m512 s, float mn) {
+    for (int t = 0; t < NT; ++t) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(Xt + (size_t)t * K + c * 32));
+      acc[c & 1][t] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, wv, xv), s, acc[c & 1][t]);
+      if (D::kMin) accm[t] = std::fma(mn, St[(size_t)t * chunks + c], accm[t]);
+    }
+  });
   for (int t = 0; t < NT; ++t)
     qlinear_store(a, t0 + t, r, _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t])) + accm[t]);
+}
+
+template <class D>
+void rows_of(const QLinearArgs& a, const D& dec, const uint16_t* X, const float* S, int r0,
+             int r1) {
+  for (int r = r0; r < r1; ++r) {
+    int t0 = 0;
+    for (; t0 + 4 <= a.M; t0 += 4) row_tile<D, 4>(a, dec, X, S, r, t0);
+    const int rest = a.M - t0;
+    if (rest == 3) row_tile<D, 3>(a, dec, X, S, r, t0);
+    else if (rest == 2) row_tile<D, 2>(a, dec, X, S, r, t0);
+    else if (rest == 1) row_tile<D, 1>(a, dec, X, S, r, t0);
+  }
 }
 
 template <int QT>
 void rows_qt(const QLinearArgs& a, const uint16_t* X, const float* S, int r0, int r1,
              const Tables& T) {
-  for (int r = r0; r < r1; ++r) {
-    int t0 = 0;
-    for (; t0 + 4 <= a.M; t0 += 4) row_tile<QT, 4>(a, X, S, r, t0, T);
-    const int rest = a.M - t0;
-    if (rest == 3) row_tile<QT, 3>(a, X, S, r, t0, T);
-    else if (rest == 2) row_tile<QT, 2>(a, X, S, r, t0, T);
-    else if (rest == 1) row_tile<QT, 1>(a, X, S, r, t0, T);
-  }
+  rows_of(a, GgufRows<QT>{a, T}, X, S, r0, r1);
 }
 
 void rows(const QLinearArgs& a, const void* xp, int r0, int r1) {
@@ -228,6 +299,13 @@ void rows(const QLinearArgs& a, const void* xp, int r0, int r1) {
     case QT_Q4_K: rows_qt<QT_Q4_K>(a, X, S, r0, r1, T); break;
     case QT_Q5_K: rows_qt<QT_Q5_K>(a, X, S, r0, r1, T); break;
     case QT_Q6_K: rows_qt<QT_Q6_K>(a, X, S, r0, r1, T); break;
+    case QT_INT4G: rows_of(a, Int4GroupRows{a}, X, S, r0, r1); break;
+    case QT_FP8: {
+      alignas(64) uint16_t sub[32] = {};
+      for (int i = 0; i < 8; ++i) sub[i] = f32_to_bf16(std::ldexp((float)i, -9));
+      rows_of(a, Fp8Rows{a, _mm512_load_si512((const void*)sub)}, X, S, r0, r1);
+      break;
+    }
   }
 }
 

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from tandem.models.attention_backend import get_attention_backend
-from tandem.models.config import ModelConfig
+from tandem.models.config import ModelConfig, UnsupportedModelError
 from tandem.models.layers.expert_registry import get_expert_backend
 from tandem.models.layers.parallel import check_tensor_parallel, get_tp
 from tandem.models.loader.dummy import init_dummy_weights
 from tandem.models.loader.safetensors import iter_safetensors_weights
+from tandem.models.quant.hf_config import HF_QUANT_FORMATS, HfQuantConfig, read_quant_config
 from tandem.models.registry import get_model_class
 from tandem.models.weights import expert_layer, is_mtp
 
@@ -32,7 +33,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K) with a kernel for the device and dtype (CPU bf16, CUDA
 # fp16/bf16); "none": dequantize everything at load to --dtype (the old behaviour); "gguf":
 # packed whatever the dtype (float32: the torch reference), an error for another format.
-QUANTIZATIONS = ("auto", "none", "gguf")
+# "gptq" | "awq" | "fp8": an HF safetensors checkpoint of that format served packed (the format
+# is read from config.json's quantization_config when it has one; these name it when not).
+QUANTIZATIONS = ("auto", "none", "gguf", "gptq", "awq", "fp8")
 # Dense linears of bf16 CPU models through ext/cpu's small-M kernel (models/layers/cpu_linear.py):
 # "0" off, or the weight format "bf16" | "int8" | "int4". Read here and nowhere else.
 CPU_LINEAR_ENV = "TANDEM_CPU_LINEAR"
@@ -200,9 +203,11 @@ def load_model(
     are in, where `read_experts(layer)` reads one skipped layer's experts after all."""
     fmt = resolve_load_format(model_path, load_format) if load_format != "dummy" else "dummy"
     path = Path(model_path)
+    _check_quantization(fmt, quantization)
     config = config or read_model_config(path, load_format)
     packed: set[str] = set()
     kept = _packed_tensors(path, fmt, quantization)
+    hf_quant = _hf_quant(path, fmt, quantization)
     if kept and quantization == "auto" and not _packed_kernels_serve(device, dtype):
         log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
         kept = {}
@@ -224,6 +229,13 @@ def load_model(
         expert_options=expert_options,
         prepare=prepare if kept else None,
     )
+    if kept and len(packed) < len(kept):
+        log.info(
+            "%d quantized tensors without a packed layer (MoE experts: the cpu_pool converts "
+            "them to its own formats, the gpu/torch experts hold them in %s) dequantized at load",
+            len(kept) - len(packed),
+            dtype,
+        )
     backend = getattr(model, "expert_backend", None)
     read_experts = None
     if fmt == "dummy":
@@ -238,18 +250,23 @@ def load_model(
         # never read: skipped experts, and DeepSeek's multi-token-prediction layers
         has_mtp = is_mtp(f"model.layers.{config.num_hidden_layers}.", config)
         select = wanted if skip or has_mtp else None
-        weights = _checkpoint_weights(path, fmt, dtype, select, packed)
+        weights = _checkpoint_weights(path, fmt, dtype, select, packed, hf_quant)
         model.load_weights(weights, expected=select)
 
         def read_experts(layer: int) -> None:
             def only(name: str) -> bool:
                 return expert_layer(name) == layer
 
-            model.load_weights(_checkpoint_weights(path, fmt, dtype, only), expected=only)
+            weights = _checkpoint_weights(path, fmt, dtype, only, quant=hf_quant)
+            model.load_weights(weights, expected=only)
 
     attach = getattr(backend, "attach", None)
     if attach is not None:
         attach(model, read_experts)  # e.g. cpu_pool: experts into the pool, torch copies freed
+    if packed:
+        from tandem.models.quant.act_order import fold_down_perms
+
+        fold_down_perms(model)  # GPTQ act-order: down_proj's gather into gate_up's row order
     if deterministic:
         make_batch_invariant(model, device, dtype)
     else:
@@ -340,17 +357,71 @@ def _packed_kernels_serve(device: torch.device | str, dtype: torch.dtype) -> boo
     )
 
 
+def _check_quantization(fmt: str, quantization: str) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
+    if quantization == "gguf" and fmt != "gguf":
+        raise ValueError(f"quantization 'gguf' needs a GGUF checkpoint, got format {fmt!r}")
+    if quantization in HF_QUANT_FORMATS and fmt != "safetensors":
+        raise ValueError(
+            f"quantization {quantization!r} needs an HF safetensors checkpoint, got format {fmt!r}"
+        )
+
+
 def _packed_tensors(path: Path, fmt: str, quantization: str) -> dict[str, str]:
     """HF name -> packed type of the checkpoint tensors that stay quantized."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if quantization == "gguf" and fmt != "gguf":
         raise ValueError(f"quantization 'gguf' needs a GGUF checkpoint, got format {fmt!r}")
+    if quantization in HF_QUANT_FORMATS and fmt != "safetensors":
+        raise ValueError(
+            f"quantization {quantization!r} needs an HF safetensors checkpoint, got format {fmt!r}"
+        )
+    if fmt == "safetensors" and quantization != "none":
+        return _hf_packed_tensors(path, quantization)
     if quantization == "none" or fmt != "gguf":
         return {}
     from tandem.models.loader.gguf import gguf_packed_tensors
 
     return gguf_packed_tensors(path)
+
+
+def _hf_quant(path: Path, fmt: str, quantization: str) -> HfQuantConfig | None:
+    """The HF checkpoint's quantization: its config.json's (an unserved format is refused
+    here, by name), or the one `quantization` names when config.json has none."""
+    if fmt != "safetensors":
+        return None
+    found = read_quant_config(path)
+    if found is not None and quantization in HF_QUANT_FORMATS and found.method != quantization:
+        raise UnsupportedModelError(
+            f"--quantization {quantization} but the checkpoint's quantization_config says "
+            f"{found.method}"
+        )
+    if found is None and quantization in HF_QUANT_FORMATS:
+        from tandem.models.loader.safetensors import infer_config
+
+        return infer_config(path, quantization)
+    return found
+
+
+def _hf_packed_tensors(path: Path, quantization: str) -> dict[str, str]:
+    """HF name -> "int4" | "fp8" of a GPTQ / AWQ / FP8 safetensors checkpoint's weights."""
+    from tandem.models.loader.safetensors import packed_candidates
+
+    quant = _hf_quant(path, "safetensors", quantization)
+    kept = packed_candidates(path)
+    kept.pop("model.embed_tokens.weight", None)  # a gathered table: dequantized at load
+    if quantization in HF_QUANT_FORMATS and not kept:
+        raise UnsupportedModelError(
+            f"--quantization {quantization}: the checkpoint holds no {quantization} weights"
+        )
+    if any(k == "int4" for k in kept.values()) and (quant is None or quant.method == "fp8"):
+        raise UnsupportedModelError(
+            "the checkpoint has int4 qweight tensors but no GPTQ or AWQ quantization_config in "
+            "config.json; pass --quantization gptq or --quantization awq"
+        )
+    return kept
 
 
 def _checkpoint_weights(
@@ -359,6 +430,7 @@ def _checkpoint_weights(
     dtype: torch.dtype,
     select: Callable[[str], bool] | None,
     packed: set[str] | frozenset[str] = frozenset(),
+    quant: HfQuantConfig | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) of a "gguf" or "safetensors" checkpoint; `select(name)` False: not
     read at all; names in `packed` come as `models.quant.tensor.QuantizedTensor`s."""
@@ -366,7 +438,7 @@ def _checkpoint_weights(
         from tandem.models.loader.gguf import load_gguf_weights
 
         return load_gguf_weights(path, dtype, select, frozenset(packed))
-    return iter_safetensors_weights(path, dtype, select)
+    return iter_safetensors_weights(path, dtype, select, frozenset(packed), quant)
 
 
 def apply_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:

@@ -1,8 +1,11 @@
 """Reads HF safetensors checkpoints: one file, a directory with `model.safetensors`, or a
 sharded directory with `model.safetensors.index.json`. Files are memory-mapped (safe_open);
 each tensor is materialized and cast to the target dtype only when the consumer asks for it.
-FP8 block-scaled weights (DeepSeek's: e4m3 + `weight_scale_inv`) are decoded one tensor at a
-time (models/quant/fp8.py), so no full high-precision copy of the checkpoint ever exists.
+
+Quantized checkpoints (models/quant/hf_config.py: GPTQ, AWQ, FP8) come one logical weight at a
+time: `<module>.weight` assembled from its companions (qweight/qzeros/scales/g_idx, or the fp8
+values and their scale), either still packed (names in `packed`: `Int4Tensor` / `Fp8Tensor`)
+or dequantized to `dtype`, so no full high-precision copy of the checkpoint ever exists.
 """
 
 from __future__ import annotations
@@ -10,18 +13,23 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from tandem.models.config import UnsupportedModelError
-from tandem.models.quant.fp8 import FP8_DTYPES, dequant_fp8_blockwise
+from tandem.models.quant.fp8 import SCALE_SUFFIXES, read_fp8
+from tandem.models.quant.hf_config import HfQuantConfig, read_quant_config
+from tandem.models.quant.int4 import from_awq, from_gptq
 
 INDEX_NAME = "model.safetensors.index.json"
 # Tensors kept in their stored float32 whatever the model dtype: DeepSeek-V3's router
 # correction bias (its small differences pick the experts; transformers keeps it float32 too).
 KEEP_FLOAT32 = (".e_score_correction_bias",)
-SCALE_SUFFIX = "_scale_inv"  # FP8: "<name>.weight" + "<name>.weight_scale_inv"
+INT4_PARTS = (".qzeros", ".scales", ".g_idx")  # companions of "<module>.qweight"
+FP8_EXTRA = (".input_scale",)  # static activation scales: Tandem keeps activations unscaled
+_FP8_NAMES = ("F8_E4M3", "F8_E5M2")
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -39,65 +47,139 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
+class _Tensors:
+    """Name -> tensor over every file of a checkpoint (files opened once, on first need)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.where: dict[str, Path] = {}
+        self.dtypes: dict[str, str] = {}
+        self._open: dict[Path, Any] = {}
+        for file in files:
+            f = self._file(file)
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                self.where[name] = file
+                self.dtypes[name] = f.get_slice(name).get_dtype()
+
+    def _file(self, file: Path) -> Any:
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._open[file]
+
+    def get(self, name: str) -> torch.Tensor | None:
+        file = self.where.get(name)
+        return None if file is None else self._file(file).get_tensor(name)
+
+    def names(self) -> Iterator[str]:
+        return iter(self.where)
+
+
+def quantized_weights(tensors: _Tensors) -> dict[str, str]:
+    """`<module>.weight` -> "int4" | "fp8" for every quantized weight of the checkpoint (fp8:
+    e4m3 or e5m2 values; only e4m3 stays packed)."""
+    out: dict[str, str] = {}
+    for name, dtype in tensors.dtypes.items():
+        if name.endswith(".qweight"):
+            out[name[: -len("qweight")] + "weight"] = "int4"
+        elif dtype in _FP8_NAMES:
+            out[name] = "fp8"
+    return out
+
+
+def _companions(tensors: _Tensors, quantized: dict[str, str]) -> set[str]:
+    """The tensors read as part of a quantized weight (never yielded on their own)."""
+    skip: set[str] = set()
+    for name, kind in quantized.items():
+        base = name[: -len(".weight")]
+        if kind == "int4":
+            names = [base + ".qweight", *(base + p for p in INT4_PARTS)]
+        else:
+            names = [name + s for s in SCALE_SUFFIXES] + [base + p for p in FP8_EXTRA]
+        skip.update(n for n in names if n in tensors.where)
+    return skip
+
+
+def infer_quant_config(tensors: _Tensors, method: str) -> HfQuantConfig:
+    """`--quantization gptq|awq|fp8` on a checkpoint whose config.json says nothing: the group
+    size from the first int4 weight's scales (GPTQ taken as the v1 "gptq" format)."""
+    if method == "fp8":
+        return HfQuantConfig("fp8")
+    for name in tensors.names():
+        if name.endswith(".qweight"):
+            qweight = tensors.get(name)
+            scales = tensors.get(name[: -len("qweight")] + "scales")
+            k = qweight.shape[0] * (8 if method == "gptq" else 1)
+            groups = scales.shape[0] if scales is not None else 1
+            return HfQuantConfig(method, k // groups, 1 if method == "gptq" else 0)
+    raise UnsupportedModelError(f"--quantization {method}: the checkpoint has no qweight tensors")
+
+
+def read_quantized(tensors: _Tensors, name: str, kind: str, quant: HfQuantConfig | None) -> Any:
+    """The quantized weight `name` (`<module>.weight`) as an `Int4Tensor` or `Fp8Tensor`."""
+    if kind == "fp8":
+        block = quant.block if quant is not None and quant.method == "fp8" else (128, 128)
+        return read_fp8(name, tensors.get(name), tensors.get, block)
+    if quant is None or quant.method not in ("gptq", "awq"):
+        raise UnsupportedModelError(
+            f"tensor {name[: -len('weight')]}qweight is int4 but config.json has no GPTQ or AWQ "
+            "quantization_config; pass --quantization gptq or --quantization awq"
+        )
+    base = name[: -len("weight")]
+    qweight, qzeros, scales = (tensors.get(base + p) for p in ("qweight", "qzeros", "scales"))
+    if qzeros is None or scales is None:
+        raise UnsupportedModelError(f"{quant.method.upper()} tensor {name!r} lacks qzeros/scales")
+    if quant.method == "gptq":
+        g_idx = tensors.get(base + "g_idx")
+        return from_gptq(name, qweight, qzeros, scales, g_idx, quant.group, quant.zero_offset)
+    return from_awq(name, qweight, qzeros, scales, quant.group)
+
+
 def iter_safetensors_weights(
     path: str | Path,
     dtype: torch.dtype | None = None,
     select: Callable[[str], bool] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    packed: set[str] | frozenset[str] = frozenset(),
+    quant: HfQuantConfig | None = None,
+) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, CPU tensor) for every tensor, or those whose name `select` accepts (the
-    others are never read); floating tensors cast to `dtype`."""
-    files = safetensors_files(path)
-    scale_files: dict[str, Path] | None = None  # FP8 scale name -> its file, on first need
-    block = (128, 128)
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if name.endswith(SCALE_SUFFIX) or (select is not None and not select(name)):
-                    continue
-                tensor = f.get_tensor(name)
-                if tensor.dtype in FP8_DTYPES:
-                    if scale_files is None:
-                        scale_files, block = _scale_files(files), block_size(path)
-                    tensor = _dequant(name, tensor, f, file, scale_files, block)
-                if name.endswith(KEEP_FLOAT32):
-                    tensor = tensor.float()
-                elif dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                    tensor = tensor.to(dtype)
+    others are never read); floating tensors cast to `dtype`. A quantized weight comes as
+    `<module>.weight`: packed when its name is in `packed`, else dequantized. `quant`: the
+    checkpoint's format (default: its config.json's)."""
+    tensors = _Tensors(safetensors_files(path))
+    quantized = quantized_weights(tensors)
+    if quant is None and quantized:
+        quant = read_quant_config(path)
+    skip = _companions(tensors, quantized)
+    order = [n for n in tensors.names() if n not in skip]
+    order += [n for n, kind in quantized.items() if kind == "int4"]
+    for name in order:
+        if select is not None and not select(name):
+            continue
+        kind = quantized.get(name)
+        if kind is not None:
+            tensor = read_quantized(tensors, name, kind, quant)
+            if name in packed:
                 yield name, tensor
+                continue
+            tensor = tensor.dequantize(torch.float32)
+        else:
+            tensor = tensors.get(name)
+        if name.endswith(KEEP_FLOAT32):
+            tensor = tensor.float()
+        elif dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        yield name, tensor
 
 
-def block_size(path: str | Path) -> tuple[int, int]:
-    """The FP8 scale block of the checkpoint's `quantization_config` (default 128 x 128)."""
-    path = Path(path)
-    config = (path if path.is_dir() else path.parent) / "config.json"
-    block = None
-    if config.exists():
-        quant = json.loads(config.read_text()).get("quantization_config") or {}
-        block = quant.get("weight_block_size")
-    return (int(block[0]), int(block[1])) if block else (128, 128)
+def packed_candidates(path: str | Path) -> dict[str, str]:
+    """`<module>.weight` -> "int4" | "fp8" of the weights a safetensors checkpoint can keep
+    packed (e4m3 only among the fp8 ones), reading no tensor."""
+    tensors = _Tensors(safetensors_files(path))
+    return {
+        n: k
+        for n, k in quantized_weights(tensors).items()
+        if k == "int4" or tensors.dtypes[n] == "F8_E4M3"
+    }
 
 
-def _scale_files(files: list[Path]) -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118
-                if name.endswith(SCALE_SUFFIX):
-                    found[name] = file
-    return found
-
-
-def _dequant(name, tensor, f, file, scale_files, block) -> torch.Tensor:
-    scale_name = name + SCALE_SUFFIX
-    where = scale_files.get(scale_name)
-    if where is None:
-        raise UnsupportedModelError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
-    if where == file:
-        scale = f.get_tensor(scale_name)
-    else:
-        with safe_open(str(where), framework="pt", device="cpu") as g:
-            scale = g.get_tensor(scale_name)
-    try:
-        return dequant_fp8_blockwise(tensor, scale, block)
-    except ValueError as exc:
-        raise UnsupportedModelError(f"FP8 tensor {name!r}: {exc}") from exc
+def infer_config(path: str | Path, method: str) -> HfQuantConfig:
+    return infer_quant_config(_Tensors(safetensors_files(path)), method)

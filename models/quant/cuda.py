@@ -1,8 +1,10 @@
-"""Packed GGUF linears on CUDA: Q4_0, Q4_1 and Q4_K weights re-laid once into 16-row tiles for
+"""Packed linears on CUDA. GGUF: Q4_0, Q4_1 and Q4_K weights re-laid once into 16-row tiles for
 ext/cuda's tensor-core GEMV (`gguf_tile_linear`); other types through the row-layout GEMV
 (`gguf_linear`). Both dequantize to a scratch buffer + cuBLAS above 16 rows. A gated MLP's
 tiled gate_up pairs its rows and applies silu(gate) * up in the same GEMV (`QuantSwigluMLP`).
-`use_cuda_quant_kernels(model)` attaches them to every CUDA `QuantLinear` of a fp16/bf16 model."""
+GPTQ/AWQ int4 and FP8 through hf_linear's ops (register-dequantizing GEMV at decode sizes,
+dequantize-to-scratch + cuBLAS above). `use_cuda_quant_kernels(model)` attaches them to every
+CUDA `QuantLinear` of a fp16/bf16 model."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.ext.cuda import gguf_linear, gguf_tile  # noqa: F401  (register the torch.ops)
+from tandem.ext.cuda import gguf_linear, gguf_tile, hf_linear  # noqa: F401  (register the torch.ops)
 from tandem.models.layers.mlp import GatedMLP
 from tandem.models.layers.parallel import row_parallel
-from tandem.models.quant.linear import QuantLinear, quant_modules
+from tandem.models.quant.fp8 import Fp8Tensor
+from tandem.models.quant.int4 import Int4Tensor
+from tandem.models.quant.linear import PackedWeight, QuantLinear, quant_modules
 from tandem.models.quant.tensor import QuantizedTensor
 
 
@@ -39,17 +43,37 @@ def pair_gate_up(mlp: nn.Module) -> bool:
     lin = getattr(mlp, "gate_up_proj", None)
     if type(mlp) is not GatedMLP or not isinstance(lin, QuantLinear) or lin.bias is not None:
         return False
-    if len(lin.segments) != 1 or lin.segments[0].layout != "tile16":
+    if len(lin.segments) != 1 or not isinstance(lin.segments[0], QuantizedTensor):
+        return False
+    if lin.segments[0].layout != "tile16":
         return False
     lin.segments[0] = lin.segments[0].as_tiles(pairs=True)
     mlp.__class__ = QuantSwigluMLP
     return True
 
 
+def _hf_linear(x: torch.Tensor, seg: Int4Tensor | Fp8Tensor) -> torch.Tensor | None:
+    """GPTQ/AWQ int4 and FP8 e4m3 through hf_linear's ops; None where they do not serve."""
+    if isinstance(seg, Int4Tensor) and seg.scales.dtype in (torch.float16, torch.bfloat16):
+        xs = x if seg.perm is None else x.index_select(1, seg.perm)
+        return torch.ops.tandem.int4_linear(xs, seg.codes, seg.scales, seg.zeros, seg.group)
+    if (
+        isinstance(seg, Fp8Tensor)
+        and seg.data.dtype == torch.float8_e4m3fn
+        and seg.block[1] % 32 == 0
+    ):
+        br, bc = seg.block
+        return torch.ops.tandem.fp8_linear(x, seg.data, seg.scale, br, bc)
+    return None
+
+
 class CudaQuantKernel:
-    def __call__(self, x: torch.Tensor, seg: QuantizedTensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, seg: PackedWeight) -> torch.Tensor:
         if x.dtype not in (torch.float16, torch.bfloat16):
             return torch.nn.functional.linear(x, seg.dequantize(x.dtype))
+        if not isinstance(seg, QuantizedTensor):
+            y = _hf_linear(x, seg)
+            return y if y is not None else torch.nn.functional.linear(x, seg.dequantize(x.dtype))
         if seg.layout == "tile16":
             return torch.ops.tandem.gguf_tile_linear(x, seg.data, seg.type_id, seg.cols)
         if seg.layout != "rows":  # paired tiles: only QuantSwigluMLP reads them in order
@@ -60,12 +84,14 @@ class CudaQuantKernel:
 
 
 def tile_segments(mod: QuantLinear) -> int:
-    """Re-lay the module's tile-able segments (one at a time, so the extra memory is one
+    """Re-lay the module's tile-able GGUF segments (one at a time, so the extra memory is one
     segment's); a tied head keeps the embedding's rows. Returns how many were re-laid."""
     if mod._tied:
         return 0
     done = 0
     for i, seg in enumerate(mod.segments):
+        if not isinstance(seg, QuantizedTensor):
+            continue
         if seg.layout == "rows" and gguf_tile.supports(seg.type_id, seg.rows, seg.cols):
             mod.segments[i] = seg.as_tiles()
             done += 1

@@ -1,4 +1,5 @@
-"""`QuantLinear` and `QuantEmbedding`: layers whose weights stay packed (`QuantizedTensor`).
+"""`QuantLinear` and `QuantEmbedding`: layers whose weights stay packed (GGUF `QuantizedTensor`;
+the linear also GPTQ/AWQ `Int4Tensor` and FP8 `Fp8Tensor`).
 
 A fused projection (qkv, gate_up) is a stack of row parts that may differ in type (a Q4_K_M
 file keeps v in Q6_K and q/k in Q4_K); consecutive parts of one type share one segment buffer,
@@ -16,10 +17,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.config import UnsupportedModelError
+from tandem.models.quant.fp8 import Fp8Tensor, merge_fp8
+from tandem.models.quant.int4 import Int4Tensor, merge_int4
 from tandem.models.quant.tensor import QuantizedTensor, ggml_block
 
+PackedWeight = QuantizedTensor | Int4Tensor | Fp8Tensor
+# HF checkpoint formats (part type -> tensor class): each part is kept as read, then runs of
+# parts that share a layout are stacked into one segment once all have loaded.
+HF_PART_TYPES: dict[str, type] = {"int4": Int4Tensor, "fp8": Fp8Tensor}
 # kernel(x [M, K] float, segment) -> [M, segment.rows] in x's dtype
-QuantKernel = Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]
+QuantKernel = Callable[[torch.Tensor, PackedWeight], torch.Tensor]
+
+
+def _merge(parts: list) -> list:
+    """Consecutive parts stacked into as few segments as their layouts allow."""
+    merge = merge_int4 if isinstance(parts[0], Int4Tensor) else merge_fp8
+    out, run = [], [parts[0]]
+    for p in parts[1:]:
+        if merge(run + [p]) is not None:
+            run.append(p)
+        else:
+            out.append(merge(run))
+            run = [p]
+    out.append(merge(run))
+    return out
 
 
 class QuantLinear(nn.Module):
@@ -49,7 +70,8 @@ class QuantLinear(nn.Module):
         self.device = torch.device(device)
         self._tied = [tied] if tied is not None else []  # not a submodule
         self._loaded = [False] * len(part_rows)
-        self.segments: list[QuantizedTensor] = []
+        self._parts: list = [None] * len(part_rows)  # HF formats: parts until finalize
+        self.segments: list[PackedWeight] = []
         self.bias = (
             nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         )
@@ -65,12 +87,22 @@ class QuantLinear(nn.Module):
                 row += self.part_rows[i]
         return seg, row
 
-    def set_part(self, index: int, tensor: QuantizedTensor) -> None:
+    def set_part(self, index: int, tensor: PackedWeight) -> None:
         expected = (self.part_rows[index], self.in_features)
         if tensor.shape != expected:
             raise UnsupportedModelError(
                 f"tensor {self.source_names[index]!r} has shape {tensor.shape}, expected {expected}"
             )
+        kind = HF_PART_TYPES.get(self.part_types[index])
+        if kind is not None:
+            if not isinstance(tensor, kind):
+                raise UnsupportedModelError(
+                    f"tensor {self.source_names[index]!r} is {type(tensor).__name__}, expected "
+                    f"{self.part_types[index]}"
+                )
+            self._parts[index] = tensor.to(self.device)
+            self._loaded[index] = True
+            return
         if tensor.qtype != self.part_types[index]:
             raise UnsupportedModelError(
                 f"tensor {self.source_names[index]!r} is {tensor.qtype}, expected {self.part_types[index]}"
@@ -97,7 +129,11 @@ class QuantLinear(nn.Module):
             self.segments.append(QuantizedTensor(qtype, data, self.in_features))
 
     def finalize(self) -> None:
-        """A tied head takes the embedding's table once it is loaded (idempotent)."""
+        """A tied head takes the embedding's table once it is loaded; HF-format parts become
+        their segments once all have loaded (idempotent)."""
+        if any(p is not None for p in self._parts) and all(self._loaded):
+            self.segments = _merge(self._parts)
+            self._parts = [None] * len(self._parts)
         if self._tied:
             table = self._tied[0].table
             self.segments = [table] if table is not None else []

@@ -2,7 +2,8 @@
 meta device before materialization, so the dense weights are never allocated.
 
 `quantize_modules(model, kept, device)` takes the HF names of the checkpoint tensors that stay
-packed (name -> type) and swaps every module whose source tensors are all among them.
+packed (name -> type: a ggml type, or "int4" / "fp8" for GPTQ, AWQ and FP8 safetensors) and
+swaps every module whose source tensors are all among them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _swap_linear(
     kept: dict[str, str],
     device: torch.device | str,
 ) -> list[str]:
-    linear = getattr(parent, attr)
+    linear = getattr(parent, attr, None)
     if type(linear) is not nn.Linear or not all(f"{n}.weight" in kept for n in names):
         return []
     sources = [f"{n}.weight" for n in names]

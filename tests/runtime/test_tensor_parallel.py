@@ -149,3 +149,30 @@ def test_a_start_up_failure_is_one_error_and_leaves_no_worker(tmp_path: Path) ->
     with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(3\).*size 2"):
         LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
     assert multiprocessing.active_children() == []
+
+
+def test_a_forward_that_fails_between_collectives_stops_every_rank(tmp_path: Path) -> None:
+    # Rank 0 raises after layer 0's all-reduces: the worker waits inside layer 1's. A retry
+    # (the failure-isolation bisection) would broadcast the next step into that collective;
+    # instead the engine fails and the worker is killed.
+    from tandem.runtime.engine import EngineStepError
+
+    path = _save(CASES["llama_bias"](), tmp_path / "llama")
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        procs = list(llm.engine.tp_group.procs)
+        layer = llm.engine.runner.model.layers[1]
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("fault between collectives")
+
+        layer.forward = broken
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        with pytest.raises(EngineStepError, match="tensor-parallel forward failed"):
+            llm.generate(PROMPTS, params)
+        for p in procs:
+            p.join(timeout=10)
+            assert not p.is_alive()
+    finally:
+        llm.engine.close()
+    assert multiprocessing.active_children() == []

@@ -212,15 +212,15 @@ def load_model(
         log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
         kept = {}
     if kept and get_tp().size > 1:  # packed layers do not shard: dense slices instead
-        if quantization == "gguf":
+        if quantization != "auto":
             raise UnsupportedModelError(
-                f"--quantization gguf keeps weights packed, which --tensor-parallel-size "
-                f"{get_tp().size} cannot split yet; pass --dequantize (each rank then holds its "
-                f"{dtype} slices) or serve on one device"
+                f"--quantization {quantization} keeps weights packed, which "
+                f"--tensor-parallel-size {get_tp().size} cannot split yet; pass --dequantize "
+                f"(each rank then holds its {dtype} slices) or serve on one device"
             )
         log.warning(
-            "tensor parallel: the GGUF's packed weights are dequantized to %s at load (packed "
-            "layers are not split across ranks yet)",
+            "tensor parallel: the checkpoint's packed weights are dequantized to %s at load "
+            "(packed layers are not split across ranks yet)",
             dtype,
         )
         kept = {}

@@ -39,8 +39,8 @@ class GptOssMoeBlock(SparseMoeBlock):
         super().__init__(config, layer_idx, backend)
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = nn.Linear(hidden, self.num_experts, bias=True)
-        self.w13_bias = nn.Parameter(torch.empty(self.num_experts, 2 * inter))
-        self.w2_bias = nn.Parameter(torch.empty(self.num_experts, hidden))
+        self.w13_bias = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter))
+        self.w2_bias = nn.Parameter(torch.empty(self.num_local_experts, hidden))
         assert config.swiglu_limit is not None
         self.activation = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
 
@@ -50,9 +50,14 @@ class GptOssMoeBlock(SparseMoeBlock):
         top_logits, topk_ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
         topk_weights = torch.softmax(top_logits.float(), dim=-1)
         bias = ExpertBias(self.w13_bias, self.w2_bias, self.activation)
-        return self.backend.forward(
+        if self.tp.size > 1:  # expert parallel: other ranks' experts are skipped, then summed
+            local = topk_ids - self.expert_start
+            own = (local >= 0) & (local < self.num_local_experts)
+            topk_ids = torch.where(own, local, self.num_local_experts)
+        out = self.backend.forward(
             self.layer_idx, x, topk_ids, topk_weights, self.w13, self.w2, bias=bias
         )
+        return self.tp.all_reduce(out)
 
 
 class GptOssDecoderLayer(DecoderLayer):

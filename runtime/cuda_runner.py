@@ -359,27 +359,28 @@ class CudaModelRunner(ModelRunner):
                 # This half was last read by the copy back of launch k - 2: wait for it.
                 self.stream.wait_event(self._done[turn])
                 base = turn * self._max_seqs
-                self._future[base : base + p.num_logits].copy_(handle.sample.token_ids)
+                # a failed row's id is FAILED_ROW: a step already launched may read its slot
+                future = self._future[base : base + p.num_logits]
+                torch.clamp(handle.sample.token_ids, min=0, out=future)
                 for row, s in enumerate(s for s in sched.seqs if s.sample):
                     self._future_rows[s.request.request_id] = (self._num_launches - 1, base + row)
                 self._sampled[turn].record(self.stream)
-            self._copy_back(handle, turn, base)
+            self._copy_back(handle, turn)
             self._record_step_end(p)
         return handle
 
-    def _copy_back(self, handle: StepHandle, turn: int, base: int) -> None:
+    def _copy_back(self, handle: StepHandle, turn: int) -> None:
         """Copy the step's sample to pinned memory on the side stream; `handle.done` fires
         when it has landed."""
         sample, n = handle.sample, handle.num_logits
         assert sample is not None
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self._sampled[turn])
+            src = sample.host_source  # the ids with their FAILED_ROW flags, or packed
+            src.record_stream(self.copy_stream)  # allocated on the forward stream
             if sample.packed is None:
-                src = self._future[base : base + n]  # static: stays valid for the copy
                 out = self._out_ids[turn][:n]
             else:
-                src = sample.packed
-                src.record_stream(self.copy_stream)  # allocated on the forward stream
                 out = self._out_packed[turn][: src.numel()].view(src.shape)
             out.copy_(src, non_blocking=True)
             self._done[turn].record(self.copy_stream)

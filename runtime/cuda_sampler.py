@@ -4,7 +4,10 @@ Same semantics as the reference `runtime.sampler.Sampler` (penalties, min_tokens
 temperature, top-k, top-p, min-p, seeds through the exponential race, logprobs), but every
 per-row value reaches the device through a pinned host buffer and one non-blocking copy, and
 nothing is read back: `sample_async` returns device tensors (the sampled ids, and with
-logprobs one packed float64 tensor the caller copies back in one go). Penalties read
+logprobs one packed float64 tensor the caller copies back in one go). A row whose logits hold
+NaN or +inf, or whose every token is banned, gets `FAILED_ROW` as its id, as in the reference:
+the flag is folded into the ids the caller copies back anyway, from the row maxima that the
+greedy argmax computes in the same pass. Penalties read
 per-request token counts kept on the device (`runtime.token_counts`), so a row's history
 includes the token still in flight under overlap scheduling. Plain torch: it runs on the CPU
 too, which is how its parity with the reference is tested.
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tandem.runtime.sampler import Sampler, SampleRow
+from tandem.runtime.sampler import FAILED_ROW, Sampler, SampleRow
 from tandem.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tandem.runtime.token_counts import TokenCounts
 from tandem.runtime.types import SamplerOutput, TokenLogprob
@@ -67,7 +70,8 @@ class GpuRow:
 @dataclass
 class DeviceSample:
     """A sampled step, still on the device. Copy `host_source` back (one copy) and pass the
-    host copy to `output`."""
+    host copy to `output`. `token_ids` holds `FAILED_ROW` for the rows that failed: clamp it
+    before it feeds a forward."""
 
     token_ids: torch.Tensor  # [n] int64, device
     packed: torch.Tensor | None = None  # [n, 2 + 2k] float64, device: id, logprob, k ids, k lps
@@ -203,7 +207,7 @@ class CudaSampler(Sampler):
             grammar_mask = self._masks.stage(constrained, [rows[i].grammar for i in constrained], n)
         plain = not pen and not bans and not biased and not constrained
         if all(greedy) and plain:  # the plain greedy step: nothing to stage
-            ids = logits.argmax(dim=-1)
+            ids = _flag_failed(*logits.max(dim=-1))
             packed = _pack_logprobs(logits, ids, max(num_top)) if want_logprobs else None
             return DeviceSample(ids, packed, num_top if want_logprobs else ())
 
@@ -274,8 +278,9 @@ class CudaSampler(Sampler):
 
             apply_bitmask(logits, *grammar_mask)
 
+        best, best_ids = logits.max(dim=-1)  # [n] each: NaN where a row holds NaN
         if all(greedy):
-            ids = logits.argmax(dim=-1)
+            ids = best_ids
         else:
             temp_t, k_t, p_t, m_t = (dp[i].unsqueeze(1) for i in (_TEMP, _TOP_K, _TOP_P, _MIN_P))
             scaled = logits / temp_t
@@ -295,7 +300,8 @@ class CudaSampler(Sampler):
             probs = torch.softmax(scaled, dim=-1)
             noise = self._exponential_noise(rows, vocab)
             sampled = (probs / noise).argmax(dim=-1)
-            ids = torch.where(dp[_GREEDY] > 0.5, logits.argmax(dim=-1), sampled)
+            ids = torch.where(dp[_GREEDY] > 0.5, best_ids, sampled)
+        ids = _flag_failed(best, ids)
         if not want_logprobs:
             return DeviceSample(ids)
         return DeviceSample(ids, _pack_logprobs(raw, ids, max(num_top)), num_top)
@@ -349,13 +355,20 @@ def _min_tokens_bans(rows: Sequence[GpuRow], vocab: int) -> list[int]:
     return bans
 
 
+def _flag_failed(best: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """best `[n]` float32: each row's largest processed logit; ids `[n]` int64 -> ids with
+    `FAILED_ROW` where that is not finite: NaN or +inf in the row (max propagates NaN), or
+    every token banned (-inf)."""
+    return torch.where(torch.isfinite(best), ids, FAILED_ROW)
+
+
 def _pack_logprobs(raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """raw logits `[n, V]`, ids `[n]` int64 -> `[n, 2 + 2k]` float64: the id, its logprob, the
     k best ids, their logprobs (raw log-softmax, as the reference sampler returns them)."""
     logp = torch.log_softmax(raw.float(), dim=-1)
     packed = torch.empty(raw.shape[0], 2 + 2 * k, dtype=torch.float64, device=raw.device)
     packed[:, 0] = ids
-    packed[:, 1] = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
+    packed[:, 1] = logp.gather(1, ids.clamp(min=0).unsqueeze(1)).squeeze(1)
     if k:
         vals, top = logp.topk(k, dim=-1)
         packed[:, 2 : 2 + k] = top

@@ -8,6 +8,7 @@ start of a stop string is held back; a matched stop string is not emitted).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -20,21 +21,29 @@ class _Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
+@functools.lru_cache(maxsize=64)
+def _failure_table(stop: str) -> tuple[int, ...]:
+    """fail[i]: the longest proper border of stop[: i + 1]. Cached: the sequences of one
+    request (n, prompt lists) share their stop strings, and a table costs a Python loop over
+    the string."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return tuple(fail)
+
+
 class _StopPrefix:
     """The longest tail of a growing text that is a prefix of one stop string, kept by a KMP
     automaton fed only the new characters: linear in the text, whatever the string's length."""
 
     def __init__(self, stop: str) -> None:
         self.stop = stop
-        fail = [0] * len(stop)  # fail[i]: longest proper border of stop[: i + 1]
-        k = 0
-        for i in range(1, len(stop)):
-            while k and stop[i] != stop[k]:
-                k = fail[k - 1]
-            if stop[i] == stop[k]:
-                k += 1
-            fail[i] = k
-        self._fail = fail
+        self._fail = _failure_table(stop)
         self.length = 0  # of the tail matched so far
 
     def feed(self, text: str) -> None:

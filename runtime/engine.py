@@ -419,7 +419,17 @@ class Engine:
 
     def _execute(self, sched: SchedulerOutput) -> SamplerOutput:
         """`runner.execute`, isolating the sequences that fail alone (runtime/isolation.py);
-        raises once every sequence has failed on MAX_FAILED_STEPS steps in a row."""
+        raises once every sequence has failed on MAX_FAILED_STEPS steps in a row. Under tensor
+        parallel a failed forward is the engine's failure: the other ranks may be waiting in
+        one of its collectives, where a retry's broadcast would desynchronise them."""
+        if self.tp_group is not None:
+            try:
+                return self.runner.execute(sched)
+            except Exception as exc:
+                self.tp_group.close(broken=True)
+                raise EngineStepError(
+                    f"a tensor-parallel forward failed ({type(exc).__name__}); all ranks stopped"
+                ) from exc
         out, num_ok = execute_isolated(self.runner.execute, sched, self._step_errors)
         if num_ok:
             self._num_failed_steps = 0

@@ -157,11 +157,12 @@ class Sampler:
 
     def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
         """One bitmask for the constrained rows; the other rows are not touched."""
-        from tandem.runtime.grammar import apply_bitmask, fill_bitmask
-
         idx = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not idx:
             return
+        # imported only here: llguidance is needed only where a grammar is in use
+        from tandem.runtime.grammar import apply_bitmask, fill_bitmask
+
         matchers = [rows[i].grammar for i in idx]
         bitmask = torch.empty(len(idx), matchers[0].mask_words, dtype=torch.int32)
         fill_bitmask(matchers, bitmask)  # type: ignore[arg-type]

@@ -206,12 +206,17 @@ class TensorParallelGroup:
         self._watch = threading.Thread(target=run, name="tandem-tp-watch", daemon=True)
         self._watch.start()
 
-    def close(self) -> None:
-        """Tell the workers to stop, wait briefly, kill what is left."""
+    def close(self, broken: bool = False) -> None:
+        """Tell the workers to stop, wait briefly, kill what is left. `broken`: a forward
+        failed on this rank, so the workers may be inside one of its collectives, where a stop
+        message would be read as that collective's data: kill them at once."""
         if self._closed:
             return
         self._closed = True
-        if all(p.is_alive() for p in self.procs) and dist.is_initialized():
+        if broken:
+            for p in self.procs:
+                p.kill()
+        elif all(p.is_alive() for p in self.procs) and dist.is_initialized():
             try:
                 stop = torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
                 dist.broadcast(stop, 0, group=self.steps)

@@ -83,6 +83,7 @@ LINEAR_UNITS = {
         ("linear_avx512.cpp", AVX512_FLAGS),
         ("qlinear_avx512.cpp", AVX512_FLAGS),
     ],
+    "TANDEM_HAVE_AMX": [("linear_amx.cpp", AMX_FLAGS)],
 }
 HEADERS = [
     "amx_emulate.h",

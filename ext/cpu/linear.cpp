@@ -9,10 +9,13 @@ namespace tandem_cpu {
 namespace {
 
 LinearKernels select_linear(const std::string& want) {
-  // Same detection and errors as the expert pool; "amx" has no dense kernel of its own (M is
-  // small here), so it runs the AVX-512 one.
+  // Same detection and errors as the expert pool; "amx" runs bf16 VNNI weights on tiles and
+  // the other formats on the AVX-512 kernel.
   const KernelSet ks = select_kernels(want);
   const std::string name = ks.name;
+#ifdef TANDEM_HAVE_AMX
+  if (name == "amx") return linear_kernels_amx();
+#endif
 #ifdef TANDEM_HAVE_AVX512
   if (name == "avx512" || name == "amx") return linear_kernels_avx512();
 #endif
@@ -48,8 +51,9 @@ void LinearPool::run(const LinearArgs& a, const void* x, bool x_bf16) {
   if (a.Kp < a.K || a.Kp % kKAlign) throw std::invalid_argument("Kp must be K rounded up to 64");
   if (a.fmt < FMT_BF16 || a.fmt > FMT_BF16_VNNI)
     throw std::invalid_argument("unknown weight format");
-  if (a.fmt == FMT_BF16_VNNI && std::string(kernels_.name) != "avx512")
-    throw std::invalid_argument("the bf16 VNNI layout needs the avx512 kernels");
+  const std::string isa = kernels_.name;
+  if (a.fmt == FMT_BF16_VNNI && isa != "avx512" && isa != "amx")
+    throw std::invalid_argument("the bf16 VNNI layout needs the avx512 or amx kernels");
   if (a.fmt == FMT_INT4 && a.group != 32 && a.group != 64)
     throw std::invalid_argument("int4 group must be 32 or 64");
   std::lock_guard<std::mutex> lk(mu_);

@@ -22,9 +22,11 @@ namespace tandem_cpu {
 //   int8: [N][Kp] int8, scales [N] fp32: value = q * scale (Kp = K rounded up to 64, zeros).
 //   int4: [N][Kp / 2] bytes, scales [N][Kp / group] fp32, the expert pool's nibble layout
 //         (kernels.h): value = (nibble - 8) * scale.
-//   bf16 VNNI (AVX-512 only): [ceil(N / 16)][Kp / 2][16][2] uint16, zeros past N and K;
-//         w_row_bytes is the stride of one 16-column block (Kp * 32). Each output is summed
-//         over K in the same order for every M, so a row's result is independent of the batch.
+//   bf16 VNNI (AVX-512 and AMX only): [ceil(N / 16)][Kp / 2][16][2] uint16, zeros past N and
+//         K; w_row_bytes is the stride of one 16-column block (Kp * 32). Each output is summed
+//         over K in the same order for every M, so a row's result is independent of the batch
+//         (the AMX kernel's order is its own: its sums may differ from AVX-512's in the last
+//         bits, never with M).
 constexpr int FMT_BF16_VNNI = 3;
 
 struct LinearArgs {
@@ -73,6 +75,10 @@ LinearKernels linear_kernels_avx2();
 #endif
 #ifdef TANDEM_HAVE_AVX512
 LinearKernels linear_kernels_avx512();
+#endif
+#ifdef TANDEM_HAVE_AMX
+// bf16 VNNI weights through AMX tiles (every M, batch-invariant); other formats: AVX-512.
+LinearKernels linear_kernels_amx();
 #endif
 
 class LinearPool {

@@ -19,7 +19,7 @@ from .tensor_checks import output_buffer
 
 FORMATS = ("bf16", "int8", "int4", "bf16_vnni")
 _FMT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "bf16_vnni": 3}
-VNNI_ISAS = ("avx512", "amx")  # pools that run "bf16_vnni" (the AVX-512 kernels)
+VNNI_ISAS = ("avx512", "amx")  # pools that run "bf16_vnni" (VNNI dot products; AMX tiles)
 K_ALIGN = 64  # kKAlign in kernels.h
 
 
@@ -156,7 +156,7 @@ class CpuLinearPool:
             raise ValueError(f"bias must be a contiguous [{N}] float32 CPU tensor")
         if w.fmt == "bf16_vnni" and self.isa not in VNNI_ISAS:
             raise ValueError(
-                f"bf16_vnni weights need the avx512 kernels; this pool runs {self.isa}"
+                f"bf16_vnni weights need the avx512 or amx kernels; this pool runs {self.isa}"
             )
         data = w.data
         self._pool.run(

@@ -1,9 +1,10 @@
 """Fast small-M dense linears on the CPU: `CpuDenseLinear` and `use_cpu_linear(model, fmt)`.
 
 Decode on the CPU streams every weight once per step with M = number of sequences; torch's
-GEMV reads weights at a fraction of memory bandwidth there. "bf16" on an AVX-512 pool packs a
-VNNI copy of the weight and sends every M to the C++ kernel (ext/cpu/linear.*), whose per-row
-sums do not depend on M: a sequence's output is then the same alone and in any batch. Other
+GEMV reads weights at a fraction of memory bandwidth there. "bf16" on an AVX-512 or AMX pool
+packs a VNNI copy of the weight and sends every M to the C++ kernel (ext/cpu/linear.*: VNNI dot
+products, or AMX tiles, which also make prefill fast), whose per-row sums do not depend on M: a
+sequence's output is then the same alone and in any batch. Other
 formats send rows up to `max_rows` to the kernel and larger M (prefill) to torch's F.linear.
 Knows nothing about requests.
 """

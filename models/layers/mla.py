@@ -5,7 +5,9 @@ Per token the cache keeps one row [rms-normed c_kv (kv_lora_rank) | roped k_pe
 (qk_rope_head_dim)]. q_nope is absorbed through W_UK (kv_b_proj's key rows) into the latent
 space and the latent output expanded through W_UV (its value rows), so attention reads only
 the latent cache, prefill and decode alike. Paging belongs to the backend; this layer shapes
-tensors and writes its rows.
+tensors and writes its rows. Under tensor parallelism each rank keeps its heads' rows of
+q_proj / q_b_proj and kv_b_proj and their columns of o_proj (one all-reduce), and the whole
+latent path (every rank writes the same latent rows to its own cache).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tandem.models.attention_backend import AttentionBackend
 from tandem.models.batch import ForwardBatch
 from tandem.models.config import ModelConfig
 from tandem.models.layers.norm import RMSNorm
+from tandem.models.layers.parallel import even_split, get_tp, row_parallel
 from tandem.models.layers.rotary import RotaryEmbedding, _rope_type, _yarn_factor
 
 # transformers builds both latent norms with its RMSNorm's default eps, not rms_norm_eps
@@ -51,7 +54,10 @@ class MLAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.backend = backend
-        self.num_heads = config.num_attention_heads
+        self.tp = get_tp()
+        self.head_start, self.num_heads = even_split(
+            config.num_attention_heads, self.tp, "num_attention_heads"
+        )  # this rank's heads
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
@@ -109,4 +115,4 @@ class MLAttention(nn.Module):
         q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, L]
         out = self.backend.mla(q_latent, q_rope.contiguous(), cache, batch, self.scale)
         out = torch.einsum("thl,hvl->thv", out, w_uv)  # [T, H, v]
-        return self.o_proj(out.reshape(num_tokens, heads * self.v_head_dim))
+        return row_parallel(self.o_proj, out.reshape(num_tokens, heads * self.v_head_dim), self.tp)

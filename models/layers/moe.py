@@ -1,7 +1,8 @@
 """Sparse MoE block: router -> softmax -> top-k -> (renormalize) -> expert backend, plus
 Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)) (none at
 shared_expert_intermediate_size 0: it would add zeros; models/weights.py drops its tensors);
-and DeepSeek's block (group-limited routing, ungated shared experts).
+and DeepSeek's block (group-limited routing, ungated shared experts). Under tensor parallelism
+each rank holds whole experts (expert parallel) and a slice of the shared experts' rows.
 
 The block owns the routing and the stacked expert weights (w13 `[E, 2 * I, H]` gate rows then
 up rows, w2 `[E, H, I]`); the expert computation itself belongs to the `ExpertBackend`.
@@ -145,6 +146,7 @@ class DeepseekMoeBlock(SparseMoeBlock):
                 config.moe_intermediate_size * config.n_shared_experts,
                 config.hidden_act,
                 config.mlp_bias,
+                reduce=self.tp.size == 1,  # tensor parallel: summed with the routed experts
             )
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
@@ -171,8 +173,13 @@ class DeepseekMoeBlock(SparseMoeBlock):
             scaling_factor=self.routed_scaling_factor,
         )
 
+    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
+        if self.tp.size > 1:
+            return self._forward_expert_parallel(x)
         topk_ids, topk_weights = self.route(x)
         start = getattr(self.backend, "start", None)
         if start is None:

@@ -30,6 +30,10 @@ TP_ARCHITECTURES = frozenset(
         "Qwen2MoeForCausalLM",
         "MixtralForCausalLM",
         "OlmoeForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "GptOssForCausalLM",
     }
 )
 
@@ -119,11 +123,17 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int, expert_backend: str
             f"({config.num_key_value_heads}) must be divisible by --tensor-parallel-size"
         )
     probe = [TensorParallel(r, tp_size) for r in range(tp_size)]
-    head_split(config.num_attention_heads, config.num_key_value_heads, probe[0])
+    if config.is_mla:  # heads split; the latent path is replicated
+        even_split(config.num_attention_heads, probe[0], "num_attention_heads")
+    else:
+        head_split(config.num_attention_heads, config.num_key_value_heads, probe[0])
     if config.is_moe:
         even_split(config.num_experts, probe[0], "num_experts")
         if config.shared_expert_intermediate_size:
             even_split(config.shared_expert_intermediate_size, probe[0], "shared expert size")
+        if config.n_shared_experts:
+            shared = config.moe_intermediate_size * config.n_shared_experts
+            even_split(shared, probe[0], "the shared experts' intermediate size")
     if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
         even_split(config.intermediate_size, probe[0], "intermediate_size")
 
@@ -198,36 +208,63 @@ def tensor_parallel_shards(
     shards["model.embed_tokens.weight"] = vocab
     if model.lm_head is not None:
         shards["lm_head.weight"] = vocab
-    q_full, kv_full = cfg.q_size, cfg.kv_size
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = layer.self_attn
-        for kind in ("weight", "bias"):
-            tail = (hidden,) if kind == "weight" else ()
-            shards[p + f"self_attn.q_proj.{kind}"] = Shard(0, a.q_start, a.q_size, (q_full, *tail))
-            for name in ("k_proj", "v_proj"):
-                shards[p + f"self_attn.{name}.{kind}"] = Shard(
-                    0, a.kv_start, a.kv_size, (kv_full, *tail)
-                )
-        shards[p + "self_attn.o_proj.weight"] = Shard(1, a.q_start, a.q_size, (hidden, q_full))
-        if a.qk_norm_full:
-            shards[p + "self_attn.q_norm.weight"] = Shard(0, a.q_start, a.q_size, (q_full,))
-            shards[p + "self_attn.k_norm.weight"] = Shard(0, a.kv_start, a.kv_size, (kv_full,))
+        if hasattr(a, "kv_b_proj"):
+            _mla_shards(shards, p + "self_attn.", a, cfg)
+        else:
+            _attention_shards(shards, p + "self_attn.", a, cfg)
         mlp = layer.mlp
         if hasattr(mlp, "w13"):
             inter = cfg.moe_intermediate_size
             owned = range(mlp.expert_start, mlp.expert_start + mlp.num_local_experts)
+            biased = getattr(mlp, "w13_bias", None) is not None  # GPT-OSS
             for e in range(mlp.num_experts):
                 if e not in owned:
                     q = p + f"mlp.experts.{e}."
                     others[q + "gate_proj.weight"] = (inter, hidden)
                     others[q + "up_proj.weight"] = (inter, hidden)
                     others[q + "down_proj.weight"] = (hidden, inter)
+                    if biased:
+                        others[q + "gate_proj.bias"] = (inter,)
+                        others[q + "up_proj.bias"] = (inter,)
+                        others[q + "down_proj.bias"] = (hidden,)
             if mlp.shared_expert is not None:
                 _mlp_shards(shards, p + "mlp.shared_expert.", mlp.shared_expert, hidden)
+            if getattr(mlp, "shared_experts", None) is not None:  # DeepSeek, GLM
+                _mlp_shards(shards, p + "mlp.shared_experts.", mlp.shared_experts, hidden)
         else:
             _mlp_shards(shards, p + "mlp.", mlp, hidden)
     return shards, others
+
+
+def _attention_shards(shards: dict[str, Shard], p: str, a: nn.Module, cfg: ModelConfig) -> None:
+    hidden, q_full, kv_full = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    for kind in ("weight", "bias"):
+        tail = (hidden,) if kind == "weight" else ()
+        shards[p + f"q_proj.{kind}"] = Shard(0, a.q_start, a.q_size, (q_full, *tail))
+        for name in ("k_proj", "v_proj"):
+            shards[p + f"{name}.{kind}"] = Shard(0, a.kv_start, a.kv_size, (kv_full, *tail))
+    shards[p + "o_proj.weight"] = Shard(1, a.q_start, a.q_size, (hidden, q_full))
+    if a.qk_norm_full:
+        shards[p + "q_norm.weight"] = Shard(0, a.q_start, a.q_size, (q_full,))
+        shards[p + "k_norm.weight"] = Shard(0, a.kv_start, a.kv_size, (kv_full,))
+    if a.sinks is not None:  # GPT-OSS: one per head
+        h0 = a.q_start // a.head_dim
+        shards[p + "sinks"] = Shard(0, h0, a.num_heads, (cfg.num_attention_heads,))
+
+
+def _mla_shards(shards: dict[str, Shard], p: str, a: nn.Module, cfg: ModelConfig) -> None:
+    """q (or q_b) and kv_b rows and o_proj columns of this rank's heads; the rest is whole."""
+    heads, h0, n = cfg.num_attention_heads, a.head_start, a.num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    kvb = cfg.qk_nope_head_dim + cfg.v_head_dim
+    v = cfg.v_head_dim
+    q_name, q_in = ("q_b_proj", cfg.q_lora_rank) if cfg.q_lora_rank else ("q_proj", cfg.hidden_size)
+    shards[p + f"{q_name}.weight"] = Shard(0, h0 * qk, n * qk, (heads * qk, q_in))
+    shards[p + "kv_b_proj.weight"] = Shard(0, h0 * kvb, n * kvb, (heads * kvb, cfg.kv_lora_rank))
+    shards[p + "o_proj.weight"] = Shard(1, h0 * v, n * v, (cfg.hidden_size, heads * v))
 
 
 def _mlp_shards(shards: dict[str, Shard], prefix: str, mlp: nn.Module, hidden: int) -> None:

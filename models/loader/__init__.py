@@ -212,7 +212,17 @@ def load_model(
         log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
         kept = {}
     if kept and get_tp().size > 1:  # packed layers do not shard: dense slices instead
-        log.info("tensor parallel: packed weights dequantized to %s at load", dtype)
+        if quantization != "auto":
+            raise UnsupportedModelError(
+                f"--quantization {quantization} keeps weights packed, which "
+                f"--tensor-parallel-size {get_tp().size} cannot split yet; pass --dequantize "
+                f"(each rank then holds its {dtype} slices) or serve on one device"
+            )
+        log.warning(
+            "tensor parallel: the checkpoint's packed weights are dequantized to %s at load "
+            "(packed layers are not split across ranks yet)",
+            dtype,
+        )
         kept = {}
 
     def prepare(m: nn.Module) -> None:

@@ -1,4 +1,5 @@
-"""The AMX kernels (ext/cpu/kernels_amx.cpp, kernels_amx_int8.cpp) on CPUs without AMX.
+"""The AMX kernels (ext/cpu/kernels_amx.cpp, kernels_amx_int8.cpp, linear_amx.cpp) on CPUs
+without AMX.
 
 A second build of the extension (TANDEM_CPU_AMX_EMULATE=1, ext/cpu/build.py) runs their tile
 instructions in software (ext/cpu/amx_emulate.h, which also checks every tile op's operand
@@ -23,6 +24,7 @@ POOL_TESTS = [
     "tests/ext/test_cpu_int8_path.py",
     "tests/ext/test_packed_rows.py",
     "tests/ext/test_cpu_pool_bias.py",
+    "tests/ext/test_cpu_linear.py",
 ]
 # The 300-token case of the quantized-activation parity takes ~45 s a format with software
 # tiles; its smaller cases (1-64 tokens, both tile paths) stay.

@@ -33,7 +33,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_parity_with_torch(isa: str, fmt: str) -> None:
     pool = CpuLinearPool(num_threads=2, isa=isa)
-    assert pool.isa == ("avx512" if isa == "amx" else isa)
+    assert pool.isa == isa  # "amx": these formats on its AVX-512 kernel
     g = torch.Generator().manual_seed(zlib.crc32(f"{isa}-{fmt}".encode()))  # same every run
     for M, N, K in SHAPES:
         w = torch.randn(N, K, generator=g).to(torch.bfloat16)
@@ -100,13 +100,17 @@ def test_invalid_inputs_raise() -> None:
         CpuLinearPool(isa="sse9")
 
 
-@pytest.mark.skipif(
-    not {"avx512", "amx"} & set(ISAS), reason="bf16_vnni runs on the avx512 kernels"
-)
-def test_bf16_vnni_rows_do_not_depend_on_the_batch() -> None:
+VNNI_ISAS = [i for i in ISAS if i in ("avx512", "amx")]
+
+
+@pytest.mark.parametrize("isa", VNNI_ISAS)
+def test_bf16_vnni_rows_do_not_depend_on_the_batch(isa: str) -> None:
     """Every row of a bf16_vnni call is bitwise the same as that row computed alone or in any
-    other batch (what makes greedy output batch-invariant), and close to torch's product."""
-    pool = CpuLinearPool(num_threads=2, isa="avx512")
+    other batch (what makes greedy output batch-invariant), and close to torch's product. On
+    "amx" every M runs on tiles: a lone row is a one-row tile, 17 rows a full and a one-row
+    tile, and a row's place in its tile changes with the start."""
+    pool = CpuLinearPool(num_threads=2, isa=isa)
+    assert pool.isa == isa
     g = torch.Generator().manual_seed(11)
     for N, K in [(1, 1), (33, 65), (577, 131), (960, 576)]:
         w = torch.randn(N, K, generator=g).to(torch.bfloat16)
@@ -118,11 +122,16 @@ def test_bf16_vnni_rows_do_not_depend_on_the_batch() -> None:
         assert full.dtype == torch.bfloat16
         exact = F.linear(x.float(), w.float(), bias)
         assert _rel(full, exact) < 1e-2, (N, K)
-        for M in (1, 2, 3, 4, 5, 8, 17, 64):
+        # fp32 out against a float64 product of the same bf16 values: only fp32 sums differ
+        y32 = pool.linear(x, pw, bias, out=torch.empty(70, N))
+        ref = F.linear(x.double(), w.double(), bias.double())
+        bound = F.linear(x.double().abs(), w.double().abs(), bias.double().abs())
+        assert ((y32.double() - ref).abs() <= 1e-6 * bound + 1e-6).all(), (N, K)
+        for M in (1, 2, 3, 4, 5, 8, 16, 17, 33, 64):
             for start in (0, 3):
                 assert torch.equal(
                     pool.linear(x[start : start + M], pw, bias), full[start : start + M]
-                )
+                ), (N, K, M, start)
 
 
 def test_bf16_vnni_is_refused_by_other_isas() -> None:

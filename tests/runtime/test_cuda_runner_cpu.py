@@ -144,3 +144,33 @@ def test_cuda_runner_equals_the_reference_runner(fake_cuda, model, budget, num_b
         stats = eng.stats()  # what /metrics exports
         assert stats.eager_steps == eng.runner.counters.eager_steps
         assert stats.runner_fallbacks == {}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_nan_row_fails_its_request_alone(fake_cuda, model, overlap) -> None:
+    # NaN logits for the seed-666 request, injected in front of the device sampler: that
+    # request fails (its next step, already launched under overlap, read a clamped id), the
+    # others equal a run without it.
+    prompts, params = workload()
+    want = run(make_engine(model, cuda_runner=True, overlap=overlap, budget=200, num_blocks=512),
+               prompts, params)  # fmt: skip
+    eng = make_engine(model, cuda_runner=True, overlap=overlap, budget=200, num_blocks=512)
+    sampler = eng.runner.sampler
+    real = sampler.sample_async
+    calls = []
+
+    def nan_for_seed(logits, rows, last_ids=None):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.params.seed == 666 and r.num_output_tokens == 3:
+                logits[i, 5] = float("nan")
+                calls.append(r.num_output_tokens)
+        return real(logits, rows, last_ids)
+
+    sampler.sample_async = nan_for_seed
+    bad = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, seed=666)
+    got = run(eng, prompts + [[9, 8, 7]], params + [bad])
+    assert calls == [3]
+    assert got[:-1] == want
+    tokens, finish, _ = got[-1]
+    assert finish == "error" and len(tokens) == 3

@@ -1,6 +1,7 @@
 """The device sampler equals the reference `Sampler` for every sampling parameter: penalties
 (from its device token counts, including a token still in flight), min_tokens bans, greedy,
-temperature, top-k/p, min-p, seeds and logprobs. Plain torch, so the same code runs on the
+temperature, top-k/p, min-p, seeds and logprobs; and it fails a NaN, +inf or fully banned
+row alone (`FAILED_ROW`), as the reference does. Plain torch, so the same code runs on the
 CPU here and, marked `gpu`, on CUDA; and on CUDA it never syncs the host.
 """
 
@@ -12,8 +13,9 @@ import pytest
 import torch
 
 from tandem.runtime.cuda_sampler import CudaSampler, GpuRow
-from tandem.runtime.sampler import Sampler, SampleRow
+from tandem.runtime.sampler import FAILED_ROW, Sampler, SampleRow
 from tandem.runtime.sampling_params import SamplingParams
+from tandem.runtime.types import SamplerOutput
 
 V = 96
 EOS = 2
@@ -212,3 +214,34 @@ def test_every_parameter_samples_without_a_host_sync() -> None:
         torch.cuda.synchronize()
         for r in rows:
             r.num_output_tokens = 3  # the same step again: nothing new to count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["plain_greedy", "every_parameter", "greedy_logprobs"])
+def test_non_finite_rows_fail_alone_as_in_the_reference(device: str, kind: str) -> None:
+    if kind == "plain_greedy":
+        params = [SamplingParams(temperature=0.0)] * 5
+    elif kind == "greedy_logprobs":
+        params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)] * 5
+    else:
+        params = PARAMS
+    n = len(params)
+    lg = _logits(n, 7, device)
+    lg[1, 3] = float("nan")
+    lg[3, 9] = float("inf")
+    lg[4] = float("-inf")  # nothing left to sample
+    rows = [SampleRow(p, [1, 2], [3], _gen(p.seed, device), (EOS,)) for p in params]
+    torch.manual_seed(5)
+    want = Sampler(device)(lg, rows)
+    rows = [SampleRow(p, [1, 2], [3], _gen(p.seed, device), (EOS,)) for p in params]
+    torch.manual_seed(5)
+    got = CudaSampler(device, n)(lg, rows)
+    bad = [1, 3, 4]
+    assert [want.token_ids[i] for i in bad] == [FAILED_ROW] * 3
+    assert got.token_ids == want.token_ids
+    ok = [i for i in range(n) if i not in bad]
+    if want.logprobs is not None:
+        _assert_same(
+            SamplerOutput([want.token_ids[i] for i in ok], [want.logprobs[i] for i in ok]),
+            SamplerOutput([got.token_ids[i] for i in ok], [got.logprobs[i] for i in ok]),
+        )

@@ -118,3 +118,16 @@ def test_sampler_marks_bad_rows_and_samples_the_rest() -> None:
     out = Sampler("cpu")(logits, rows)
     assert out.token_ids[0] == int(logits[0].argmax())
     assert out.token_ids[1:] == [FAILED_ROW, FAILED_ROW]
+
+
+def test_the_sampler_needs_the_grammar_module_only_for_constrained_rows(monkeypatch) -> None:
+    # On the GPU machine (no llguidance) the grammar import raised inside every call, so the
+    # reference sampler failed every row of every batch.
+    import sys
+
+    from tandem.runtime.sampler import Sampler, SampleRow
+
+    monkeypatch.setitem(sys.modules, "tandem.runtime.grammar", None)  # import raises
+    logits = torch.randn(2, 50)
+    rows = [SampleRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(2)]
+    assert Sampler("cpu")(logits, rows).token_ids == logits.argmax(-1).tolist()

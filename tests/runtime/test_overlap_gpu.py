@@ -139,3 +139,34 @@ def test_overlapped_penalties_min_tokens_logprobs_equal_sync(model, graphs) -> N
             assert len(x.top) == len(y.top) == p.top_logprobs
             assert y.logprob == pytest.approx(x.logprob, rel=0.05, abs=0.05)
     assert "host_sampler" not in eng.runner.counters.fallbacks
+
+
+@pytest.mark.parametrize("overlap, logprobs", [(True, False), (True, True), (False, False)])
+def test_a_nan_row_fails_its_request_alone(model, overlap, logprobs) -> None:
+    # NaN logits for one request's fourth token, injected on the device in front of the
+    # sampler (no host sync): that request fails, the others equal a run without it, and
+    # the decode graphs keep running (a later step read its clamped future slot).
+    rnd = random.Random(5)
+    prompts = [[rnd.randrange(1, VOCAB) for _ in range(rnd.randint(3, 60))] for _ in range(8)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+        for _ in prompts
+    ]
+    want = run(make_engine(model, overlap=overlap), prompts, params)
+    eng = make_engine(model, overlap=overlap)
+    sampler = eng.runner.sampler
+    real = sampler.sample_async
+
+    def nan_for_seed(logits, rows, last_ids=None):
+        hit = [i for i, r in enumerate(rows) if r.params.seed == 666 and r.num_output_tokens == 3]
+        if hit:
+            logits = logits.clone()
+            logits[hit[0], 11] = float("nan")
+        return real(logits, rows, last_ids)
+
+    sampler.sample_async = nan_for_seed
+    bad = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, seed=666)
+    got = run(eng, prompts + [[9, 8, 7]], params + [bad])
+    assert got[:-1] == want
+    assert got[-1][1] == "error" and len(got[-1][0]) == 3
+    assert eng.runner.counters.graph_steps > 0

@@ -175,6 +175,7 @@ class EngineLoop:
     async def start(self) -> None:
         if self._task is None:
             self._aloop = asyncio.get_running_loop()
+            self.metrics.host.loop_cpu_start = time.thread_time()
             if hasattr(self.engine, "on_fatal"):  # e.g. a tensor-parallel worker died
                 self.engine.on_fatal = lambda reason: self._post(self._die, RuntimeError(reason))
             # /metrics before the first step: the engine's own counters (the KV pool, the CPU
@@ -301,6 +302,7 @@ class EngineLoop:
     def _engine_thread(self, done: asyncio.Future[None]) -> None:
         """Apply queued adds and aborts, step while there is work, post results to the loop."""
         engine = self.engine
+        host = self.metrics.host
         try:
             while True:
                 busy = engine.has_unfinished_requests()
@@ -319,8 +321,13 @@ class EngineLoop:
                     if stopping:
                         return
                     continue
+                t0 = time.perf_counter()
                 self._steps_ahead.acquire()  # released once the loop has dispatched a step
+                t1, cpu1 = time.perf_counter(), time.thread_time()
                 deltas = engine.step()
+                host.step_cpu_seconds += time.thread_time() - cpu1
+                host.step_seconds += time.perf_counter() - t1
+                host.ahead_wait_seconds += t1 - t0
                 self._post(self._on_step, deltas, engine.stats())
         except Exception as exc:  # the engine is broken: fail everyone; the server exits
             logger.exception("engine step failed; the engine is dead")
@@ -394,7 +401,9 @@ class EngineLoop:
         if self._dead is not None:
             return
         self._stats = stats
+        t0 = time.perf_counter()
         self._dispatch(deltas, time.monotonic())
+        self.metrics.host.dispatch_seconds += time.perf_counter() - t0
 
     def _dispatch(self, deltas: list[RequestDelta], now: float) -> None:
         for delta in deltas:

@@ -73,6 +73,7 @@ class RequestStream:
         self._delivered_all = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None  # the reader, while it waits
+        self.woken_at = 0.0  # when the loop last woke the reader (time.monotonic())
 
     @property
     def finished(self) -> bool:
@@ -82,8 +83,9 @@ class RequestStream:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def push(self, index: int, delta: RequestDelta) -> None:
-        """Writer side (the loop): add a delta of choice `index`, merging with a pending one."""
+    def push(self, index: int, delta: RequestDelta, wake: bool = True) -> None:
+        """Writer side (the loop): add a delta of choice `index`, merging with a pending one.
+        `wake=False` leaves a waiting reader asleep until `wake()` (the loop's write pacing)."""
         pending = self._pending.get(index)
         if pending is None:
             self._pending[index] = [delta]
@@ -91,14 +93,16 @@ class RequestStream:
             pending.append(delta)
         if delta.finish_reason is not None:
             self._finished.add(index)
-        self._wake()
+        if wake:
+            self.wake()
 
     def fail(self, error: BaseException) -> None:
         """Writer side: end the stream with `error` (raised to the reader once drained)."""
         self._error = error
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Writer side: let a waiting reader take what is pending."""
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -131,3 +135,24 @@ class RequestStream:
         """The reader is gone: abort whatever has not finished (freed at the next step)."""
         if not self.finished and self._error is None:
             self._abort(self.request_id)
+
+
+class WakePacer:
+    """How often the loop wakes one stream's reader for deltas that are neither its first nor
+    its last: every step while at most `free_streams` streams are open, else at most once per
+    `num_streams / max_wakes_per_s` seconds, so that the event loop's wake-ups and socket
+    writes (each a GIL hand-off with the engine thread) stay near `max_wakes_per_s` whatever
+    the concurrency. A reader then gets the tokens of several steps in one chunk; the text
+    is the same."""
+
+    def __init__(self, max_wakes_per_s: float = 8000.0, free_streams: int = 16) -> None:
+        if max_wakes_per_s <= 0:
+            raise ValueError(f"max_wakes_per_s must be > 0, got {max_wakes_per_s}")
+        self.max_wakes_per_s = max_wakes_per_s
+        self.free_streams = free_streams
+
+    def interval(self, num_streams: int) -> float:
+        """Seconds between two wakes of one stream (0: every delta wakes its reader)."""
+        if num_streams <= self.free_streams:
+            return 0.0
+        return num_streams / self.max_wakes_per_s

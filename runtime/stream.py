@@ -73,6 +73,7 @@ class RequestStream:
         self._delivered_all = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None  # the reader, while it waits
+        self._loop: asyncio.AbstractEventLoop | None = None  # the reader's
         self.woken_at = 0.0  # when the loop last woke the reader (time.monotonic())
 
     @property
@@ -118,7 +119,9 @@ class RequestStream:
                 raise self._error
             if self._delivered_all:
                 raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
+            if self._loop is None:  # get_running_loop() costs a getpid() each call
+                self._loop = asyncio.get_running_loop()
+            self._waiter = self._loop.create_future()
             await self._waiter
         pending = self._pending
         if len(pending) == 1:

@@ -6,9 +6,9 @@
         --input-len 256 --output-len 256                          # e.g. the 1B dummy shape
 
 For each concurrency C: N prompts of random token ids (input-len each, ignore_eos, greedy,
-output-len tokens each) run once through `LLM.generate` with max_num_seqs=C (in a subprocess,
-so its memory is gone before the server starts), then through a `tandem serve` started with
-the same engine settings, driven by an in-process client holding C streamed completions open
+output-len tokens each) run through `LLM.generate` C at a time (in a subprocess, so its
+memory is gone before the server starts), then through a `tandem serve` started with the
+same engine settings, driven by an in-process client holding C streamed completions open
 (SSE, usage chunk counted). Prints output tokens/s of both and serve/offline, and the server's
 host time per output token from its /metrics counters over the measured run: the engine
 thread inside step() (wall, CPU), blocked behind the event loop, and the event loop's CPU. The default
@@ -45,21 +45,31 @@ def prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(3, hi) for _ in range(input_len)] for _ in range(num)]
 
 
-def run_offline(args: argparse.Namespace, conc: int, vocab: int) -> float:
-    """Output tokens/s of LLM.generate over the workload (after a small warm-up)."""
+def run_offline(
+    args: argparse.Namespace, levels: list[int], vocab: int
+) -> list[tuple[float, float]]:
+    """Output tokens/s and process CPU us per token of LLM.generate at each concurrency C:
+    the prompts go in waves of C, which, every prompt and every output being as long, is what
+    max_num_seqs=C makes of them."""
     from tandem import LLM, SamplingParams
 
     llm = LLM(
         str(args.model), load_format="dummy", device=args.device, dtype=args.dtype,
-        max_num_seqs=conc, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=max(levels), max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    work = prompts(args.num_prompts or 2 * conc, args.input_len, vocab)
-    llm.generate(prompts(min(conc, 8), args.input_len, vocab, seed=1), params)
-    t0 = time.perf_counter()
-    outs = llm.generate(work, params)
-    dt = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+    llm.generate(prompts(min(max(levels), 8), args.input_len, vocab, seed=1), params)
+    rates = []
+    for conc in levels:
+        work = prompts(args.num_prompts or 2 * conc, args.input_len, vocab)
+        tokens = 0
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for i in range(0, len(work), conc):
+            outs = llm.generate(work[i : i + conc], params)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        cpu_us = (time.process_time() - cpu0) / tokens * 1e6
+        rates.append((tokens / (time.perf_counter() - t0), cpu_us))
+    return rates
 
 
 HOST_COUNTERS = {  # /metrics counters (seconds) printed per output token
@@ -81,11 +91,18 @@ def _counters(text: str) -> dict[str, float]:
     return values
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def _client(
-    url: str, model: str, work: list[list[int]], conc: int, out_len: int
+    url: str, model: str, work: list[list[int]], conc: int, out_len: int, pid: int
 ) -> tuple[float, dict[str, float]]:
     """Output tokens/s of the measured run and the server's host counters over it, in
-    microseconds per output token (absent from a server without them)."""
+    microseconds per output token (absent from a server without them), with the server
+    process's CPU time per token (`process_cpu`)."""
     import aiohttp
 
     sem = asyncio.Semaphore(conc)
@@ -112,12 +129,14 @@ async def _client(
         async with s.get(f"{url}/metrics") as r:
             before = _counters(await r.text())
         tokens = 0
-        t0 = time.perf_counter()
+        cpu0, t0 = process_cpu_seconds(pid), time.perf_counter()
         await asyncio.gather(*(one(s, p) for p in work))
         rate = tokens / (time.perf_counter() - t0)
+        cpu = process_cpu_seconds(pid) - cpu0
         async with s.get(f"{url}/metrics") as r:
             after = _counters(await r.text())
-    phases = {
+    phases = {"process_cpu": cpu / max(tokens, 1) * 1e6}
+    phases |= {
         key: (after[name] - before[name]) / max(tokens, 1) * 1e6
         for key, name in HOST_COUNTERS.items()
         if name in after and name in before
@@ -129,20 +148,22 @@ async def _client(
 
 
 def run_serve(
-    args: argparse.Namespace, conc: int, vocab: int, port: int
-) -> tuple[float, dict[str, float]]:
+    args: argparse.Namespace, levels: list[int], vocab: int
+) -> list[tuple[float, dict[str, float]]]:
+    """One `tandem serve` (max_num_seqs = the largest level) driven at each level in turn."""
+    import urllib.request
+
     cmd = [
         sys.executable, "-m", "tandem.app.cli", "serve", "--model", str(args.model),
         "--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
-        "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(conc),
+        "--host", "127.0.0.1", "--port", str(args.port), "--max-num-seqs", str(max(levels)),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queue", "4096",
         "--no-ui", *args.server_args.split(),
     ]  # fmt: skip
-    log = open(Path(args.log_dir) / f"server-{conc}.log", "w")  # noqa: SIM115
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{args.port}"
+    log = open(Path(args.log_dir) / "server.log", "a")  # noqa: SIM115
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=args.env)
     try:
-        import urllib.request
-
         t0 = time.monotonic()
         while True:
             if server.poll() is not None:
@@ -150,15 +171,20 @@ def run_serve(
             if time.monotonic() - t0 > args.start_timeout:
                 raise RuntimeError(f"the server was not up in {args.start_timeout} s")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                     if r.status == 200:
                         break
             except OSError:
                 time.sleep(0.3)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as r:
+        with urllib.request.urlopen(f"{url}/v1/models") as r:
             model = json.load(r)["data"][0]["id"]
-        work = prompts(args.num_prompts or 2 * conc, args.input_len, vocab)
-        return asyncio.run(_client(f"http://127.0.0.1:{port}", model, work, conc, args.output_len))
+        return [
+            asyncio.run(
+                _client(url, model, prompts(args.num_prompts or 2 * conc, args.input_len, vocab),
+                        conc, args.output_len, server.pid)
+            )
+            for conc in levels
+        ]  # fmt: skip
     finally:
         server.terminate()
         server.wait(60)
@@ -181,6 +207,7 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--rounds", type=int, default=1, help="offline then serve, this many times")
     ap.add_argument("--offline-child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tandem-svo-")
@@ -190,37 +217,45 @@ def main() -> int:
         args.model.mkdir()
         (args.model / "config.json").write_text(json.dumps(TINY))
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    levels = [int(c) for c in args.concurrency.split(",")]
     if args.offline_child:
-        print(json.dumps({"offline": run_offline(args, args.offline_child, vocab)}))
+        print(json.dumps({"offline": run_offline(args, levels, vocab)}))
         return 0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    if args.device == "cpu":  # a tiny forward gains nothing from threads, and on a loaded
+        env.setdefault("OMP_NUM_THREADS", "1")  # host their spinning swamps the comparison
+    args.env = env
     rows = []
-    for conc in [int(c) for c in args.concurrency.split(",")]:
-        row = {"concurrency": conc, "offline": None, "serve": None, "serve_host_us": {}}
+    for rnd in range(args.rounds):
+        offline: list[tuple[float | None, float | None]] = [(None, None)] * len(levels)
+        served: list[tuple[float | None, dict[str, float]]] = [(None, {})] * len(levels)
         if args.only != "serve":
-            child = [sys.executable, __file__, "--offline-child", str(conc), "--model",
-                     str(args.model), *sys.argv[1:]]  # fmt: skip
+            child = [sys.executable, __file__, *sys.argv[1:], "--offline-child", "1",
+                     "--model", str(args.model)]  # fmt: skip
             out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)
                 return 1
-            row["offline"] = json.loads(out.stdout.strip().splitlines()[-1])["offline"]
+            offline = json.loads(out.stdout.strip().splitlines()[-1])["offline"]
         if args.only != "offline":
-            row["serve"], row["serve_host_us"] = run_serve(args, conc, vocab, args.port)
-        rows.append(row)
-        off, srv = row["offline"], row["serve"]
-        ratio = f"{srv / off:6.1%}" if off and srv else "     -"
-        print(
-            f"concurrency {conc:4d}  offline {off or 0:9.0f} tok/s  serve {srv or 0:9.0f} tok/s"
-            f"  serve/offline {ratio}",
-            flush=True,
-        )
-        if row["serve_host_us"]:
-            print("    serve host time per output token (us): " + ", ".join(
-                f"{k} {v:.1f}" for k, v in row["serve_host_us"].items()), flush=True)  # fmt: skip
+            served = run_serve(args, levels, vocab)
+        for conc, (off, off_cpu), (srv, host_us) in zip(levels, offline, served, strict=True):
+            rows.append({"round": rnd, "concurrency": conc, "offline": off, "serve": srv,
+                         "offline_cpu_us": off_cpu, "serve_host_us": host_us})  # fmt: skip
+            ratio = f"{srv / off:6.1%}" if off and srv else "     -"
+            print(
+                f"concurrency {conc:4d}  offline {off or 0:9.0f} tok/s  serve {srv or 0:9.0f} "
+                f"tok/s  serve/offline {ratio}",
+                flush=True,
+            )
+            if off_cpu:
+                print(f"    offline process CPU per output token (us): {off_cpu:.1f}")
+            if host_us:
+                print("    serve host time per output token (us): " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in host_us.items()), flush=True)  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args) | {"model": str(args.model)},
-                                               "rows": rows}, indent=2))  # fmt: skip
+        settings = {k: str(v) for k, v in vars(args).items() if k != "env"}
+        Path(args.json).write_text(json.dumps({"args": settings, "rows": rows}, indent=2))
     return 0
 
 

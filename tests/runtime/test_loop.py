@@ -198,6 +198,13 @@ async def test_metrics_record_latencies(engine_and_loop) -> None:
     assert "tandem:e2e_request_latency_seconds_count 1" in text
     assert 'tandem:request_success_total{finished_reason="length"} 1' in text
     assert "tandem:generation_tokens_total 4" in text
+    host = loop.metrics.host
+    assert host.step_seconds > 0 and host.step_cpu_seconds > 0 and host.dispatch_seconds > 0
+    counters = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("tandem:loop_cpu")
+    )
+    assert float(counters["tandem:loop_cpu_seconds_total"]) > 0
+    assert "tandem:engine_ahead_wait_seconds_total" in text
 
 
 async def test_request_stream_coalesces_per_choice_and_fails_after_pending() -> None:

@@ -4,6 +4,7 @@
 # out, 2 x C prompts a level; both rates, serve/offline and the server's host time per token
 # (/metrics counters). BASE=DIR (another checkout of the repository, e.g. main's) also serves
 # the same workload from that tree, after this one's, as the before of a before/after.
+# DEVICE [cuda]; CONFIG=FILE serves that config.json instead of the 1B shape.
 # Files in $OUT: device.txt, serve-host.json (base.json with BASE), server.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,6 +13,7 @@ source tools/device/env.sh
 CONCURRENCY=${CONCURRENCY:-64,256} INPUT_LEN=${INPUT_LEN:-256} OUTPUT_LEN=${OUTPUT_LEN:-256}
 MODEL_DIR="$OUT/llama-1B-dummy"
 mkdir -p "$MODEL_DIR"
+if [ -n "${CONFIG:-}" ]; then cp "$CONFIG" "$MODEL_DIR/config.json"; else
 python3 - "$MODEL_DIR/config.json" <<'PY'
 import json, sys
 rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -24,7 +26,8 @@ json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_
            "tie_word_embeddings": True, "rope_scaling": rope, "max_position_embeddings": 131072},
           open(sys.argv[1], "w"), indent=2)
 PY
-ARGS=(--model "$MODEL_DIR" --device cuda --concurrency "$CONCURRENCY" --input-len "$INPUT_LEN"
+fi
+ARGS=(--model "$MODEL_DIR" --device "${DEVICE:-cuda}" --concurrency "$CONCURRENCY" --input-len "$INPUT_LEN"
   --output-len "$OUTPUT_LEN" --log-dir "$OUT")
 python3 tools/bench_serve_vs_offline.py "${ARGS[@]}" --json "$OUT/serve-host.json"
 rc=$?

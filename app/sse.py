@@ -2,8 +2,8 @@
 
 An error after the headers went out is sent as one `data:` frame holding an OpenAI error,
 then `[DONE]`. The chunks the stream delivered at once go out in one write, and the last ones
-share it with the usage chunk and `[DONE]`. A client that goes away (write fails, or the handler is cancelled) aborts
-the request through `Generation.close()`.
+share it with the usage chunk and `[DONE]`. A client that goes away (write fails, or the
+handler is cancelled) aborts the request through `Generation.close()`.
 """
 
 from __future__ import annotations

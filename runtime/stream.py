@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.runtime.types import RequestDelta
+from tandem.runtime.types import RequestDelta, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -33,20 +33,30 @@ def merge_all(deltas: list[RequestDelta]) -> RequestDelta:
     """Coalesce consecutive deltas of one sequence into one, in time linear in their sizes."""
     if len(deltas) == 1:
         return deltas[0]
-    last = deltas[-1]
-    finish = next((d for d in reversed(deltas) if d.finish_reason), None)
+    ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    finish: RequestDelta | None = None
+    num_prompt = num_output = num_cached = 0
+    for d in deltas:  # one pass: this runs once per reader wake-up
+        ids += d.new_token_ids
+        if d.logprobs:
+            logprobs += d.logprobs
+        if d.finish_reason:
+            finish = d
+        if d.num_prompt_tokens:
+            num_prompt = d.num_prompt_tokens
+        num_output = max(num_output, d.num_output_tokens)
+        num_cached = max(num_cached, d.num_cached_tokens)
     return RequestDelta(
-        request_id=last.request_id,
-        new_token_ids=tuple(t for d in deltas for t in d.new_token_ids),
-        new_text="".join(d.new_text for d in deltas),
+        request_id=deltas[-1].request_id,
+        new_token_ids=tuple(ids),
+        new_text="".join([d.new_text for d in deltas]),
         finish_reason=finish.finish_reason if finish else None,
         stop_reason=finish.stop_reason if finish else None,
-        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
-        num_prompt_tokens=next(
-            (d.num_prompt_tokens for d in reversed(deltas) if d.num_prompt_tokens), 0
-        ),
-        num_output_tokens=max(d.num_output_tokens for d in deltas),
-        num_cached_tokens=max(d.num_cached_tokens for d in deltas),
+        logprobs=tuple(logprobs),
+        num_prompt_tokens=num_prompt,
+        num_output_tokens=num_output,
+        num_cached_tokens=num_cached,
         error=finish.error if finish else None,
     )
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from tandem.app.chat_output import ChatOutput
@@ -32,7 +32,7 @@ from tandem.app.state import PARSE_OFF_LOOP_BYTES, ServerState
 from tandem.runtime.grammar import GrammarError
 from tandem.runtime.loop import EngineDeadError, LoopClosedError, QueueFullError
 from tandem.runtime.sampling_params import SamplingParamsError
-from tandem.runtime.stream import RequestStream
+from tandem.runtime.stream import ChoiceDelta, RequestStream
 from tandem.runtime.types import RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -175,88 +175,106 @@ class Generation:
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """OpenAI stream chunks, one choice per chunk, in engine order. Not the usage chunk."""
+        async for batch in self.chunk_batches():
+            for c in batch:
+                yield c
+
+    async def chunk_batches(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """`chunks()` grouped by what the stream delivered at once, so that a writer sends
+        them in one write; empty batches are skipped."""
+        async for batch in self.stream:
+            out: list[dict[str, Any]] = []
+            try:
+                out.extend(self._batch_chunks(batch))
+            except Exception:  # what came before a failing choice still goes out first
+                if out:
+                    yield out
+                raise
+            if out:
+                yield out
+
+    def _batch_chunks(self, batch: list[ChoiceDelta]) -> Iterator[dict[str, Any]]:
         usage = self.request.include_usage
         want_lp = self.request.params.logprobs
-        async for batch in self.stream:
-            for cd in batch:
-                c, d = self.choices[cd.index], cd.delta
-                self._absorb(c, d)
-                if self.meta.kind == "chat":
-                    if not c.role_sent:
-                        c.role_sent = True
-                        yield chunk(
-                            self.meta,
-                            {
-                                "index": c.index,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            },
-                            usage,
-                        )
-                    if self.shapers is not None:
-                        shaper = self.shapers[c.index]
-                        deltas = shaper.feed(d.new_text, last=d.finished)
-                        finish = d.finish_reason
-                        if d.finished:
-                            more, finish = shaper.finish(d.finish_reason)
-                            deltas += more
-                            c.finish_reason = finish
-                        lp = chat_logprobs(d.logprobs, self._token_text) if want_lp else None
-                        if lp is not None and not deltas:
-                            deltas = [{"content": ""}]
-                        for delta in deltas:
-                            yield chunk(
-                                self.meta,
-                                {"index": c.index, "delta": delta, "logprobs": lp,
-                                 "finish_reason": None},
-                                usage,
-                            )  # fmt: skip
-                            lp = None
-                        if d.finished:
-                            yield chunk(
-                                self.meta,
-                                {"index": c.index, "delta": {}, "logprobs": None,
-                                 "finish_reason": finish},
-                                usage,
-                            )  # fmt: skip
-                        continue
-                    if d.new_text or (want_lp and d.logprobs):
-                        lp = chat_logprobs(d.logprobs, self._token_text) if want_lp else None
-                        yield chunk(
-                            self.meta,
-                            {
-                                "index": c.index,
-                                "delta": {"content": d.new_text},
-                                "logprobs": lp,
-                                "finish_reason": None,
-                            },
-                            usage,
-                        )
-                    if d.finished:
-                        yield chunk(
-                            self.meta,
-                            {
-                                "index": c.index,
-                                "delta": {},
-                                "logprobs": None,
-                                "finish_reason": d.finish_reason,
-                            },
-                            usage,
-                        )
-                elif d.new_text or d.finished or (want_lp and d.logprobs):
-                    lp = None
-                    if want_lp:
-                        lp, c.text_offset = completion_logprobs(
-                            d.logprobs, self._token_text, c.text_offset
-                        )
+        for cd in batch:
+            c, d = self.choices[cd.index], cd.delta
+            self._absorb(c, d)
+            if self.meta.kind == "chat":
+                if not c.role_sent:
+                    c.role_sent = True
                     yield chunk(
                         self.meta,
                         {
                             "index": c.index,
-                            "text": d.new_text,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        },
+                        usage,
+                    )
+                if self.shapers is not None:
+                    shaper = self.shapers[c.index]
+                    deltas = shaper.feed(d.new_text, last=d.finished)
+                    finish = d.finish_reason
+                    if d.finished:
+                        more, finish = shaper.finish(d.finish_reason)
+                        deltas += more
+                        c.finish_reason = finish
+                    lp = chat_logprobs(d.logprobs, self._token_text) if want_lp else None
+                    if lp is not None and not deltas:
+                        deltas = [{"content": ""}]
+                    for delta in deltas:
+                        yield chunk(
+                            self.meta,
+                            {"index": c.index, "delta": delta, "logprobs": lp,
+                             "finish_reason": None},
+                            usage,
+                        )  # fmt: skip
+                        lp = None
+                    if d.finished:
+                        yield chunk(
+                            self.meta,
+                            {"index": c.index, "delta": {}, "logprobs": None,
+                             "finish_reason": finish},
+                            usage,
+                        )  # fmt: skip
+                    continue
+                if d.new_text or (want_lp and d.logprobs):
+                    lp = chat_logprobs(d.logprobs, self._token_text) if want_lp else None
+                    yield chunk(
+                        self.meta,
+                        {
+                            "index": c.index,
+                            "delta": {"content": d.new_text},
                             "logprobs": lp,
+                            "finish_reason": None,
+                        },
+                        usage,
+                    )
+                if d.finished:
+                    yield chunk(
+                        self.meta,
+                        {
+                            "index": c.index,
+                            "delta": {},
+                            "logprobs": None,
                             "finish_reason": d.finish_reason,
                         },
                         usage,
                     )
+            elif d.new_text or d.finished or (want_lp and d.logprobs):
+                lp = None
+                if want_lp:
+                    lp, c.text_offset = completion_logprobs(
+                        d.logprobs, self._token_text, c.text_offset
+                    )
+                yield chunk(
+                    self.meta,
+                    {
+                        "index": c.index,
+                        "text": d.new_text,
+                        "logprobs": lp,
+                        "finish_reason": d.finish_reason,
+                    },
+                    usage,
+                )

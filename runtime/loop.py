@@ -7,8 +7,10 @@ by that thread between steps, never while a step is in flight. Each step's delta
 event loop in one callback. The thread may run at most `max_steps_ahead` steps ahead of the
 event loop's dispatch; when the event loop is the bottleneck (many streams), the steps it has
 not caught up with coalesce in each `RequestStream` (runtime/stream.py), so one wakeup and
-one write carry several tokens instead of one each. This module owns admission, the engine
-thread, delta dispatch, drain and shutdown. No HTTP here.
+one write carry several tokens instead of one each. With many streams open, a stream's reader
+is also woken at a paced rate (`WakePacer`), not every step, so the event loop's wake-ups and
+writes per second stay bounded. This module owns admission, the engine thread, delta
+dispatch, drain and shutdown. No HTTP here.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 
 from tandem.runtime.metrics import ServingMetrics, render_metrics
 from tandem.runtime.sampling_params import GrammarSpec, SamplingParams, expand_n
-from tandem.runtime.stream import RequestStream
+from tandem.runtime.stream import RequestStream, WakePacer
 from tandem.runtime.types import EngineStats, RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class EngineLoop:
         max_running: int = 0,
         metrics: ServingMetrics | None = None,
         max_steps_ahead: int = 4,
+        pacer: WakePacer | None = None,
     ) -> None:
         if max_steps_ahead < 1:
             raise ValueError(f"max_steps_ahead must be >= 1, got {max_steps_ahead}")
@@ -120,6 +123,9 @@ class EngineLoop:
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self._pacer = pacer or WakePacer()
+        self._held: dict[RequestStream, None] = {}  # deltas pushed, reader not woken yet
+        self._pace_timer: asyncio.TimerHandle | None = None
         # Handed to the engine thread under `_work`'s lock.
         self._work = threading.Condition()
         self._pending_adds: list[_PendingAdd] = []
@@ -175,6 +181,7 @@ class EngineLoop:
     async def start(self) -> None:
         if self._task is None:
             self._aloop = asyncio.get_running_loop()
+            self.metrics.host.loop_cpu_start = time.thread_time()
             if hasattr(self.engine, "on_fatal"):  # e.g. a tensor-parallel worker died
                 self.engine.on_fatal = lambda reason: self._post(self._die, RuntimeError(reason))
             # /metrics before the first step: the engine's own counters (the KV pool, the CPU
@@ -301,6 +308,7 @@ class EngineLoop:
     def _engine_thread(self, done: asyncio.Future[None]) -> None:
         """Apply queued adds and aborts, step while there is work, post results to the loop."""
         engine = self.engine
+        host = self.metrics.host
         try:
             while True:
                 busy = engine.has_unfinished_requests()
@@ -319,8 +327,13 @@ class EngineLoop:
                     if stopping:
                         return
                     continue
+                t0 = time.perf_counter()
                 self._steps_ahead.acquire()  # released once the loop has dispatched a step
+                t1, cpu1 = time.perf_counter(), time.thread_time()
                 deltas = engine.step()
+                host.step_cpu_seconds += time.thread_time() - cpu1
+                host.step_seconds += time.perf_counter() - t1
+                host.ahead_wait_seconds += t1 - t0
                 self._post(self._on_step, deltas, engine.stats())
         except Exception as exc:  # the engine is broken: fail everyone; the server exits
             logger.exception("engine step failed; the engine is dead")
@@ -394,16 +407,20 @@ class EngineLoop:
         if self._dead is not None:
             return
         self._stats = stats
+        t0 = time.perf_counter()
         self._dispatch(deltas, time.monotonic())
+        self.metrics.host.dispatch_seconds += time.perf_counter() - t0
 
     def _dispatch(self, deltas: list[RequestDelta], now: float) -> None:
+        interval = self._pacer.interval(len(self._streams))
         for delta in deltas:
             child = self._children.get(delta.request_id)
             if child is None:  # aborted by the loop already
                 continue
+            first = child.last_token_time is None
             num_new = len(delta.new_token_ids)
             if num_new:
-                if child.last_token_time is None:
+                if first:
                     self.metrics.ttft.observe(now - child.arrival)
                     if num_new > 1:
                         self.metrics.itl.observe(0.0, num_new - 1)
@@ -412,8 +429,33 @@ class EngineLoop:
                 child.last_token_time = now
             if delta.finished:
                 self._finish_child(delta.request_id, delta, now)
+                continue
+            stream = child.stream
+            if first or now - stream.woken_at >= interval:
+                stream.push(child.index, delta)
+                stream.woken_at = now
+                self._held.pop(stream, None)
             else:
-                child.stream.push(child.index, delta)
+                stream.push(child.index, delta, wake=False)
+                self._held[stream] = None
+        if self._held:
+            self._wake_due(now, interval)
+
+    def _wake_due(self, now: float, interval: float) -> None:
+        """Wake the held streams whose interval has passed; a timer catches the rest even if
+        no step comes (a long prefill, a stalled engine)."""
+        due = [s for s in self._held if now - s.woken_at >= interval]
+        for stream in due:
+            del self._held[stream]
+            stream.woken_at = now
+            stream.wake()
+        if self._held and self._pace_timer is None and self._aloop is not None:
+            self._pace_timer = self._aloop.call_later(max(interval, 1e-3), self._on_pace_timer)
+
+    def _on_pace_timer(self) -> None:
+        self._pace_timer = None
+        if self._held:
+            self._wake_due(time.monotonic(), self._pacer.interval(len(self._streams)))
 
     def _finish_child(self, child_id: str, delta: RequestDelta, now: float) -> None:
         child = self._children.pop(child_id)
@@ -425,7 +467,9 @@ class EngineLoop:
             self._forget_stream(child.stream.request_id)
 
     def _forget_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._held.pop(stream, None)
         if not self._streams:
             self._idle.set()
 
@@ -444,6 +488,7 @@ class EngineLoop:
         for stream in self._streams.values():
             stream.fail(error)
         self._streams.clear()
+        self._held.clear()
         self._children.clear()
         self._num_admitted = 0
         # nothing runs or waits any more: the gauges say so (the counters keep their totals)

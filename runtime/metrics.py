@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -193,6 +194,47 @@ class ServingMetrics:
             "finished_reason",
         )
         self.num_rejected = 0  # admission refusals (queue full)
+        self.host = HostTime()
+
+
+class HostTime:
+    """Where the serving host's time goes, as running totals in seconds: the engine thread
+    inside `step()` (wall and its own CPU time: wall minus CPU is time spent waiting for the
+    GIL, a core or the device), blocked because the event loop is `max_steps_ahead` steps
+    behind, and the event loop thread's CPU time (every stream's detokenized text, SSE framing
+    and socket writes) with the part spent handing step deltas to streams."""
+
+    def __init__(self) -> None:
+        self.step_seconds = 0.0  # written by the engine thread only
+        self.step_cpu_seconds = 0.0
+        self.ahead_wait_seconds = 0.0
+        self.dispatch_seconds = 0.0  # the event loop thread
+        self.loop_cpu_start: float | None = None  # time.thread_time() of the event loop thread
+
+    def render(self, loop_cpu_now: float | None) -> str:
+        p = PREFIX
+        loop_cpu = 0.0 if self.loop_cpu_start is None or loop_cpu_now is None else (
+            loop_cpu_now - self.loop_cpu_start
+        )  # fmt: skip
+        return "".join(
+            [
+                render_counter(p + "engine_step_seconds_total",
+                               "Wall time of the engine thread inside step().",
+                               self.step_seconds),
+                render_counter(p + "engine_step_cpu_seconds_total",
+                               "CPU time of the engine thread inside step().",
+                               self.step_cpu_seconds),
+                render_counter(p + "engine_ahead_wait_seconds_total",
+                               "Engine thread blocked: the event loop was steps behind.",
+                               self.ahead_wait_seconds),
+                render_counter(p + "loop_cpu_seconds_total",
+                               "CPU time of the event loop thread since the loop started.",
+                               loop_cpu),
+                render_counter(p + "loop_dispatch_seconds_total",
+                               "Event loop time handing step deltas to request streams.",
+                               self.dispatch_seconds),
+            ]
+        )  # fmt: skip
 
 
 def render_metrics(
@@ -202,7 +244,8 @@ def render_metrics(
     num_admitted: int,
     healthy: bool,
 ) -> str:
-    """Prometheus text for one snapshot of engine counters plus the loop's histograms."""
+    """Prometheus text for one snapshot of engine counters plus the loop's histograms.
+    Called on the event loop thread (its CPU time is read here)."""
     p = PREFIX
     parts = [
         render_gauge(
@@ -251,6 +294,7 @@ def render_metrics(
         metrics.ttft.render(),
         metrics.itl.render(),
         metrics.e2e.render(),
+        metrics.host.render(time.thread_time()),
     ]
     if stats.runner_fallbacks is not None:
         parts.append(render_cuda_runner(stats))

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.runtime.types import RequestDelta
+from tandem.runtime.types import RequestDelta, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -33,20 +33,30 @@ def merge_all(deltas: list[RequestDelta]) -> RequestDelta:
     """Coalesce consecutive deltas of one sequence into one, in time linear in their sizes."""
     if len(deltas) == 1:
         return deltas[0]
-    last = deltas[-1]
-    finish = next((d for d in reversed(deltas) if d.finish_reason), None)
+    ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    finish: RequestDelta | None = None
+    num_prompt = num_output = num_cached = 0
+    for d in deltas:  # one pass: this runs once per reader wake-up
+        ids += d.new_token_ids
+        if d.logprobs:
+            logprobs += d.logprobs
+        if d.finish_reason:
+            finish = d
+        if d.num_prompt_tokens:
+            num_prompt = d.num_prompt_tokens
+        num_output = max(num_output, d.num_output_tokens)
+        num_cached = max(num_cached, d.num_cached_tokens)
     return RequestDelta(
-        request_id=last.request_id,
-        new_token_ids=tuple(t for d in deltas for t in d.new_token_ids),
-        new_text="".join(d.new_text for d in deltas),
+        request_id=deltas[-1].request_id,
+        new_token_ids=tuple(ids),
+        new_text="".join([d.new_text for d in deltas]),
         finish_reason=finish.finish_reason if finish else None,
         stop_reason=finish.stop_reason if finish else None,
-        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
-        num_prompt_tokens=next(
-            (d.num_prompt_tokens for d in reversed(deltas) if d.num_prompt_tokens), 0
-        ),
-        num_output_tokens=max(d.num_output_tokens for d in deltas),
-        num_cached_tokens=max(d.num_cached_tokens for d in deltas),
+        logprobs=tuple(logprobs),
+        num_prompt_tokens=num_prompt,
+        num_output_tokens=num_output,
+        num_cached_tokens=num_cached,
         error=finish.error if finish else None,
     )
 
@@ -73,6 +83,8 @@ class RequestStream:
         self._delivered_all = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None  # the reader, while it waits
+        self._loop: asyncio.AbstractEventLoop | None = None  # the reader's
+        self.woken_at = 0.0  # when the loop last woke the reader (time.monotonic())
 
     @property
     def finished(self) -> bool:
@@ -82,8 +94,9 @@ class RequestStream:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def push(self, index: int, delta: RequestDelta) -> None:
-        """Writer side (the loop): add a delta of choice `index`, merging with a pending one."""
+    def push(self, index: int, delta: RequestDelta, wake: bool = True) -> None:
+        """Writer side (the loop): add a delta of choice `index`, merging with a pending one.
+        `wake=False` leaves a waiting reader asleep until `wake()` (the loop's write pacing)."""
         pending = self._pending.get(index)
         if pending is None:
             self._pending[index] = [delta]
@@ -91,14 +104,16 @@ class RequestStream:
             pending.append(delta)
         if delta.finish_reason is not None:
             self._finished.add(index)
-        self._wake()
+        if wake:
+            self.wake()
 
     def fail(self, error: BaseException) -> None:
         """Writer side: end the stream with `error` (raised to the reader once drained)."""
         self._error = error
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Writer side: let a waiting reader take what is pending."""
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -114,7 +129,9 @@ class RequestStream:
                 raise self._error
             if self._delivered_all:
                 raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
+            if self._loop is None:  # get_running_loop() costs a getpid() each call
+                self._loop = asyncio.get_running_loop()
+            self._waiter = self._loop.create_future()
             await self._waiter
         pending = self._pending
         if len(pending) == 1:
@@ -131,3 +148,24 @@ class RequestStream:
         """The reader is gone: abort whatever has not finished (freed at the next step)."""
         if not self.finished and self._error is None:
             self._abort(self.request_id)
+
+
+class WakePacer:
+    """How often the loop wakes one stream's reader for deltas that are neither its first nor
+    its last: every step while at most `free_streams` streams are open, else at most once per
+    `num_streams / max_wakes_per_s` seconds, so that the event loop's wake-ups and socket
+    writes (each a GIL hand-off with the engine thread) stay near `max_wakes_per_s` whatever
+    the concurrency. A reader then gets the tokens of several steps in one chunk; the text
+    is the same."""
+
+    def __init__(self, max_wakes_per_s: float = 8000.0, free_streams: int = 16) -> None:
+        if max_wakes_per_s <= 0:
+            raise ValueError(f"max_wakes_per_s must be > 0, got {max_wakes_per_s}")
+        self.max_wakes_per_s = max_wakes_per_s
+        self.free_streams = free_streams
+
+    def interval(self, num_streams: int) -> float:
+        """Seconds between two wakes of one stream (0: every delta wakes its reader)."""
+        if num_streams <= self.free_streams:
+            return 0.0
+        return num_streams / self.max_wakes_per_s

@@ -17,6 +17,7 @@ gpu-kernels     ext/cuda attention kernel tests, then tools/bench_attention_kern
 gpu-moe         the "gpu" expert backend: tests, one layer per path; STAGES: model peer split shapes convert
 gguf-gpu        packed GGUF on CUDA: tests, 8B linears per layout, 8B/70B/MoE GGUFs through the engine (STAGES)
 gpu-serving     `tandem serve` on random weights of a shape, swept by tools/bench_serving.py (--smoke: tiny)
+serve-host      `tandem serve` vs the offline engine, 1B shape, 64 and 256 streams (BASE: a before tree)
 hybrid          hybrid MoE GPU tests, then tools/bench_hybrid_moe.py per expert format
 deepseek        DeepSeek-V3 GPU tests, then the V3 shape hybrid (as many MoE layers as RAM holds)
 hybrid-serving  hybrid MoE through `tandem serve` next to the model runner (CONFINES, GPU_ALL, ENGINE)

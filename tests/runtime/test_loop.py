@@ -16,7 +16,7 @@ from tandem.runtime.loop import (
     QueueFullError,
 )
 from tandem.runtime.sampling_params import SamplingParams
-from tandem.runtime.stream import RequestStream
+from tandem.runtime.stream import RequestStream, WakePacer
 from tandem.runtime.types import RequestDelta
 from tests.app.fake_engine import REPLY, FakeEngine
 
@@ -198,6 +198,13 @@ async def test_metrics_record_latencies(engine_and_loop) -> None:
     assert "tandem:e2e_request_latency_seconds_count 1" in text
     assert 'tandem:request_success_total{finished_reason="length"} 1' in text
     assert "tandem:generation_tokens_total 4" in text
+    host = loop.metrics.host
+    assert host.step_seconds > 0 and host.step_cpu_seconds > 0 and host.dispatch_seconds > 0
+    counters = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("tandem:loop_cpu")
+    )
+    assert float(counters["tandem:loop_cpu_seconds_total"]) > 0
+    assert "tandem:engine_ahead_wait_seconds_total" in text
 
 
 async def test_request_stream_coalesces_per_choice_and_fails_after_pending() -> None:
@@ -254,4 +261,71 @@ async def test_metrics_before_the_first_step_are_the_engines() -> None:
         assert "tandem:moe_pool_threads 3" in text
         assert 'tandem:moe_expert_routed_total{expert="1",layer="0"} 0' in text
     finally:
+        await loop.stop()
+
+
+class _SteppedEngine(FakeEngine):
+    """A fake engine that runs one step per permit the test releases."""
+
+    def __init__(self) -> None:
+        super().__init__(max_model_len=512)
+        self.permits = threading.Semaphore(0)
+
+    def step(self) -> list[RequestDelta]:
+        self.permits.acquire()
+        return super().step()
+
+
+def test_wake_pacer_interval() -> None:
+    pacer = WakePacer(max_wakes_per_s=1000.0, free_streams=4)
+    assert pacer.interval(1) == pacer.interval(4) == 0.0
+    assert pacer.interval(5) == pytest.approx(0.005)
+    assert pacer.interval(256) == pytest.approx(0.256)
+    with pytest.raises(ValueError):
+        WakePacer(max_wakes_per_s=0)
+
+
+async def test_paced_readers_get_the_first_token_at_once_then_coalesced_text() -> None:
+    engine = FakeEngine(max_model_len=512)
+    # interval 300 s: between the first token and the finish no reader is woken
+    loop = EngineLoop(engine, max_queue=8, pacer=WakePacer(max_wakes_per_s=0.01, free_streams=0))
+    await loop.start()
+    try:
+        streams = [
+            await loop.submit(f"p{i}", [[65]], SamplingParams(max_tokens=30)) for i in range(3)
+        ]
+        for stream in streams:
+            sizes, text = [], ""
+            async for batch in stream:
+                sizes.append(sum(len(cd.delta.new_token_ids) for cd in batch))
+                text += "".join(cd.delta.new_text for cd in batch)
+            assert text == REPLY[:30]
+            assert sum(sizes) == 30 and len(sizes) <= 2  # first token(s), then the rest at the end
+    finally:
+        await loop.stop()
+
+
+async def test_a_held_delta_reaches_its_reader_without_another_step() -> None:
+    engine = _SteppedEngine()
+    interval = 0.2
+    loop = EngineLoop(
+        engine, max_queue=4, pacer=WakePacer(max_wakes_per_s=1 / interval, free_streams=0)
+    )
+    await loop.start()
+    try:
+        stream = await loop.submit("h", [[65]], SamplingParams(max_tokens=3))
+        reader = stream.__aiter__()
+        engine.permits.release()
+        first = await asyncio.wait_for(reader.__anext__(), 5)  # the first token: at once
+        assert [cd.delta.new_text for cd in first] == [REPLY[0]]
+        t0 = time.monotonic()
+        engine.permits.release()  # the second token is held: its stream was just woken
+        second = await asyncio.wait_for(reader.__anext__(), 5)  # no step comes: the timer
+        assert [cd.delta.new_text for cd in second] == [REPLY[1]]
+        assert time.monotonic() - t0 >= interval * 0.5
+        engine.permits.release()
+        last = await asyncio.wait_for(reader.__anext__(), 5)  # the finish: at once
+        assert last[0].delta.finish_reason == "length" and last[0].delta.new_text == REPLY[2]
+    finally:
+        engine.permits.release(8)
         await loop.stop()

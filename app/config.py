@@ -27,3 +27,5 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
     # completion tokens of a request that sets none (None: up to the end of the context)
     max_tokens_default: int | None = 1024
+    # reader wake-ups a second over all streams above 16 open ones (None: every step's delta)
+    stream_wakeups: int | None = 8000

@@ -23,11 +23,12 @@ from typing import Any
 from aiohttp import web
 
 from tandem.app.config import ServerConfig
-from tandem.app.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.app.engine_args import add_engine_arguments, count_arg, engine_config_from_args
 from tandem.app.http_guard import GuardedAppRunner
 from tandem.app.server import create_app
 from tandem.app.version import tandem_version
 from tandem.runtime.loop import EngineLoop
+from tandem.runtime.stream import WakePacer
 
 logger = logging.getLogger("tandem.app.serve")
 
@@ -71,6 +72,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=ServerConfig.max_tokens_default,
         help="completion tokens of a request that sets no max_tokens; 0: up to the end of the "
         "context",
+    )
+    parser.add_argument(
+        "--stream-wakeups",
+        type=count_arg(0),
+        default=ServerConfig.stream_wakeups,
+        help="above 16 open streams, wake the streams' readers at most this often a second in "
+        "all (a stream then gets several tokens in one chunk, spending less host time per "
+        "token); 0: every step's tokens go out at once",
     )
     parser.add_argument(
         "--api-key",
@@ -136,6 +145,7 @@ def server_config_from_args(
         allowed_origins=_origins(getattr(args, "allowed_origins", None)),
         max_tokens_default=getattr(args, "max_tokens_default", ServerConfig.max_tokens_default)
         or None,
+        stream_wakeups=getattr(args, "stream_wakeups", ServerConfig.stream_wakeups) or None,
     )
 
 
@@ -155,7 +165,10 @@ class RunningServer:
 async def start_server(config: ServerConfig, engine: Any) -> RunningServer:
     """Start listening on config.host:config.port (0 picks a free port) around `engine`."""
     engine_loop = EngineLoop(
-        engine, max_queue=config.max_queue, max_running=config.engine.scheduler.max_num_seqs
+        engine,
+        max_queue=config.max_queue,
+        max_running=config.engine.scheduler.max_num_seqs,
+        pacer=WakePacer(config.stream_wakeups),
     )
     runner = GuardedAppRunner(
         create_app(config, engine_loop),

@@ -158,14 +158,14 @@ class WakePacer:
     the concurrency. A reader then gets the tokens of several steps in one chunk; the text
     is the same."""
 
-    def __init__(self, max_wakes_per_s: float = 8000.0, free_streams: int = 16) -> None:
-        if max_wakes_per_s <= 0:
-            raise ValueError(f"max_wakes_per_s must be > 0, got {max_wakes_per_s}")
-        self.max_wakes_per_s = max_wakes_per_s
+    def __init__(self, max_wakes_per_s: float | None = 8000.0, free_streams: int = 16) -> None:
+        if max_wakes_per_s is not None and max_wakes_per_s <= 0:
+            raise ValueError(f"max_wakes_per_s must be > 0 or None, got {max_wakes_per_s}")
+        self.max_wakes_per_s = max_wakes_per_s  # None: no pacing
         self.free_streams = free_streams
 
     def interval(self, num_streams: int) -> float:
         """Seconds between two wakes of one stream (0: every delta wakes its reader)."""
-        if num_streams <= self.free_streams:
+        if self.max_wakes_per_s is None or num_streams <= self.free_streams:
             return 0.0
         return num_streams / self.max_wakes_per_s

@@ -329,3 +329,9 @@ async def test_a_held_delta_reaches_its_reader_without_another_step() -> None:
     finally:
         engine.permits.release(8)
         await loop.stop()
+
+
+def test_pacing_off_wakes_every_step() -> None:
+    """`--stream-wakeups 0` (max_wakes_per_s None): no interval at any concurrency."""
+    pacer = WakePacer(max_wakes_per_s=None, free_streams=0)
+    assert pacer.interval(1) == pacer.interval(10_000) == 0.0

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tandem.app.harmony import HarmonyStream
 from tandem.app.reasoning import ReasoningStream
 from tandem.app.structured import ToolRequest
 from tandem.app.tool_parsers import ToolCall, ToolCallStream, ToolParser, new_call_id
@@ -16,6 +17,7 @@ from tandem.app.tool_parsers import ToolCall, ToolCallStream, ToolParser, new_ca
 @dataclass(frozen=True)
 class ChatOutputOptions:
     reasoning: bool = False  # split <think> ... </think> out
+    harmony: bool = False  # GPT-OSS: split the analysis channel out, drop the framing
     starts_in_reasoning: bool = False  # the prompt opened the thought already
     tools: ToolRequest | None = None
     parser: ToolParser | None = None  # for tool_choice "auto"
@@ -24,7 +26,11 @@ class ChatOutputOptions:
 
     @property
     def active(self) -> bool:
-        return self.reasoning or (self.tools is not None and self.tools.choice != "none")
+        return (
+            self.reasoning
+            or self.harmony
+            or (self.tools is not None and self.tools.choice != "none")
+        )
 
 
 class ChatOutput:
@@ -38,9 +44,11 @@ class ChatOutput:
             self.mode = "required"
         elif tools is not None and tools.choice == "auto" and options.parser is not None:
             self.mode = "auto"
-        self._reasoning = (
-            ReasoningStream(options.starts_in_reasoning) if options.reasoning else None
-        )
+        self._reasoning: ReasoningStream | HarmonyStream | None = None
+        if options.harmony:
+            self._reasoning = HarmonyStream()
+        elif options.reasoning:
+            self._reasoning = ReasoningStream(options.starts_in_reasoning)
         self._tools = ToolCallStream(options.parser) if self.mode == "auto" else None  # type: ignore[arg-type]
         self.reasoning_text = ""
         self.content = ""

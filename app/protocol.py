@@ -14,6 +14,7 @@ import orjson
 
 from tandem.app.chat_output import ChatOutputOptions
 from tandem.app.errors import APIError
+from tandem.app.harmony import template_is_harmony
 from tandem.app.reasoning import OPEN as THINK_OPEN
 from tandem.app.reasoning import template_reasons
 from tandem.app.structured import (
@@ -354,6 +355,9 @@ def _chat_output(
         parser = family
         if parser is not None and parser.needs_special_tokens:
             kwargs["skip_special_tokens"] = False
+    harmony = template_is_harmony(template) and not constrained
+    if harmony:  # the channels are told apart by special tokens
+        kwargs["skip_special_tokens"] = False
     end_texts: tuple[str, ...] = ()
     if kwargs.get("skip_special_tokens") is False:
         eos = getattr(tokenizer, "eos_token_ids", ())
@@ -361,6 +365,7 @@ def _chat_output(
     reasons = template_reasons(template) and not constrained  # a grammar leaves no room to think
     return ChatOutputOptions(
         reasoning=reasons,
+        harmony=harmony,
         starts_in_reasoning=reasons and prompt_text.rstrip().endswith(THINK_OPEN),
         tools=tools,
         parser=parser,

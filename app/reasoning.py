@@ -34,7 +34,7 @@ class ReasoningStream:
         if self._state == "reasoning":
             end = self._buf.find(CLOSE)
             if end < 0:
-                keep = _partial(self._buf, CLOSE)
+                keep = partial_tag(self._buf, CLOSE)
                 reasoning, self._buf = (
                     self._buf[: len(self._buf) - keep],
                     self._buf[-keep:] if keep else "",
@@ -57,7 +57,8 @@ class ReasoningStream:
         return "", rest.lstrip() if self._state == "start" else rest
 
 
-def _partial(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
             return n

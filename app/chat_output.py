@@ -46,7 +46,8 @@ class ChatOutput:
             self.mode = "auto"
         self._reasoning: ReasoningStream | HarmonyStream | None = None
         if options.harmony:
-            self._reasoning = HarmonyStream()
+            calls = options.tools is not None and options.tools.choice == "auto"
+            self._reasoning = HarmonyStream(capture_calls=calls)
         elif options.reasoning:
             self._reasoning = ReasoningStream(options.starts_in_reasoning)
         self._tools = ToolCallStream(options.parser) if self.mode == "auto" else None  # type: ignore[arg-type]
@@ -70,6 +71,8 @@ class ChatOutput:
         out: list[dict[str, Any]] = []
         if self._reasoning is not None:
             out += self._route(*self._reasoning.finish())
+        if isinstance(self._reasoning, HarmonyStream):
+            out += self._new_calls(self._reasoning.calls)
         if self.mode == "auto":
             assert self._tools is not None
             tail, calls = self._tools.finish()
@@ -156,7 +159,7 @@ class ChatOutput:
             msg["tool_calls"] = [c.to_openai() for c in self.calls]
         else:
             msg["content"] = self.content
-        if self.o.reasoning:
+        if self.o.reasoning or self.o.harmony:
             msg["reasoning_content"] = self.reasoning_text or None
         return msg
 

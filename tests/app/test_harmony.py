@@ -58,6 +58,39 @@ def test_chat_output_sends_reasoning_then_content_deltas() -> None:
     assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT
     assert "".join(d.get("content", "") for d in deltas) == ANSWER
     assert (out.reasoning_text, out.content) == (THOUGHT, ANSWER)
+    assert out.message() == {
+        "role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT,
+    }  # fmt: skip
+
+
+CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    "<|call|>"
+)
+
+
+def test_a_message_to_a_function_is_a_tool_call_when_tools_are_offered() -> None:
+    from tandem.app.structured import ToolRequest
+
+    tools = ToolRequest(({"type": "function", "function": {"name": "get_weather"}},), "auto")
+    out = ChatOutput(ChatOutputOptions(harmony=True, tools=tools))
+    deltas = [d for ch in CALL for d in out.feed(ch)]
+    rest, reason = out.finish("stop")
+    assert reason == "tool_calls"
+    assert not any("content" in d for d in deltas + rest)
+    (call,) = [d["tool_calls"][0] for d in rest if "tool_calls" in d]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    msg = out.message()
+    assert msg["reasoning_content"] == "Need the weather." and msg["content"] is None
+    stream = HarmonyStream(capture_calls=True)
+    text = CALL.replace('{"city": "Oslo"}', "not json")
+    assert (stream.feed(text), stream.finish(), stream.calls) == (
+        ("Need the weather.", "not json"),
+        ("", ""),
+        [],
+    )
+    assert _run(CALL, [1]) == ("Need the weather.", '{"city": "Oslo"}')  # no tools: content
 
 
 def test_a_harmony_template_keeps_special_tokens_unless_a_grammar_constrains() -> None:

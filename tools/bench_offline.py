@@ -69,6 +69,17 @@ def bench_tandem(llm: LLM, prompt_ids: list[int], new: int, conc: int) -> tuple[
     return b1, agg
 
 
+def bench_tandem_prefill(llm: LLM, num_tokens: int = 128, reps: int = 3) -> float:
+    """Prefill tokens/s of a `num_tokens` prompt (time of one generated token), best of `reps`;
+    each prompt new to the prefix cache. llama-bench's `-p 128 -n 0` is the peer."""
+    best = float("inf")
+    p = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for r in range(reps):
+        ids = [(7 * i + 31 * r) % 40000 + 100 for i in range(num_tokens)]
+        best = min(best, timed(lambda ids=ids: llm.generate([ids], p)))
+    return num_tokens / best
+
+
 def bench_hf(
     path: Path, llm: LLM, prompt_ids: list[int], new: int, conc: int, dtype: torch.dtype
 ) -> tuple[float, float]:
@@ -234,9 +245,11 @@ def main() -> None:
         run["tandem_b1"], run["tandem_agg"] = bench_tandem(
             llm, prompt_ids, args.new_tokens, args.concurrency
         )
+        run["tandem_prefill_128"] = bench_tandem_prefill(llm)
         print(
             f"{'tandem ' + dtype_name:<26}{run['tandem_b1']:>14.1f}{run['tandem_agg']:>16.1f}"
             f"{floor:>10.1f}{run['tandem_b1'] / floor:>10.2f}"
+            f"   prefill 128: {run['tandem_prefill_128']:.1f} tok/s"
         )
         if not args.no_hf:
             run["hf_b1"], run["hf_agg"] = bench_hf(

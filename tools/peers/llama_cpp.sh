@@ -19,7 +19,7 @@
 #   dense-q4_0-gpu, dense-q4_k-gpu  the same shape in Q4_0 / Q4_K: pp2048 + tg128
 # Env: LLAMA_CPP_PY_VERSION [0.3.36], GGUF_DIR [/root/gguf, else /dev/shm/gguf], THREADS [14,16],
 # REPS [3], OUT [./peer-out], CUDA_ARCH [90], TARGETS ["llama-bench llama-server"],
-# CPU_BUILD [/work/peer-build/llama.cpp-cpu, outside the repo], JOBS [nproc].
+# CPU_BUILD [/work/peer-build/llama.cpp-cpu, outside the repo], CPU_CFLAGS [AMX off], JOBS [nproc].
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TREE=.peers/llama.cpp
@@ -61,10 +61,14 @@ build() {
 build_cpu() {
   [ -d "$TREE" ] || { say "no $TREE: run 'fetch' first"; exit 2; }
   local dir=${CPU_BUILD:-/work/peer-build/llama.cpp-cpu} t=$SECONDS
+  # the CPU VM's CPUID lists AMX, but its hypervisor does not enable the tile state: a native
+  # build's prefill dies with SIGILL. Explicit -mno-* win over -march=native in GCC.
+  local CPU_CFLAGS=${CPU_CFLAGS--mno-amx-tile -mno-amx-int8 -mno-amx-bf16}
   mkdir -p "$dir"
   cmake -S "$TREE" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$CPU_CFLAGS" -DCMAKE_CXX_FLAGS="$CPU_CFLAGS" \
     > "$OUT/llama_cpu_configure.log" 2>&1 \
     && cmake --build "$dir" --target llama-bench -j"${JOBS:-$(nproc)}" > "$OUT/llama_cpu_build.log" 2>&1
   local rc=$?

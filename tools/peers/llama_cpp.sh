@@ -61,8 +61,8 @@ build() {
 build_cpu() {
   [ -d "$TREE" ] || { say "no $TREE: run 'fetch' first"; exit 2; }
   local dir=${CPU_BUILD:-/work/peer-build/llama.cpp-cpu} t=$SECONDS
-  # the CPU VM's CPUID lists AMX, but its hypervisor does not enable the tile state: a native
-  # build's prefill dies with SIGILL. Explicit -mno-* win over -march=native in GCC.
+  # the CPU VM's CPUID lists AMX, but a native build's prefill died with SIGILL at tileloadd in
+  # ggml's AMX matmul there. Explicit -mno-* win over -march=native in GCC.
   local CPU_CFLAGS=${CPU_CFLAGS--mno-amx-tile -mno-amx-int8 -mno-amx-bf16}
   mkdir -p "$dir"
   cmake -S "$TREE" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF \

@@ -150,12 +150,15 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self) -> None:
-        from tandem.ext.cpu.attention import paged_attention_cpu
+        from tandem.ext.cpu.attention import paged_attention_cpu, plan_paged_attention_cpu
 
         self._attend = paged_attention_cpu
+        self._plan = plan_paged_attention_cpu
 
     def prepare(self, batch: ForwardBatch) -> None:
-        pass
+        batch.attn_metadata = self._plan(
+            batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables
+        )  # once a step, not once a layer
 
     def forward(
         self,
@@ -174,8 +177,9 @@ class CpuAttentionBackend:
         v_cache = batch.kv_cache.v[layer_idx]
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         return self._attend(
-            q, k_cache, v_cache, batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables, scale
-        )
+            q, k_cache, v_cache, batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables,
+            scale, plan=batch.attn_metadata,
+        )  # fmt: skip
 
 
 def cpu_backend_supports(dtype: torch.dtype) -> bool:

@@ -7,6 +7,8 @@ model layer knows nothing about scheduling (ARCHITECTURE.md, "The model forward 
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,6 +16,23 @@ import torch
 
 if TYPE_CHECKING:
     from tandem.models.config import ModelConfig
+
+
+def zeros_on_demand(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """torch.zeros, except that on the CPU the zeros are an anonymous mapping's untouched
+    pages: memory becomes resident as blocks are first written, not at allocation (a 1 GiB
+    CPU KV budget costs nothing until it holds tokens)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor holds a reference to the mapping: unmapped when the last view is freed
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
 
 
 @dataclass
@@ -51,8 +70,7 @@ class KVCache:
         if config.is_mla:
             shape = (num_blocks, block_size, config.latent_dim)
             latent = [
-                torch.zeros(shape, dtype=dtype, device=device)
-                for _ in range(config.num_hidden_layers)
+                zeros_on_demand(shape, dtype, device) for _ in range(config.num_hidden_layers)
             ]
             return cls(k=[], v=[], block_size=block_size, latent=latent)
         window_layers = config.window_group_layers if num_window_blocks > 0 else ()
@@ -60,8 +78,9 @@ class KVCache:
         k, v = [], []
         for layer in range(config.num_hidden_layers):
             n = num_window_blocks if layer in window_layers else num_blocks
-            k.append(torch.zeros((n, block_size, kvh, config.head_dim), dtype=dtype, device=device))
-            v.append(torch.zeros_like(k[-1]))
+            shape = (n, block_size, kvh, config.head_dim)
+            k.append(zeros_on_demand(shape, dtype, device))
+            v.append(zeros_on_demand(shape, dtype, device))
         return cls(k=k, v=v, block_size=block_size, window_layers=window_layers)
 
     @staticmethod
@@ -100,8 +119,8 @@ class KVCache:
         device: torch.device | str,
     ) -> KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        k = [zeros_on_demand(shape, dtype, device) for _ in range(num_layers)]
+        v = [zeros_on_demand(shape, dtype, device) for _ in range(num_layers)]
         return cls(k=k, v=v, block_size=block_size)
 
     @property

@@ -27,6 +27,16 @@ from tandem.models.layers.rotary import RotaryEmbedding
 from tandem.models.weights import load_hf_weights
 
 
+def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """nn.Embedding without its random init on the meta device: meta `normal_` runs torch's
+    Python reference, whose first use imports torch._dynamo and sympy (about 65 MB resident
+    for the process's life). Loaders write every weight anyway."""
+    weight = torch.empty(num_embeddings, dim)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(num_embeddings, dim, _weight=weight)
+
+
 class DecoderLayer(nn.Module):
     # a family with another attention (DeepSeek's MLA) or MoE block (DeepSeek, GLM) sets its own
     attn_cls: type[nn.Module] = Attention
@@ -83,7 +93,7 @@ class DecoderForCausalLM(nn.Module):
         if tp.size > 1:  # vocab-parallel embedding and lm_head: this rank's vocab rows
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_cls(config, i, attn_backend, expert_backend)
             for i in range(config.num_hidden_layers)

@@ -50,7 +50,7 @@ from tandem.runtime.model_runner import ModelRunner
 from tandem.runtime.request import Request, RequestStatus
 from tandem.runtime.sampling_params import SamplingParams, SamplingParamsError
 from tandem.runtime.scheduler import Scheduler
-from tandem.runtime.startup import startup_phase
+from tandem.runtime.startup import release_free_heap, startup_phase
 from tandem.runtime.types import (
     EngineStats,
     RequestDelta,
@@ -192,10 +192,12 @@ class Engine:
         if self.tp_group is not None:  # one scheduler over N caches: the smallest count
             blocks = self.tp_group.agree(True, self.layout.num_blocks)
             self.layout = replace(self.layout, num_blocks=blocks)
-        self.kv_cache = KVCache.for_model(
-            model_config, self.layout.num_blocks, self.layout.block_size, self.dtype, self.device,
-            spec.tensor_parallel_size, num_window_blocks=self.layout.num_window_blocks,
-        )  # fmt: skip
+        with startup_phase("KV cache"):
+            self.kv_cache = KVCache.for_model(
+                model_config, self.layout.num_blocks, self.layout.block_size, self.dtype,
+                self.device, spec.tensor_parallel_size,
+                num_window_blocks=self.layout.num_window_blocks,
+            )  # fmt: skip
         if self.device.type == "cuda" and self.tp_group is None:
             from tandem.runtime.cuda_runner import CudaRunnerOptions
 
@@ -247,6 +249,7 @@ class Engine:
         self._grammar_lock = threading.Lock()
         self._step_errors: dict[str, str] = {}  # request id -> why it failed in this step
         self._num_failed_steps = 0  # in a row, whose forward failed for every sequence
+        release_free_heap()  # the loaders' freed temporaries back to the OS
 
     def _on_worker_death(self, reason: str) -> None:
         """A tensor-parallel worker died: this engine cannot step any more. A serving loop

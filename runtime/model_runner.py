@@ -37,6 +37,12 @@ class ModelRunner:
         self.device = device
         self.attn_backend = attn_backend
         self.sampler = Sampler(device)
+        # CPU bf16: the linears and attention run in ext/cpu kernels on the calling thread, so
+        # torch's intra-op threads only split the small elementwise ops, and on a busy machine
+        # each such split waits for a descheduled thread (a prefill several times slower).
+        self._torch_threads = (
+            1 if device.type == "cpu" and _model_dtype(model) is torch.bfloat16 else None
+        )
         self._generators: dict[str, torch.Generator] = {}
         # Overlap: each request's token sampled by the last launch, for the one placeholder
         # input a step may schedule before that token is applied (the CPU's "future map").
@@ -129,8 +135,18 @@ class ModelRunner:
             self.attn_backend.prepare(batch)
         return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), batch
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        if self._torch_threads is None:
+            return self._execute(sched)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self._torch_threads)
+        try:
+            return self._execute(sched)
+        finally:
+            torch.set_num_threads(saved)
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> SamplerOutput:
         input_ids, positions, batch = self.build_batch(sched)
         if self.before_forward is not None:
             self.before_forward(input_ids, positions, batch)
@@ -181,3 +197,11 @@ class ModelRunner:
     def finish(self, handle: SamplerOutput) -> SamplerOutput:
         """The sampled ids of a launched step, in the order of its sampling seqs."""
         return handle
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the model's floating-point parameters (None: it has none)."""
+    for p in model.parameters():
+        if p.dtype.is_floating_point:
+            return p.dtype
+    return None

@@ -38,6 +38,17 @@ class SampleRow:
     grammar: GrammarMatcher | None = None  # constrained: only tokens it allows are sampled
 
 
+def _edits_logits(row: SampleRow) -> bool:
+    """Whether a logits processor changes this row (penalties, min_tokens, bias, grammar)."""
+    p = row.params
+    return (
+        p.has_penalties
+        or len(row.output_token_ids) < p.min_tokens
+        or bool(p.logit_bias)
+        or row.grammar is not None
+    )
+
+
 class Sampler:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -74,18 +85,21 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         n, vocab = logits.shape
         raw_logits = logits
-        logits = logits.clone()
         failed: set[int] = set()
-        self._apply_penalties(logits, rows, failed)
-        self._apply_min_tokens(logits, rows)
-        self._apply_logit_bias(logits, rows)
-        self._apply_grammar(logits, rows)
-        # NaN or +inf anywhere, or no token left: nothing this row could sample is meaningful
-        bad = (
-            torch.isnan(logits).any(dim=-1)
-            | torch.isposinf(logits).any(dim=-1)
-            | torch.isneginf(logits).all(dim=-1)
-        )
+        if any(_edits_logits(r) for r in rows):  # else the processors below are no-ops
+            logits = logits.clone()
+            self._apply_penalties(logits, rows, failed)
+            self._apply_min_tokens(logits, rows)
+            self._apply_logit_bias(logits, rows)
+            self._apply_grammar(logits, rows)
+        # NaN or +inf anywhere, or no token left (every one -inf): nothing this row could
+        # sample is meaningful. max propagates NaN, so one pass over the row tells all three.
+        greedy_all = all(r.params.greedy for r in rows)
+        if greedy_all:
+            row_max, token_ids = logits.max(dim=-1)
+        else:
+            row_max = logits.amax(dim=-1)
+        bad = ~torch.isfinite(row_max)
 
         greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
         temps = torch.tensor(
@@ -93,9 +107,7 @@ class Sampler:
             dtype=torch.float32,
             device=self.device,
         )
-        if bool(greedy.all()):
-            token_ids = logits.argmax(dim=-1)
-        else:
+        if not greedy_all:
             scaled = logits / temps.unsqueeze(1)
             self._apply_top_k_top_p_min_p(scaled, rows)
             probs = torch.softmax(scaled, dim=-1)

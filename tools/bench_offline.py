@@ -4,10 +4,13 @@
     python tools/bench_offline.py [--model M] [--new-tokens 128] [--concurrency 16]
     python tools/bench_offline.py --model ./upcycled --no-hf --dtypes bfloat16 \
         --cpu-experts all --cpu-expert-format int4      # a MoE with its experts on the pool
+    python tools/bench_offline.py --dtypes bfloat16 --no-hf \
+        --llama-bench /work/peer-build/llama.cpp-cpu/bin/llama-bench   # the CPU peer, same run
 
 Prints batch-1 decode tokens/s and the aggregate at N concurrent sequences for Tandem and HF
 transformers' `generate` on the same dequantized weights, per dtype (float32 and bfloat16 by
-default), and llama-cpp-python on the same GGUF file if it is importable; next to the
+default), llama-cpp-python on the same GGUF file if it is importable, and llama.cpp's own
+`llama-bench` with `--llama-bench PATH` (`tools/peers/llama_cpp.sh build-cpu`); next to the
 memory-bandwidth floor (weight bytes / measured read bandwidth) measured in the run.
 Decode rate = new tokens / (time(1 + new tokens) - time(1 token)), the same for every engine,
 so prefill is excluded alike.
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.models.hf_export import to_hf_config_dict  # noqa: E402
 from tandem.models.hub import resolve_model  # noqa: E402
 from tandem.runtime import LLM, SamplingParams  # noqa: E402
+from tandem.runtime.startup import resident_bytes  # noqa: E402
 from tools.peers import cpu_bandwidth  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -63,6 +67,17 @@ def bench_tandem(llm: LLM, prompt_ids: list[int], new: int, conc: int) -> tuple[
 
     agg = conc * new / (timed(lambda: run_many(new + 1)) - timed(lambda: run_many(1)))
     return b1, agg
+
+
+def bench_tandem_prefill(llm: LLM, num_tokens: int = 128, reps: int = 3) -> float:
+    """Prefill tokens/s of a `num_tokens` prompt (time of one generated token), best of `reps`;
+    each prompt new to the prefix cache. llama-bench's `-p 128 -n 0` is the peer."""
+    best = float("inf")
+    p = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for r in range(reps):
+        ids = [(7 * i + 31 * r) % 40000 + 100 for i in range(num_tokens)]
+        best = min(best, timed(lambda ids=ids: llm.generate([ids], p)))
+    return num_tokens / best
 
 
 def bench_hf(
@@ -118,13 +133,27 @@ def bench_llama_cpp(path: Path, prompt_ids: list[int], new: int) -> float | None
     return new / (timed(lambda: gen(new + 1)) - timed(lambda: gen(1)))
 
 
+def bench_llama_bench(exe: str, path: Path, new: int, threads: int) -> dict[str, float]:
+    """llama.cpp's own `llama-bench` on the same file (`tools/peers/llama_cpp.sh build-cpu`):
+    batch-1 decode of `new` tokens and a 128-token prefill, 3 repetitions each; tokens/s."""
+    import subprocess
+
+    res: dict[str, float] = {}
+    for key, args in (
+        ("decode", ["-p", "0", "-n", str(new)]),
+        ("prefill", ["-p", "128", "-n", "0"]),
+    ):
+        cmd = [exe, "-m", str(path), "-t", str(threads), "-r", "3", "-o", "json", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+        res[key] = float(json.loads(proc.stdout)[0]["avg_ts"])
+    return res
+
+
 def rss_bytes() -> int:
-    """Resident set size of this process (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """Resident set size of this process (Linux; 0 elsewhere)."""
+    return resident_bytes()[0]
 
 
 def make_llm(args: argparse.Namespace, dtype_name: str, quantization: str = "auto") -> LLM:
@@ -168,6 +197,11 @@ def main() -> None:
     )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write results to this file")
+    ap.add_argument(
+        "--llama-bench",
+        default=None,
+        help="path of llama.cpp's llama-bench: run it on the same file after Tandem",
+    )
     ap.add_argument("--cpu-experts", default=None, help="MoE: experts on the CPU pool (all|N)")
     ap.add_argument("--cpu-expert-format", default="auto", choices=["auto", "bf16", "int8", "int4"])
     args = ap.parse_args()
@@ -205,14 +239,17 @@ def main() -> None:
         floor = bw * 1e9 / weight_bytes
         run = {"load_s": load_s, "weight_bytes": weight_bytes, "floor_tok_s": floor}
         run["rss_after_load"], run["rss_load_growth"] = rss_bytes(), rss_load
+        run["rss_peak"], run["file_bytes"] = resident_bytes()[1], path.stat().st_size
         if quant != "auto":
             dtype_name = f"{dtype_name}-{quant}"
         run["tandem_b1"], run["tandem_agg"] = bench_tandem(
             llm, prompt_ids, args.new_tokens, args.concurrency
         )
+        run["tandem_prefill_128"] = bench_tandem_prefill(llm)
         print(
             f"{'tandem ' + dtype_name:<26}{run['tandem_b1']:>14.1f}{run['tandem_agg']:>16.1f}"
             f"{floor:>10.1f}{run['tandem_b1'] / floor:>10.2f}"
+            f"   prefill 128: {run['tandem_prefill_128']:.1f} tok/s"
         )
         if not args.no_hf:
             run["hf_b1"], run["hf_agg"] = bench_hf(
@@ -230,7 +267,8 @@ def main() -> None:
             f"  tandem {dtype_name}: {args.concurrency}-concurrent / batch-1 = "
             f"{run['tandem_agg'] / run['tandem_b1']:.2f}x; load {load_s:.2f}s; weights "
             f"{weight_bytes / 1e6:.1f} MB; RSS after load {run['rss_after_load'] / 1e6:.0f} MB "
-            f"(+{rss_load / 1e6:.0f} MB by the load; file {path.stat().st_size / 1e6:.1f} MB)"
+            f"(+{rss_load / 1e6:.0f} MB by the load = {rss_load / run['file_bytes']:.2f}x the "
+            f"file's {run['file_bytes'] / 1e6:.1f} MB; peak {run['rss_peak'] / 1e6:.0f} MB)"
         )
         res["runs"][dtype_name] = run
         del llm
@@ -240,6 +278,14 @@ def main() -> None:
         q_floor = bw * 1e9 / path.stat().st_size
         print(
             f"{'llama.cpp (Q4_1 GGUF)':<26}{lc:>14.1f}{'-':>16}{q_floor:>10.1f}{lc / q_floor:>10.2f}"
+        )
+    if args.llama_bench:
+        lb = bench_llama_bench(args.llama_bench, path, args.new_tokens, res["threads"])
+        res["llama_bench"] = lb
+        q_floor = bw * 1e9 / path.stat().st_size
+        print(
+            f"{'llama-bench (same file)':<26}{lb['decode']:>14.1f}{'-':>16}{q_floor:>10.1f}"
+            f"{lb['decode'] / q_floor:>10.2f}   prefill 128: {lb['prefill']:.1f} tok/s"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

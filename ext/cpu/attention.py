@@ -8,9 +8,34 @@ before its address reaches C++. Knows nothing about models.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .build import load_extension
+
+
+@dataclass(frozen=True)
+class PagedAttentionPlan:
+    """What `paged_attention_cpu` derives from a step's sequences, shared by every layer."""
+
+    meta: torch.Tensor  # [3, num_seqs] int64: first query row, query length, sequence length
+    tables: torch.Tensor  # [num_seqs, max_blocks] int32, contiguous
+    num_tokens: int
+
+
+def plan_paged_attention_cpu(
+    query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor
+) -> PagedAttentionPlan:
+    num_seqs = len(query_lens)
+    if len(seq_lens) != num_seqs or block_tables.dim() != 2 or block_tables.shape[0] < num_seqs:
+        raise ValueError("query_lens, seq_lens and block_tables disagree on the sequences")
+    tables = block_tables[:num_seqs].to(device="cpu", dtype=torch.int32).contiguous()
+    starts = [0]
+    for n in query_lens[:-1]:
+        starts.append(starts[-1] + n)
+    meta = torch.tensor([starts, list(query_lens), list(seq_lens)], dtype=torch.int64)
+    return PagedAttentionPlan(meta, tables, sum(query_lens))
 
 
 def paged_attention_cpu(
@@ -21,8 +46,10 @@ def paged_attention_cpu(
     seq_lens: list[int],
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, CPU
     scale: float,
+    plan: PagedAttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a flattened ragged batch; returns `[T, H, D]` in q.dtype."""
+    """Causal attention of a flattened ragged batch; returns `[T, H, D]` in q.dtype. `plan`:
+    `plan_paged_attention_cpu` of the same three arguments, made once per step."""
     if q.dim() != 3 or q.device.type != "cpu" or not q.dtype.is_floating_point:
         raise ValueError("q must be a [T, H, D] floating-point CPU tensor")
     T, H, D = q.shape
@@ -37,16 +64,11 @@ def paged_attention_cpu(
     num_blocks, block_size, kvh, _ = k_cache.shape
     if H % kvh:
         raise ValueError(f"num_heads {H} is not a multiple of num_kv_heads {kvh}")
-    num_seqs = len(query_lens)
-    if len(seq_lens) != num_seqs or block_tables.dim() != 2 or block_tables.shape[0] < num_seqs:
-        raise ValueError("query_lens, seq_lens and block_tables disagree on the sequences")
-    if sum(query_lens) != T:
-        raise ValueError(f"query_lens sum to {sum(query_lens)}, q has {T} rows")
-    tables = block_tables[:num_seqs].to(device="cpu", dtype=torch.int32).contiguous()
-    starts = [0]
-    for n in query_lens[:-1]:
-        starts.append(starts[-1] + n)
-    meta = torch.tensor([starts, list(query_lens), list(seq_lens)], dtype=torch.int64)
+    if plan is None:
+        plan = plan_paged_attention_cpu(query_lens, seq_lens, block_tables)
+    if plan.num_tokens != T:
+        raise ValueError(f"query_lens sum to {plan.num_tokens}, q has {T} rows")
+    meta, tables, num_seqs = plan.meta, plan.tables, plan.meta.shape[1]
     qf = q.float().contiguous()
     out = torch.empty(T, H, D, dtype=torch.float32)
     if T:

@@ -172,7 +172,11 @@ def build_model(
             if getattr(block, "backend", None) is experts and hasattr(block, "w13"):
                 host_blocks.append((block, tuple(block.w13.shape), tuple(block.w2.shape)))
                 block.w13 = block.w2 = None  # materialized below, on the host
-    model = model.to(dtype=dtype).to_empty(device=device)
+    # not `to_empty`: its meta `empty_like` runs torch's Python reference, whose first use
+    # imports torch.fx and sympy (tens of MB resident for the process's life)
+    model = model.to(dtype=dtype)._apply(
+        lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)
+    )
     for block, shape13, shape2 in host_blocks:
         block.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
         block.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)

@@ -64,3 +64,19 @@ def test_bad_lengths_are_refused() -> None:
         paged_attention_cpu(q, k, v, [3], [3], bad[:1], 1.0)
     with pytest.raises(ValueError, match="multiple"):
         paged_attention_cpu(torch.randn(3, 3, 16), k, v, [3], [3], tables[:1], 1.0)
+
+
+def test_a_plan_made_once_serves_every_layer_alike() -> None:
+    from tandem.ext.cpu.attention import plan_paged_attention_cpu
+
+    k, v, tables, g = _case(torch.bfloat16, 9, 3, 64, 7)
+    query_lens, seq_lens = [5, 1, 40], [30, 200, 40]
+    plan = plan_paged_attention_cpu(query_lens, seq_lens, tables)
+    for layer in range(3):  # other caches, same plan
+        kl, vl = k.roll(layer, 0).contiguous(), v.roll(layer, 0).contiguous()
+        q = torch.randn(46, 9, 64, generator=g).to(torch.bfloat16)
+        own = paged_attention_cpu(q, kl, vl, query_lens, seq_lens, tables, 0.125)
+        shared = paged_attention_cpu(q, kl, vl, query_lens, seq_lens, tables, 0.125, plan=plan)
+        assert torch.equal(own, shared)
+    with pytest.raises(ValueError, match="sum"):
+        paged_attention_cpu(q[:45], k, v, query_lens, seq_lens, tables, 0.125, plan=plan)

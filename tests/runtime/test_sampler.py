@@ -138,3 +138,34 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top():
     assert abs(lp.logprob - ref[0, lp.token_id].item()) < 1e-5
     assert [t for t, _ in lp.top] == ref[0].topk(5).indices.tolist()
     assert out.logprobs[1].top == ()
+
+
+def test_nan_posinf_and_all_neginf_rows_fail_alone_greedy_and_sampled():
+    from tandem.runtime.sampler import FAILED_ROW
+
+    s = Sampler("cpu")
+    lg = logits(5, seed=3)
+    lg[0, 7] = float("nan")
+    lg[1, 9] = float("inf")
+    lg[2] = float("-inf")
+    lg[3, :10] = float("-inf")  # some tokens banned: still a row that samples
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)):
+        out = s(lg, [row(params) for _ in range(5)]).token_ids
+        assert out[:3] == [FAILED_ROW] * 3
+        assert out[3] >= 10 and out[4] != FAILED_ROW
+        if params.greedy:
+            assert out[3:] == lg[3:].argmax(-1).tolist()
+
+
+def test_processors_never_change_the_callers_logits():
+    s = Sampler("cpu")
+    lg = logits(3, seed=4)
+    before = lg.clone()
+    rows = [
+        row(SamplingParams(temperature=0.0, repetition_penalty=1.5), out=[5, 6]),
+        row(SamplingParams(temperature=0.0, min_tokens=4), out=[1], eos=(2,)),
+        row(SamplingParams(temperature=0.0, logit_bias={3: 100.0})),
+    ]
+    out = s(lg, rows).token_ids
+    assert torch.equal(lg, before)
+    assert out[1] != 2 and out[2] == 3

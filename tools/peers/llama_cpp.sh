@@ -5,6 +5,7 @@
 #
 #   bash tools/peers/llama_cpp.sh fetch            # HERE: the pruned tree into .peers/llama.cpp (git-ignored, ~31 MB)
 #   bash tools/peers/llama_cpp.sh build            # GPU machine: .peers/llama.cpp/build/bin/$TARGETS (~5 min)
+#   bash tools/peers/llama_cpp.sh build-cpu        # CPU VM: llama-bench only, no CUDA, into $CPU_BUILD (20-40 min at -j2)
 #   bash tools/peers/llama_cpp.sh gguf [FILE...]   # GPU machine: $GGUF_DIR/FILE.gguf [moe-q4_0 dense-bf16] (~20 GB, ~15 s)
 #   bash tools/peers/llama_cpp.sh bench [NAME...]  # GPU machine: llama-bench workloads into $OUT/llama_<NAME>.md
 #
@@ -17,7 +18,8 @@
 #   dense-gpu          Llama-3-8B shape, bf16: pp2048 + tg128
 #   dense-q4_0-gpu, dense-q4_k-gpu  the same shape in Q4_0 / Q4_K: pp2048 + tg128
 # Env: LLAMA_CPP_PY_VERSION [0.3.36], GGUF_DIR [/root/gguf, else /dev/shm/gguf], THREADS [14,16],
-# REPS [3], OUT [./peer-out], CUDA_ARCH [90], TARGETS ["llama-bench llama-server"].
+# REPS [3], OUT [./peer-out], CUDA_ARCH [90], TARGETS ["llama-bench llama-server"],
+# CPU_BUILD [/work/peer-build/llama.cpp-cpu, outside the repo], CPU_CFLAGS [AMX off], JOBS [nproc].
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TREE=.peers/llama.cpp
@@ -53,6 +55,24 @@ build() {
       > "$OUT/llama_build.log" 2>&1
   local rc=$?
   say "build rc=$rc in $((SECONDS - t)) s"
+  return $rc
+}
+
+build_cpu() {
+  [ -d "$TREE" ] || { say "no $TREE: run 'fetch' first"; exit 2; }
+  local dir=${CPU_BUILD:-/work/peer-build/llama.cpp-cpu} t=$SECONDS
+  # the CPU VM's CPUID lists AMX, but a native build's prefill died with SIGILL at tileloadd in
+  # ggml's AMX matmul there. Explicit -mno-* win over -march=native in GCC.
+  local CPU_CFLAGS=${CPU_CFLAGS--mno-amx-tile -mno-amx-int8 -mno-amx-bf16}
+  mkdir -p "$dir"
+  cmake -S "$TREE" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$CPU_CFLAGS" -DCMAKE_CXX_FLAGS="$CPU_CFLAGS" \
+    > "$OUT/llama_cpu_configure.log" 2>&1 \
+    && cmake --build "$dir" --target llama-bench -j"${JOBS:-$(nproc)}" > "$OUT/llama_cpu_build.log" 2>&1
+  local rc=$?
+  say "cpu build rc=$rc in $((SECONDS - t)) s: $dir/bin/llama-bench"
   return $rc
 }
 
@@ -109,5 +129,6 @@ stage=${1:-}
 shift || true
 case $stage in
   fetch | build | gguf | bench) "$stage" "$@" ;;
-  *) sed -n '2,20p' "$0"; exit 2 ;;
+  build-cpu) build_cpu "$@" ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
 esac

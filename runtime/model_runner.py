@@ -40,8 +40,14 @@ class ModelRunner:
         # CPU bf16: the linears and attention run in ext/cpu kernels on the calling thread, so
         # torch's intra-op threads only split the small elementwise ops, and on a busy machine
         # each such split waits for a descheduled thread (a prefill several times slower).
+        # Only where no large matmul is left to torch (a plain nn.Linear, torch-computed
+        # experts): one thread would slow those on a many-core machine.
         self._torch_threads = (
-            1 if device.type == "cpu" and _model_dtype(model) is torch.bfloat16 else None
+            1
+            if device.type == "cpu"
+            and _model_dtype(model) is torch.bfloat16
+            and not _torch_matmuls(model)
+            else None
         )
         self._generators: dict[str, torch.Generator] = {}
         # Overlap: each request's token sampled by the last launch, for the one placeholder
@@ -197,6 +203,17 @@ class ModelRunner:
     def finish(self, handle: SamplerOutput) -> SamplerOutput:
         """The sampled ids of a launched step, in the order of its sampling seqs."""
         return handle
+
+
+def _torch_matmuls(model: torch.nn.Module, min_weights: int = 1 << 16) -> bool:
+    """Whether torch computes some large matmul of the model's forward: a plain nn.Linear of
+    at least `min_weights` weights left unswapped, or experts on the torch expert backend."""
+    backend = getattr(model, "expert_backend", None)
+    if backend is not None and getattr(backend, "name", None) == "torch":
+        return True
+    return any(
+        type(m) is torch.nn.Linear and m.weight.numel() >= min_weights for m in model.modules()
+    )
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype | None:

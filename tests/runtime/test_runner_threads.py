@@ -41,3 +41,18 @@ def test_step_threads(byte_bpe, dtype: str, expected: int) -> None:
     finally:
         torch.set_num_threads(before)
     assert len(out[0].token_ids) == 3 and seen and set(seen) == {expected}
+
+
+def test_large_torch_matmuls_keep_the_callers_threads() -> None:
+    """A plain nn.Linear of 64k+ weights, or torch-computed experts, stays on torch's threads."""
+    from types import SimpleNamespace
+
+    from tandem.runtime.model_runner import _torch_matmuls
+
+    small = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    assert not _torch_matmuls(small)
+    assert _torch_matmuls(torch.nn.Sequential(torch.nn.Linear(256, 256)))
+    small.expert_backend = SimpleNamespace(name="torch")
+    assert _torch_matmuls(small)
+    small.expert_backend = SimpleNamespace(name="cpu_pool")
+    assert not _torch_matmuls(small)

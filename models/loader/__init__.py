@@ -383,15 +383,8 @@ def _check_quantization(fmt: str, quantization: str) -> None:
 
 
 def _packed_tensors(path: Path, fmt: str, quantization: str) -> dict[str, str]:
-    """HF name -> packed type of the checkpoint tensors that stay quantized."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
-    if quantization == "gguf" and fmt != "gguf":
-        raise ValueError(f"quantization 'gguf' needs a GGUF checkpoint, got format {fmt!r}")
-    if quantization in HF_QUANT_FORMATS and fmt != "safetensors":
-        raise ValueError(
-            f"quantization {quantization!r} needs an HF safetensors checkpoint, got format {fmt!r}"
-        )
+    """HF name -> packed type of the checkpoint tensors that stay quantized (`quantization`
+    already checked against `fmt` by `_check_quantization`)."""
     if fmt == "safetensors" and quantization != "none":
         return _hf_packed_tensors(path, quantization)
     if quantization == "none" or fmt != "gguf":

@@ -18,6 +18,7 @@ from tests.models.test_gguf import (
     _assert_hf_logits,
     _assert_pool_logits,
     _gguf_tensors,
+    _moe_expert_tensors,
     _write_gguf,
 )
 
@@ -40,13 +41,9 @@ def _deepseek2_gguf(name: str, split: bool, tmp_path: Path, bf16_experts: bool =
     inter = c.moe_intermediate_size
 
     def layer_tensors(rest: str, a: np.ndarray) -> dict[str, np.ndarray]:
-        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]
-            return {"ffn_gate_exps.weight": np.ascontiguousarray(a[:, :inter]),
-                    "ffn_up_exps.weight": np.ascontiguousarray(a[:, inter:])}  # fmt: skip
-        if rest == "mlp.experts.down_proj":
-            return {"ffn_down_exps.weight": a}
-        if rest == "mlp.gate.e_score_correction_bias":
-            return {"exp_probs_b.bias": a}
+        experts = _moe_expert_tensors(rest, a, inter)
+        if experts is not None:
+            return experts
         if rest == "self_attn.kv_b_proj.weight" and split:  # W_UK transposed, W_UV
             kv_b = a.reshape(heads, nope + v, lora)
             return {"attn_k_b.weight": np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)),

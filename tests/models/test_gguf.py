@@ -310,6 +310,21 @@ def _assert_hf_logits(path: Path, ref, ids: list[int], paged_runner) -> None:
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+def _moe_expert_tensors(rest: str, a, inter: int):
+    """GGUF tensors of a DeepSeek-style MoE layer's HF tensor `rest` (fused gate_up experts
+    `[E, 2I, H]` apart, down experts, the router's correction bias); None for any other."""
+    import numpy as np
+
+    if rest == "mlp.experts.gate_up_proj":
+        return {"ffn_gate_exps.weight": np.ascontiguousarray(a[:, :inter]),
+                "ffn_up_exps.weight": np.ascontiguousarray(a[:, inter:])}  # fmt: skip
+    if rest == "mlp.experts.down_proj":
+        return {"ffn_down_exps.weight": a}
+    if rest == "mlp.gate.e_score_correction_bias":
+        return {"exp_probs_b.bias": a}
+    return None
+
+
 def _assert_pool_logits(path: Path, ref, paged_runner) -> None:
     """`--cpu-experts all` on the GGUF at `path` (bf16-valued experts): the stacked expert
     tensors go from the file straight into the scalar pool (none stays on the model), and the

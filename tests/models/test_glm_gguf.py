@@ -19,6 +19,7 @@ from tests.models.test_gguf import (
     _assert_hf_logits,
     _assert_pool_logits,
     _gguf_tensors,
+    _moe_expert_tensors,
     _write_gguf,
 )
 from tests.models.test_glm4_moe import BASE, CASES
@@ -41,13 +42,9 @@ def _glm4moe_gguf(name: str, tmp_path: Path, bf16_experts: bool = False, **extra
     inter = cfg.moe_intermediate_size
 
     def layer_tensors(rest: str, a: np.ndarray) -> dict[str, np.ndarray]:
-        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]
-            return {"ffn_gate_exps.weight": np.ascontiguousarray(a[:, :inter]),
-                    "ffn_up_exps.weight": np.ascontiguousarray(a[:, inter:])}  # fmt: skip
-        if rest == "mlp.experts.down_proj":
-            return {"ffn_down_exps.weight": a}
-        if rest == "mlp.gate.e_score_correction_bias":
-            return {"exp_probs_b.bias": a}
+        experts = _moe_expert_tensors(rest, a, inter)
+        if experts is not None:
+            return experts
         module, kind = rest.rsplit(".", 1)
         return {f"{_NAMES[module]}.{kind}": a}
 

@@ -232,3 +232,32 @@ async def test_an_engine_failure_ends_streams_generically_and_exits_non_zero() -
         assert await asyncio.wait_for(proc.wait(), 30) == ENGINE_DEAD_EXIT
         log = (await proc.stderr.read()).decode()
         assert "secret internal detail" in log
+
+
+async def test_engine_process_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    import json
+
+    from tandem.models.config import ModelConfig
+    from tandem.models.hf_export import to_hf_config_dict
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config_dict(cfg)))
+    argv = [*_tandem_command(), "serve", str(tmp_path), "--load-format", "dummy", "--device",
+            "cpu", "--port", "0", "--shutdown-timeout", "1", "--engine-process", "--no-ui"]  # fmt: skip
+    async with _spawned(*argv) as proc:
+        base = await _listening_at(proc)
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["usage"]["completion_tokens"] == 5
+            async with http.post(f"{base}/v1/completions", json={"prompt": [1, 999]}) as bad:
+                assert bad.status == 400 and (await bad.json())["error"]["param"] == "prompt"
+            resp, _ = await _signal_mid_stream(http, base, proc, signal.SIGTERM, 400)
+            rest = await asyncio.wait_for(resp.read(), 30)
+            assert rest.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0

@@ -86,7 +86,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=ServerConfig.engine_process,
         help="run the engine in a child process, so that its Python and the HTTP event loop's "
-        "do not share one GIL (more tokens/s at many streams)",
+        "do not share one GIL (more tokens/s at many streams); default: on for one CUDA "
+        "device, off on the CPU and under tensor parallelism",
     )
     parser.add_argument(
         "--api-key",
@@ -266,9 +267,9 @@ def run_server(args: argparse.Namespace) -> int:
     resolve_model_argument(args)
     config = server_config_from_args(args)
     check_port_free(config.host, config.port)  # before minutes of loading, not after
-    if config.engine_process:
-        from tandem.runtime.engine_process import EngineProcess
+    from tandem.runtime.engine_process import EngineProcess, use_engine_process
 
+    if use_engine_process(config.engine, config.engine_process):
         engine: Any = EngineProcess(config.engine)
         try:
             return _asyncio_run(serve_until_signal(config, engine))

@@ -8,10 +8,10 @@ deltas as plain tuples, the engine's stats, whether work is left). This process 
 those messages and serves HTTP. No HTTP here.
 
 Protocol (a pipe each way; the child answers in order): parent → child `("add", token,
-items)`, `("abort", ids)`, `("stop",)`; child → parent `("hello", info)` or `("error", text)`
-once at start, then `("added", token, errors, stats, unfinished)` per add batch and `("step",
-deltas, stats, unfinished)` per step, and `("fatal", text)` before a child that failed exits.
-A child that reported unfinished work always sends another step message.
+items)`, `("abort", ids)`, `("stop",)`; child → parent `("hello", info)` or `("error", text,
+error)` once at start, then `("added", token, errors, stats, unfinished)` per add batch and
+`("step", deltas, stats, unfinished)` per step, and `("fatal", text)` before a child that
+failed exits. A child that reported unfinished work always sends another step message.
 """
 
 from __future__ import annotations
@@ -33,6 +33,22 @@ log = logging.getLogger(__name__)
 
 # One sequence to add: (request id, prompt token ids, params, priority, group).
 AddItem = tuple[str, list[int], SamplingParams, int, "str | None"]
+
+
+def use_engine_process(config: EngineConfig, choice: bool | None) -> bool:
+    """`choice`, or where None (the default): on for one CUDA device, where the engine's host
+    work per token is what limits a busy server; off on the CPU, where the engine's forward
+    wants every core, and under tensor parallelism."""
+    if choice is not None:
+        return choice
+    if config.model.tensor_parallel_size != 1:
+        return False
+    from tandem.runtime.engine_setup import resolve_device
+
+    try:
+        return resolve_device(config.model.device).type == "cuda"
+    except ValueError:  # no such device: the engine reports it, in this process
+        return False
 
 
 class EngineProcessError(RuntimeError):
@@ -94,6 +110,9 @@ class EngineProcess:
         msg = self._recv()
         if msg[0] != "hello":
             self.close()
+            exc = _unpack_error(msg[2])
+            if isinstance(exc, (ValueError, OSError)):  # bad settings: as the engine raises them
+                raise exc
             raise EngineProcessError(f"the engine process failed to start: {msg[1]}")
         info = msg[1]
         self.tokenizer = info["tokenizer"]
@@ -209,8 +228,8 @@ def _child_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, log_level: i
 
         engine = Engine(config)
     except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises)
-        log.exception("the engine failed to start")
-        out_conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        log.debug("the engine failed to start", exc_info=True)
+        out_conn.send(("error", f"{type(exc).__name__}: {exc}", _pack_error(exc)))
         return
     out_conn.send(
         (

@@ -77,7 +77,7 @@ def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
     defaults = server_config_from_args(_serve_args(), environ={})
     assert defaults.max_tokens_default == ServerConfig.max_tokens_default == 1024
     assert cfg.stream_wakeups is None and defaults.stream_wakeups == 8000  # 0: no pacing
-    assert cfg.engine_process and not defaults.engine_process
+    assert cfg.engine_process is True and defaults.engine_process is None  # None: by device
     inline = _serve_args("--chat-template", "{{ x }}")
     assert server_config_from_args(inline, environ={}).engine.model.chat_template == "{{ x }}"
     with pytest.raises(FileNotFoundError, match="--chat-template file"):

@@ -140,6 +140,23 @@ def test_a_child_that_dies_fails_the_next_step(model_dir: Path) -> None:
         engine.close()
 
 
-def test_a_child_that_cannot_load_the_model_fails_the_start(tmp_path: Path) -> None:
-    with pytest.raises(EngineProcessError, match="failed to start"):
+def test_a_child_that_cannot_load_the_model_raises_what_the_engine_raises(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises((ValueError, OSError)) as want:
+        Engine(_config(tmp_path / "missing"))
+    with pytest.raises(type(want.value)) as got:
         EngineProcess(_config(tmp_path / "missing"), start_timeout_s=120)
+    assert str(got.value) == str(want.value)
+
+
+def test_the_default_is_a_child_process_only_for_one_cuda_device(model_dir: Path) -> None:
+    from dataclasses import replace
+
+    from tandem.runtime.engine_process import use_engine_process
+
+    cfg = _config(model_dir)  # device cpu
+    assert not use_engine_process(cfg, None)
+    assert use_engine_process(cfg, True) and not use_engine_process(cfg, False)
+    cuda_tp = replace(cfg, model=replace(cfg.model, device="cuda", tensor_parallel_size=2))
+    assert not use_engine_process(cuda_tp, None)

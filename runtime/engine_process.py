@@ -20,7 +20,9 @@ import logging
 import multiprocessing as mp
 import pickle
 import queue
+import signal
 import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -104,10 +106,17 @@ class EngineProcess:
         self._proc.start()
         cmd_child.close()
         out_child.close()
-        if start_timeout_s is not None and not self._conn.poll(start_timeout_s):
+        # Stops the child when this object goes, at the latest at interpreter exit (before
+        # multiprocessing joins its children, which would wait on a child waiting for us).
+        self._finalizer = weakref.finalize(self, _stop_child, self._proc, self._cmd, self._conn)
+        try:
+            if start_timeout_s is not None and not self._conn.poll(start_timeout_s):
+                raise EngineProcessError(f"the engine process did not start in {start_timeout_s} s")
+            msg = self._recv()
+        except BaseException:  # a timeout, Ctrl-C while the model loads: nothing to wait for
+            self._proc.kill()
             self.close()
-            raise EngineProcessError(f"the engine process did not start in {start_timeout_s} s")
-        msg = self._recv()
+            raise
         if msg[0] != "hello":
             self.close()
             exc = _unpack_error(msg[2])
@@ -183,20 +192,9 @@ class EngineProcess:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self) -> None:
         """Stop the child (it finishes nothing more) and wait for it."""
-        if self._proc.is_alive():
-            try:
-                self._cmd.send(("stop",))
-            except OSError:
-                pass
-            self._proc.join(timeout_s)
-            if self._proc.is_alive():
-                log.warning("the engine process did not stop in %.0f s: killing it", timeout_s)
-                self._proc.kill()
-                self._proc.join(5.0)
-        self._cmd.close()
-        self._conn.close()
+        self._finalizer()
 
     # ---- pipe ---------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
@@ -218,8 +216,27 @@ class EngineProcess:
         return msg
 
 
+def _stop_child(proc: Any, cmd: Any, out: Any, timeout_s: float = 30.0) -> None:
+    if proc.is_alive():
+        try:
+            cmd.send(("stop",))
+        except OSError:
+            pass
+        proc.join(timeout_s)
+        if proc.is_alive():
+            log.warning("the engine process did not stop in %.0f s: killing it", timeout_s)
+            proc.kill()
+            proc.join(5.0)
+    cmd.close()
+    out.close()
+
+
 def _child_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, log_level: int) -> None:
     """The engine process: build the engine, then apply commands and step until stopped."""
+    # The parent alone decides when to stop (a terminal's Ctrl-C reaches the whole process
+    # group: the parent drains; a child that died of it would fail every stream instead).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
     )

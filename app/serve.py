@@ -87,7 +87,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=ServerConfig.engine_process,
         help="run the engine in a child process, so that its Python and the HTTP event loop's "
         "do not share one GIL (more tokens/s at many streams); default: on for one CUDA "
-        "device, off on the CPU and under tensor parallelism",
+        "device, off on the CPU, with --cpu-experts and under tensor parallelism",
     )
     parser.add_argument(
         "--api-key",

@@ -40,10 +40,12 @@ AddItem = tuple[str, list[int], SamplingParams, int, "str | None"]
 def use_engine_process(config: EngineConfig, choice: bool | None) -> bool:
     """`choice`, or where None (the default): on for one CUDA device, where the engine's host
     work per token is what limits a busy server; off on the CPU, where the engine's forward
-    wants every core, and under tensor parallelism."""
+    wants every core, with experts asked on the CPU pool (its threads take all cores but two,
+    measured without this process's extra threads), and under tensor parallelism."""
     if choice is not None:
         return choice
-    if config.model.tensor_parallel_size != 1:
+    spec = config.model
+    if spec.tensor_parallel_size != 1 or spec.cpu_experts or spec.expert_backend == "cpu_pool":
         return False
     from tandem.runtime.engine_setup import resolve_device
 

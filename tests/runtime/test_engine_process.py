@@ -160,3 +160,5 @@ def test_the_default_is_a_child_process_only_for_one_cuda_device(model_dir: Path
     assert use_engine_process(cfg, True) and not use_engine_process(cfg, False)
     cuda_tp = replace(cfg, model=replace(cfg.model, device="cuda", tensor_parallel_size=2))
     assert not use_engine_process(cuda_tp, None)
+    pool = replace(cfg, model=replace(cfg.model, device="cuda", cpu_experts="all"))
+    assert not use_engine_process(pool, None) and use_engine_process(pool, True)

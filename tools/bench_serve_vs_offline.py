@@ -99,6 +99,28 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live children of a process (Linux), e.g. the server's engine process."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            pids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            pass
+    return pids
+
+
+def tree_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds of a process alone and of its children (with theirs), both live now."""
+    children = 0.0
+    for child in child_pids(pid):
+        try:
+            children += sum(tree_cpu_seconds(child))
+        except OSError:  # it exited meanwhile
+            pass
+    return process_cpu_seconds(pid), children
+
+
 async def _client(
     url: str,
     model: str,
@@ -110,7 +132,8 @@ async def _client(
 ) -> tuple[float, dict[str, float]]:
     """Output tokens/s of the measured run and the server's host counters over it, in
     microseconds per output token (absent from a server without them), with the server
-    process's CPU time per token (`process_cpu`)."""
+    process's CPU time per token (`process_cpu`) and its engine process's
+    (`engine_process_cpu`, where the engine runs in one)."""
     import aiohttp
 
     sem = asyncio.Semaphore(conc)
@@ -142,13 +165,15 @@ async def _client(
         async with s.get(f"{url}/metrics") as r:
             before = _counters(await r.text())
         tokens = 0
-        cpu0, t0 = process_cpu_seconds(pid), time.perf_counter()
+        cpu0, t0 = tree_cpu_seconds(pid), time.perf_counter()
         await asyncio.gather(*(one(s, p) for p in work))
         rate = tokens / (time.perf_counter() - t0)
-        cpu = process_cpu_seconds(pid) - cpu0
+        cpu1 = tree_cpu_seconds(pid)
         async with s.get(f"{url}/metrics") as r:
             after = _counters(await r.text())
-    phases = {"process_cpu": cpu / max(tokens, 1) * 1e6}
+    phases = {"process_cpu": (cpu1[0] - cpu0[0]) / max(tokens, 1) * 1e6}
+    if cpu1[1] or cpu0[1]:  # the engine's own process
+        phases["engine_process_cpu"] = (cpu1[1] - cpu0[1]) / max(tokens, 1) * 1e6
     phases |= {
         key: (after[name] - before[name]) / max(tokens, 1) * 1e6
         for key, name in HOST_COUNTERS.items()

@@ -250,19 +250,22 @@ def _child_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, log_level: i
         log.debug("the engine failed to start", exc_info=True)
         out_conn.send(("error", f"{type(exc).__name__}: {exc}", _pack_error(exc)))
         return
-    out_conn.send(
-        (
-            "hello",
-            {
-                "tokenizer": engine.tokenizer,
-                "model_name": engine.model_name,
-                "max_model_len": engine.max_model_len,
-                "vocab_size": engine.model_config.vocab_size,
-                "eos_token_ids": tuple(engine.eos_token_ids),
-                "stats": engine.stats(),
-            },
-        )
-    )
+    info = {
+        "tokenizer": engine.tokenizer,
+        "model_name": engine.model_name,
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.model_config.vocab_size,
+        "eos_token_ids": tuple(engine.eos_token_ids),
+        "stats": engine.stats(),
+    }
+    try:
+        hello = pickle.dumps(("hello", info))
+    except Exception as exc:  # e.g. a tokenizer that does not pickle
+        text = f"its tokenizer or settings cannot reach the server process ({exc})"
+        out_conn.send(("error", text, None))
+        engine.close()
+        return
+    out_conn.send_bytes(hello)
     # Commands are read by a thread of their own, so that a parent blocked sending a large add
     # never waits on a child blocked sending a step the parent has not read yet.
     commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import pickle
 import queue
 import signal
 import threading
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.runtime.config import EngineConfig
@@ -136,7 +137,13 @@ class EngineProcess:
         self._pending: deque[tuple] = deque()  # step messages read while waiting for an ack
         self._next_token = 0
         self._grammar_compiler: Any = None
-        self.on_fatal = None  # EngineLoop sets it; a dead child surfaces through step()
+        self._closing = False
+        # EngineLoop sets it: called (from a watcher thread) if the child dies while idle, too
+        self.on_fatal: Callable[[str], None] | None = None
+        threading.Thread(
+            target=_watch_child, args=(self._proc, weakref.ref(self)), daemon=True,
+            name="engine-process-watch",
+        ).start()  # fmt: skip
 
     @property
     def grammar_compiler(self) -> Any:
@@ -196,6 +203,7 @@ class EngineProcess:
 
     def close(self) -> None:
         """Stop the child (it finishes nothing more) and wait for it."""
+        self._closing = True
         self._finalizer()
 
     # ---- pipe ---------------------------------------------------------------------------
@@ -216,6 +224,14 @@ class EngineProcess:
         if msg[0] == "fatal":
             raise EngineProcessError(f"the engine process failed: {msg[1]}")
         return msg
+
+
+def _watch_child(proc: Any, owner: weakref.ref[EngineProcess]) -> None:
+    """Tell the owner's `on_fatal` when the child exits without being asked to."""
+    mp_connection.wait([proc.sentinel])
+    engine = owner()
+    if engine is not None and not engine._closing and engine.on_fatal is not None:
+        engine.on_fatal(f"the engine process exited (exit code {proc.exitcode})")
 
 
 def _stop_child(proc: Any, cmd: Any, out: Any, timeout_s: float = 30.0) -> None:

@@ -140,6 +140,22 @@ def test_a_child_that_dies_fails_the_next_step(model_dir: Path) -> None:
         engine.close()
 
 
+def test_a_child_that_dies_while_idle_kills_the_loop(model_dir: Path) -> None:
+    engine = EngineProcess(_config(model_dir), start_timeout_s=120)
+
+    async def main() -> bool:
+        loop = EngineLoop(engine, max_queue=8, max_running=8)
+        await loop.start()
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        await asyncio.wait_for(loop.wait_dead(), 30)
+        return loop.healthy
+
+    try:
+        assert asyncio.run(main()) is False
+    finally:
+        engine.close()
+
+
 def test_a_child_that_cannot_load_the_model_raises_what_the_engine_raises(
     tmp_path: Path,
 ) -> None:

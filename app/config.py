@@ -29,3 +29,6 @@ class ServerConfig:
     max_tokens_default: int | None = 1024
     # reader wake-ups a second over all streams above 16 open ones (None: every step's delta)
     stream_wakeups: int | None = 8000
+    # the engine in a child process (runtime/engine_process.py), off the event loop's GIL;
+    # None: on for one CUDA device (runtime.engine_process.use_engine_process)
+    engine_process: bool | None = None

@@ -351,6 +351,9 @@ class EngineLoop:
     def _apply_pending(self, adds: list[_PendingAdd], aborts: list[tuple[str, list[str]]]) -> None:
         """Engine thread, between steps: add every child of each request (all or none), then
         abort."""
+        if adds and hasattr(self.engine, "add_requests"):
+            self._add_batched(adds)
+            adds = []
         for add in adds:
             added: list[str] = []
             try:
@@ -373,6 +376,28 @@ class EngineLoop:
         for _, child_ids in aborts:
             for child_id in child_ids:
                 self.engine.abort_request(child_id)
+
+    def _add_batched(self, adds: list[_PendingAdd]) -> None:
+        """`_apply_pending`'s adds through an engine's `add_requests` (one round trip to an
+        engine process): a request any of whose sequences failed gets that error, and its
+        other sequences are aborted."""
+        items, owners = [], []
+        for add in adds:
+            child_ids = iter(_child_ids(add.stream))
+            for prompt in add.prompts:
+                for child_params in expand_n(add.params):
+                    child_id = next(child_ids)
+                    items.append(
+                        (child_id, prompt, child_params, add.priority, add.stream.request_id)
+                    )
+                    owners.append(add)
+        errors = self.engine.add_requests(items)
+        for add, error in zip(owners, errors, strict=True):
+            if error is not None and add.error is None:
+                add.error = error
+        for item, add in zip(items, owners, strict=True):
+            if add.error is not None:
+                self.engine.abort_request(item[0])
 
     async def _watch(self, done: asyncio.Future[None]) -> None:
         await done

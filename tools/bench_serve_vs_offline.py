@@ -40,6 +40,8 @@ TINY = {
 
 
 def prompts(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random token ids; each level and the warm-ups take their own seed, so that no
+    measured prompt finds its blocks in the prefix cache."""
     rng = random.Random(seed)
     hi = min(vocab, 30000)
     return [[rng.randrange(3, hi) for _ in range(input_len)] for _ in range(num)]
@@ -61,7 +63,7 @@ def run_offline(
     llm.generate(prompts(min(max(levels), 8), args.input_len, vocab, seed=1), params)
     rates = []
     for conc in levels:
-        work = prompts(args.num_prompts or 2 * conc, args.input_len, vocab)
+        work = prompts(args.num_prompts or 2 * conc, args.input_len, vocab, seed=10_000 + conc)
         tokens = 0
         cpu0, t0 = time.process_time(), time.perf_counter()
         for i in range(0, len(work), conc):
@@ -97,12 +99,41 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live children of a process (Linux), e.g. the server's engine process."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            pids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            pass
+    return pids
+
+
+def tree_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds of a process alone and of its children (with theirs), both live now."""
+    children = 0.0
+    for child in child_pids(pid):
+        try:
+            children += sum(tree_cpu_seconds(child))
+        except OSError:  # it exited meanwhile
+            pass
+    return process_cpu_seconds(pid), children
+
+
 async def _client(
-    url: str, model: str, work: list[list[int]], conc: int, out_len: int, pid: int
+    url: str,
+    model: str,
+    work: list[list[int]],
+    warm: list[list[int]],
+    conc: int,
+    out_len: int,
+    pid: int,
 ) -> tuple[float, dict[str, float]]:
     """Output tokens/s of the measured run and the server's host counters over it, in
     microseconds per output token (absent from a server without them), with the server
-    process's CPU time per token (`process_cpu`)."""
+    process's CPU time per token (`process_cpu`) and its engine process's
+    (`engine_process_cpu`, where the engine runs in one)."""
     import aiohttp
 
     sem = asyncio.Semaphore(conc)
@@ -117,7 +148,12 @@ async def _client(
         async with sem, session.post(f"{url}/v1/completions", json=body) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-            async for line in resp.content:
+            # Whole reads, not lines: the client must not be what limits the rate. The usage
+            # chunk is the stream's last one before [DONE], so only the tail is kept.
+            tail = b""
+            async for data in resp.content.iter_any():
+                tail = (tail + data)[-16384:]
+            for line in tail.split(b"\n"):
                 if line.startswith(b'data: {"id') and b'"usage":{' in line:
                     usage = json.loads(line[6:]).get("usage")
                     if usage:
@@ -125,17 +161,19 @@ async def _client(
 
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(None)) as s:
-        await asyncio.gather(*(one(s, p) for p in work[: min(conc, 8)]))  # warm-up
+        await asyncio.gather(*(one(s, p) for p in warm))  # warm-up: not the measured prompts
         async with s.get(f"{url}/metrics") as r:
             before = _counters(await r.text())
         tokens = 0
-        cpu0, t0 = process_cpu_seconds(pid), time.perf_counter()
+        cpu0, t0 = tree_cpu_seconds(pid), time.perf_counter()
         await asyncio.gather(*(one(s, p) for p in work))
         rate = tokens / (time.perf_counter() - t0)
-        cpu = process_cpu_seconds(pid) - cpu0
+        cpu1 = tree_cpu_seconds(pid)
         async with s.get(f"{url}/metrics") as r:
             after = _counters(await r.text())
-    phases = {"process_cpu": cpu / max(tokens, 1) * 1e6}
+    phases = {"process_cpu": (cpu1[0] - cpu0[0]) / max(tokens, 1) * 1e6}
+    if cpu1[1] or cpu0[1]:  # the engine's own process
+        phases["engine_process_cpu"] = (cpu1[1] - cpu0[1]) / max(tokens, 1) * 1e6
     phases |= {
         key: (after[name] - before[name]) / max(tokens, 1) * 1e6
         for key, name in HOST_COUNTERS.items()
@@ -153,8 +191,11 @@ def run_serve(
     """One `tandem serve` (max_num_seqs = the largest level) driven at each level in turn."""
     import urllib.request
 
+    profiler = (
+        [str(ROOT / "tools" / "sample_stacks.py"), "--out", args.profile] if args.profile else []
+    )
     cmd = [
-        sys.executable, "-m", "tandem.app.cli", "serve", "--model", str(args.model),
+        sys.executable, *profiler, "-m", "tandem.app.cli", "serve", "--model", str(args.model),
         "--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
         "--host", "127.0.0.1", "--port", str(args.port), "--max-num-seqs", str(max(levels)),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queue", "4096",
@@ -180,8 +221,9 @@ def run_serve(
             model = json.load(r)["data"][0]["id"]
         return [
             asyncio.run(
-                _client(url, model, prompts(args.num_prompts or 2 * conc, args.input_len, vocab),
-                        conc, args.output_len, server.pid)
+                _client(url, model, prompts(args.num_prompts or 2 * conc, args.input_len, vocab, 10_000 + conc),
+                        prompts(min(conc, 8), args.input_len, vocab, seed=1), conc,
+                        args.output_len, server.pid)
             )
             for conc in levels
         ]  # fmt: skip
@@ -202,6 +244,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--server-args", default="", help="more `tandem serve` flags")
+    ap.add_argument(
+        "--profile", default=None, help="the server under tools/sample_stacks.py, into this file"
+    )
     ap.add_argument("--only", choices=["offline", "serve"], default=None)
     ap.add_argument("--port", type=int, default=8239)
     ap.add_argument("--start-timeout", type=float, default=300.0)

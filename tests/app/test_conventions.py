@@ -65,7 +65,7 @@ def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
     args = _serve_args(
         "m", "--tokenizer", "tok", "--chat-template", str(template), "--seed", "7",
         "--allowed-origins", "http://a.example,http://b.example/", "--allowed-origins", "*",
-        "--max-tokens-default", "0", "--stream-wakeups", "0",
+        "--max-tokens-default", "0", "--stream-wakeups", "0", "--engine-process",
     )  # fmt: skip
     cfg = server_config_from_args(args, environ={})
     spec = cfg.engine.model
@@ -77,6 +77,7 @@ def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
     defaults = server_config_from_args(_serve_args(), environ={})
     assert defaults.max_tokens_default == ServerConfig.max_tokens_default == 1024
     assert cfg.stream_wakeups is None and defaults.stream_wakeups == 8000  # 0: no pacing
+    assert cfg.engine_process is True and defaults.engine_process is None  # None: by device
     inline = _serve_args("--chat-template", "{{ x }}")
     assert server_config_from_args(inline, environ={}).engine.model.chat_template == "{{ x }}"
     with pytest.raises(FileNotFoundError, match="--chat-template file"):

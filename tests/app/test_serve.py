@@ -232,3 +232,65 @@ async def test_an_engine_failure_ends_streams_generically_and_exits_non_zero() -
         assert await asyncio.wait_for(proc.wait(), 30) == ENGINE_DEAD_EXIT
         log = (await proc.stderr.read()).decode()
         assert "secret internal detail" in log
+
+
+def _tiny_model_dir(path: Path) -> Path:
+    import json
+
+    from tandem.models.config import ModelConfig
+    from tandem.models.hf_export import to_hf_config_dict
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    (path / "config.json").write_text(json.dumps(to_hf_config_dict(cfg)))
+    return path
+
+
+def _engine_process_serve(model_dir: Path, *more: str) -> list[str]:
+    return [*_tandem_command(), "serve", str(model_dir), "--load-format", "dummy", "--device",
+            "cpu", "--port", "0", "--engine-process", "--no-ui", *more]  # fmt: skip
+
+
+async def test_engine_process_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    argv = _engine_process_serve(_tiny_model_dir(tmp_path), "--shutdown-timeout", "1")
+    async with _spawned(*argv) as proc:
+        base = await _listening_at(proc)
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["usage"]["completion_tokens"] == 5
+            async with http.post(f"{base}/v1/completions", json={"prompt": [1, 999]}) as bad:
+                assert bad.status == 400 and (await bad.json())["error"]["param"] == "prompt"
+            resp, _ = await _signal_mid_stream(http, base, proc, signal.SIGTERM, 400)
+            rest = await asyncio.wait_for(resp.read(), 30)
+            assert rest.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_ctrl_c_to_the_process_group_drains_the_engine_process(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches the engine's child too: it must keep stepping while the
+    server drains, so the stream in flight finishes normally."""
+    import os
+
+    argv = _engine_process_serve(_tiny_model_dir(tmp_path), "--shutdown-timeout", "60")
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stderr=asyncio.subprocess.PIPE, cwd=str(ROOT), start_new_session=True
+    )
+    try:
+        base = await _listening_at(proc)
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": [1, 2], "max_tokens": 60, "ignore_eos": True, "stream": True}
+            resp = await http.post(f"{base}/v1/completions", json=body)
+            assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
+            os.killpg(proc.pid, signal.SIGINT)
+            rest = await asyncio.wait_for(resp.read(), 60)
+            assert b'"finish_reason":"length"' in rest and rest.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()

@@ -22,7 +22,8 @@
 #   one is hybrid like 30B-A3B), LAYERS (cut CONFIG to that many layers),
 #   HBM_GBPS (bandwidth for the floor; default: measured here on CUDA), HEALTH_PROBE [1] (0: no
 #   GET /health every 20 ms during the load), PROFILE [0] (1: the server under
-#   tools/sample_stacks.py, every thread's stacks and CPU seconds into $OUT/profile.txt). TANDEM_COMPILE,
+#   tools/sample_stacks.py, every thread's stacks and CPU seconds into $OUT/profile.txt; the
+#   server process only: SERVER_ARGS=--no-engine-process keeps the engine in it). TANDEM_COMPILE,
 #   TANDEM_CUDA_GRAPHS, TANDEM_OVERLAP reach the server through the environment.
 # Files in $OUT: llama-$SHAPE-dummy/config.json, server.log, bench.log, serving.json, serving.png (or .svg
 # where matplotlib is missing), summary.txt. Exit 0 only if every request of every level succeeded

@@ -4,7 +4,8 @@
 # out, 2 x C prompts a level; both rates, serve/offline and the server's host time per token
 # (/metrics counters). BASE=DIR (another checkout of the repository, e.g. main's) also serves
 # the same workload from that tree, after this one's, as the before of a before/after.
-# DEVICE [cuda]; CONFIG=FILE serves that config.json instead of the 1B shape.
+# DEVICE [cuda]; CONFIG=FILE serves that config.json instead of the 1B shape; SERVER_ARGS: more
+# `tandem serve` flags (e.g. --engine-process).
 # Files in $OUT: device.txt, serve-host.json (base.json with BASE), server.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,7 +29,7 @@ json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_
 PY
 fi
 ARGS=(--model "$MODEL_DIR" --device "${DEVICE:-cuda}" --concurrency "$CONCURRENCY" --input-len "$INPUT_LEN"
-  --output-len "$OUTPUT_LEN" --log-dir "$OUT")
+  --output-len "$OUTPUT_LEN" --log-dir "$OUT" "--server-args=${SERVER_ARGS:-}")
 python3 tools/bench_serve_vs_offline.py "${ARGS[@]}" --json "$OUT/serve-host.json"
 rc=$?
 if [ -n "${BASE:-}" ]; then

@@ -20,6 +20,7 @@ from tandem.models.config import ModelConfig, UnsupportedModelError
 from tandem.models.layers.parallel import Shard, tensor_parallel_shards
 from tandem.models.quant.fp8 import Fp8Tensor
 from tandem.models.quant.int4 import Int4Tensor
+from tandem.models.quant.shard import take_packed
 from tandem.models.quant.tensor import QuantizedTensor
 
 PACKED = (QuantizedTensor, Int4Tensor, Fp8Tensor)  # checkpoint weights still in their format
@@ -257,6 +258,9 @@ def load_hf_weights(
             if isinstance(tensor, PACKED):
                 canon = _canonical(name)
                 if canon in quant:
+                    shard = shards.get(canon)
+                    if shard is not None and tuple(tensor.shape) == shard.full:
+                        tensor = take_packed(tensor, shard.dim, shard.start, shard.length, name)
                     for module, index in quant[canon]:  # each copies it into its own buffer
                         module.set_part(index, tensor)
                     filled.add(canon)

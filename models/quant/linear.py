@@ -146,8 +146,9 @@ class QuantLinear(nn.Module):
         """[out_features, in_features] in dtype: the reference weight."""
         return torch.cat([s.dequantize(dtype) for s in self.segments])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] float
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x `[..., in_features]` float; `add_bias` False: a row-parallel shard on a rank
+        other than 0 (the bias counts once over the ranks)."""
         if not self.segments or not (all(self._loaded) or self._tied):
             raise RuntimeError(f"QuantLinear {self.source_names} used before its weights loaded")
         x2 = x.reshape(-1, self.in_features)
@@ -156,7 +157,7 @@ class QuantLinear(nn.Module):
         else:
             ys = [self.kernel(x2, s) for s in self.segments]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-        if self.bias is not None:
+        if self.bias is not None and add_bias:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 

@@ -211,16 +211,12 @@ def test_a_forward_that_fails_between_collectives_stops_every_rank(tmp_path: Pat
     assert multiprocessing.active_children() == []
 
 
-def test_packed_gguf_under_tp_is_refused_naming_dequantize(tmp_path: Path) -> None:
+def test_dequantized_gguf_under_tp_runs(tmp_path: Path) -> None:
+    # packed shards: tests/runtime/test_tensor_parallel_quant.py
     from tests.app.tiny_engine import TinyTokenizer
     from tests.models.quant_cases import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0")
-    with pytest.raises(UnsupportedModelError, match="--dequantize"):
-        LLM(str(path), device="cpu", dtype="bfloat16", quantization="gguf",
-            num_kv_blocks=64, tensor_parallel_size=2)  # fmt: skip
-    assert multiprocessing.active_children() == []
-    # dequantized, it runs: each rank takes its slices of the dense weights
     llm = LLM(
         str(path),
         device="cpu",

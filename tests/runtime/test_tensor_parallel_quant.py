@@ -1,0 +1,122 @@
+"""Tensor parallel with packed weights on the CPU (gloo, 2 processes): each rank keeps its
+shard of GGUF, GPTQ/AWQ and FP8 weights packed, and TP=2 logits equal TP=1's; a split that
+would cut a quant block dequantizes that layer, one that cannot be packed is refused."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.models.config import UnsupportedModelError
+from tandem.models.gguf_reader import GGUFReader
+from tandem.models.layers.parallel import Shard
+from tandem.models.loader.gguf import load_gguf_weights
+from tandem.models.quant.linear import QuantLinear
+from tandem.models.quant.shard import split_error, take_packed
+from tandem.models.quant.tensor import QuantizedTensor
+from tandem.runtime.llm import LLM
+from tandem.runtime.sampling_params import SamplingParams
+from tests.models.hf_quant_cases import random_fp8, random_int4, write_quantized
+from tests.models.quant_cases import HIDDEN, INTER, write_tiny_gguf
+
+PROMPTS = [[5, 9, 11, 3, 70, 2, 8], [60, 4, 4, 6], [7] * 19]
+
+
+def _run(path: Path, tp: int, **kw) -> tuple[list[list[int]], list[torch.Tensor], nn.Module]:
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128,
+              tensor_parallel_size=tp, **kw)  # fmt: skip
+    try:
+        model = llm.engine.runner.model
+        seen: list[torch.Tensor] = []
+        compute = model.compute_logits
+
+        def spy(hidden: torch.Tensor) -> torch.Tensor:
+            logits = compute(hidden)
+            seen.append(logits.clone())
+            return logits
+
+        model.compute_logits = spy
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        return [list(o.token_ids) for o in outs], seen, model
+    finally:
+        llm.engine.close()
+
+
+def _compare(path: Path, **kw) -> nn.Module:
+    """TP=2 == TP=1; returns rank 0's TP=2 model."""
+    ids1, logits1, _ = _run(path, 1, **kw)
+    ids2, logits2, model = _run(path, 2, **kw)
+    assert multiprocessing.active_children() == []
+    assert ids2 == ids1
+    assert len(logits2) == len(logits1)
+    for a, b in zip(logits1, logits2, strict=True):
+        assert (b - a).abs().max() / a.abs().max() < 1e-5
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_gguf_tp2_keeps_shards_packed(qtype: str, tmp_path: Path) -> None:
+    from tests.app.tiny_engine import TinyTokenizer
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", qtype)
+    model = _compare(path, quantization="gguf", tokenizer=TinyTokenizer())
+    layer = model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.out_features == 128 + 2 * 64
+    assert isinstance(mlp.gate_up_proj, QuantLinear) and mlp.gate_up_proj.out_features == INTER
+    assert isinstance(mlp.down_proj, QuantLinear) and mlp.down_proj.in_features == INTER // 2
+    if qtype == "Q8_0":  # 32-value blocks: o_proj's 128 columns per rank split cleanly
+        assert isinstance(attn.o_proj, QuantLinear) and attn.o_proj.in_features == HIDDEN // 2
+    else:  # Q4_K's 256-value blocks would be cut at 128: this layer is dense, sliced
+        assert type(attn.o_proj) is nn.Linear and attn.o_proj.weight.shape == (HIDDEN, 128)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_hf_quantized_tp2_keeps_shards_packed(method: str, tmp_path: Path) -> None:
+    write_quantized(tmp_path / method, method, group=32)
+    model = _compare(tmp_path / method, quantization=method)
+    layer = model.layers[1]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert isinstance(linear, QuantLinear)
+    assert layer.mlp.down_proj.in_features == 128  # 256 intermediate over 2 ranks
+
+
+def test_act_order_row_split_is_refused_naming_dequantize(tmp_path: Path) -> None:
+    write_quantized(tmp_path / "ao", "gptq", group=32, act_order=True)
+    with pytest.raises(UnsupportedModelError, match="--dequantize"):
+        LLM(str(tmp_path / "ao"), device="cpu", dtype="float32", num_kv_blocks=64, quantization="gptq",
+            tensor_parallel_size=2)  # fmt: skip
+    assert multiprocessing.active_children() == []
+
+
+def test_gguf_shard_is_a_view_of_the_mapping(tmp_path: Path) -> None:
+    reader = GGUFReader(write_tiny_gguf(tmp_path / "m.gguf", "Q8_0"))
+    name = "model.layers.0.mlp.gate_proj.weight"
+    full = dict(load_gguf_weights(reader, packed={name}))[name]
+    shard = Shard(0, INTER // 2, INTER // 2, (INTER, HIDDEN))
+    part = dict(load_gguf_weights(reader, packed={name}, shards={name: shard}))[name]
+    assert isinstance(part, QuantizedTensor) and part.shape == (INTER // 2, HIDDEN)
+    row_bytes = full.data.shape[1]
+    assert part.data.data_ptr() == full.data.data_ptr() + INTER // 2 * row_bytes  # no copy
+    assert torch.equal(part.dequantize(), full.dequantize()[INTER // 2 :])
+
+
+def test_take_packed_slices_equal_dequantized_slices() -> None:
+    int4 = random_int4(64, 256, 32, seed=1)
+    fp8 = random_fp8(64, 256, "block", seed=2)
+    for t in (int4, fp8):
+        w = t.dequantize()
+        assert torch.equal(take_packed(t, 0, 32, 32, "w").dequantize(), w[32:64])
+        assert torch.equal(take_packed(t, 1, 128, 128, "w").dequantize(), w[:, 128:])
+    with pytest.raises(UnsupportedModelError, match="groups of 32 cut"):
+        take_packed(int4, 1, 16, 128, "w")
+    # act-order whose groups each lie in one half: packable, with a local permutation
+    perm = torch.cat([torch.randperm(128), 128 + torch.randperm(128)]).to(torch.int32)
+    ao = type(int4)("gptq", int4.codes, int4.scales, int4.zeros, 32, perm)
+    assert torch.equal(take_packed(ao, 1, 128, 128, "w").dequantize(), ao.dequantize()[:, 128:])
+    assert split_error("Q4_K", 1, 128, 128, (64, 256)) is not None
+    assert split_error("Q4_K", 0, 32, 32, (64, 256)) is None

@@ -30,6 +30,9 @@ def _run(path: Path, tp: int, **kw) -> tuple[list[list[int]], list[torch.Tensor]
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128,
               tensor_parallel_size=tp, **kw)  # fmt: skip
     try:
+        for proc in llm.engine.tp_group.procs if tp > 1 else ():  # spawned ranks inherit these
+            env = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+            assert b"NCCL_NVLS_ENABLE=0" in env and b"TORCH_SYMM_MEM_DISABLE_MULTICAST=1" in env
         model = llm.engine.runner.model
         seen: list[torch.Tensor] = []
         compute = model.compute_logits

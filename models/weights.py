@@ -276,9 +276,10 @@ def load_hf_weights(
                         continue  # tied embeddings: the embedding matrix is the head
                     raise UnsupportedModelError(f"unexpected tensor {name!r} for {arch}")
                 shard = shards.get(canon)
-                if shard is not None:
+                if shard is not None and tuple(piece.shape) != tuple(dst.shape):
                     _check_shape(name, piece, shard.full, canon, arch)
-                    piece = shard.take(piece)
+                if shard is not None and tuple(piece.shape) == shard.full:
+                    piece = shard.take(piece)  # else the loader read this rank's slice alone
                 _check_shape(name, piece, tuple(dst.shape), canon, arch)
                 dst.copy_(piece)
                 filled.add(canon)

@@ -267,7 +267,7 @@ def load_model(
         # never read: skipped experts, and DeepSeek's multi-token-prediction layers
         has_mtp = is_mtp(f"model.layers.{config.num_hidden_layers}.", config)
         select = wanted if skip or has_mtp else None
-        shards = tensor_parallel_shards(model)[0] if get_tp().size > 1 and packed else None
+        shards = tensor_parallel_shards(model)[0] if get_tp().size > 1 else None
         weights = _checkpoint_weights(path, fmt, dtype, select, packed, hf_quant, shards)
         model.load_weights(weights, expected=select)
 
@@ -446,12 +446,12 @@ def _checkpoint_weights(
 ) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) of a "gguf" or "safetensors" checkpoint; `select(name)` False: not
     read at all; names in `packed` come as `models.quant.tensor.QuantizedTensor`s (with
-    `shards`, a GGUF file's as this rank's slice of the mapping)."""
+    `shards`, as this rank's slice, read alone where the format allows)."""
     if fmt == "gguf":
         from tandem.models.loader.gguf import load_gguf_weights
 
         return load_gguf_weights(path, dtype, select, frozenset(packed), shards)
-    return iter_safetensors_weights(path, dtype, select, frozenset(packed), quant)
+    return iter_safetensors_weights(path, dtype, select, frozenset(packed), quant, shards)
 
 
 def apply_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:

@@ -123,3 +123,39 @@ def test_take_packed_slices_equal_dequantized_slices() -> None:
     assert torch.equal(take_packed(ao, 1, 128, 128, "w").dequantize(), ao.dequantize()[:, 128:])
     assert split_error("Q4_K", 1, 128, 128, (64, 256)) is not None
     assert split_error("Q4_K", 0, 32, 32, (64, 256)) is None
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_safetensors_shards_are_read_alone(method: str, tmp_path: Path, monkeypatch) -> None:
+    from tandem.models.loader import safetensors as st
+
+    write_quantized(tmp_path / method, method, group=32)
+    p = "model.layers.0."
+    names = {p + "self_attn.q_proj.weight", p + "self_attn.o_proj.weight"}
+    names |= {p + "mlp.down_proj.weight", p + "mlp.up_proj.weight"}
+    shards = {
+        p + "self_attn.q_proj.weight": Shard(0, 64, 64, (128, 128)),
+        p + "self_attn.o_proj.weight": Shard(1, 64, 64, (128, 128)),
+        p + "mlp.down_proj.weight": Shard(1, 0, 128, (128, 256)),
+        p + "mlp.up_proj.weight": Shard(0, 128, 128, (256, 128)),
+        "model.embed_tokens.weight": Shard(0, 64, 64, (128, 128)),
+    }
+    full = dict(st.iter_safetensors_weights(tmp_path / method, torch.float32, packed=names))
+    read_whole: list[str] = []
+    get = st._Tensors.get
+
+    def spy(self, name: str):
+        read_whole.append(name)
+        return get(self, name)
+
+    monkeypatch.setattr(st._Tensors, "get", spy)
+    parts = dict(
+        st.iter_safetensors_weights(tmp_path / method, torch.float32, packed=names, shards=shards)
+    )
+    for name, s in shards.items():
+        want = full[name] if name not in names else full[name].dequantize()
+        got = parts[name] if name not in names else parts[name].dequantize()
+        assert torch.equal(got, s.take(want)), name
+        packed_int4 = name in names and method != "fp8"
+        bulk = name.replace(".weight", ".qweight") if packed_int4 else name
+        assert bulk not in read_whole, name  # only the slice's bytes were read

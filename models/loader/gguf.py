@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tandem.models.config import ModelConfig, UnsupportedModelError
-from tandem.models.gguf_dequant import SUPPORTED_TYPES, dequantize_tensor, one_thread
+from tandem.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_tensor, one_thread
 from tandem.models.gguf_reader import GGUFReader, GGUFTensorInfo, ggml_type_name
 from tandem.models.layers.parallel import Shard
 from tandem.models.loader import gguf_deepseek2, gguf_glm4moe
@@ -305,7 +305,7 @@ def load_gguf_weights(
     stacked tensor's name has `{e}` for the expert) leaves out, undecoded, what it refuses.
     Tensors named in `packed` (see `gguf_packed_tensors`) come as `QuantizedTensor`s, q/k rows
     un-permuted likewise; one with a `shards` entry (tensor parallel) as this rank's slice,
-    cut from the file mapping before anything is read.
+    cut from the file mapping before anything is read (a dense one too, when it is rows).
     """
     reader = _open(path)
     config = gguf_model_config(reader)
@@ -315,6 +315,14 @@ def load_gguf_weights(
         return
     names = _ARCH_LAYER_NAMES.get(reader.architecture, {})
     yield from _gguf_weights(reader, config, dtype, select, names, packed, shards or {})
+
+
+def _row_shard(shard: Shard | None, info: GGUFTensorInfo) -> bool:
+    """Whether `shard` is whole rows of 2-D tensor `info` (cut from the mapping undecoded)."""
+    return (
+        shard is not None and shard.dim == 0 and len(info.torch_shape) == 2
+        and tuple(info.torch_shape) == shard.full
+    )  # fmt: skip
 
 
 def _unread_layer(gguf_name: str, config: ModelConfig) -> bool:
@@ -365,11 +373,21 @@ def _gguf_weights(
             continue
         with one_thread():  # memory-bound work; see models.gguf_dequant
             keep32 = hf_name.endswith(".e_score_correction_bias")  # stays float32 (routing)
-            tensor = dequantize_tensor(reader, info, torch.float32 if keep32 else dtype)
+            rows = info.torch_shape[0]
+            shard = None if stacked is not None else (shards or {}).get(hf_name)
+            if _row_shard(shard, info):  # this rank's rows alone, decoded from the mapping
+                raw = torch.from_numpy(reader.tensor_data(info.name)).view(rows, -1)
+                shape = (shard.length, info.torch_shape[1])
+                part = raw[shard.start : shard.start + shard.length]
+                tensor = dequantize(
+                    part, info.ggml_type, shape, torch.float32 if keep32 else dtype, info.name
+                )
+            else:
+                tensor = dequantize_tensor(reader, info, torch.float32 if keep32 else dtype)
             if permute and ".self_attn.q_proj." in hf_name:
-                tensor = unpermute_qk(tensor, config.num_attention_heads)
+                tensor = unpermute_qk(tensor, config.num_attention_heads * tensor.shape[0] // rows)
             elif permute and ".self_attn.k_proj." in hf_name:
-                tensor = unpermute_qk(tensor, config.num_key_value_heads)
+                tensor = unpermute_qk(tensor, config.num_key_value_heads * tensor.shape[0] // rows)
             elif hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
                 tensor = tensor.unsqueeze(0)  # [hidden] -> [1, hidden], HF's Linear(hidden, 1)
         if stacked is not None:

@@ -159,3 +159,28 @@ def test_safetensors_shards_are_read_alone(method: str, tmp_path: Path, monkeypa
         packed_int4 = name in names and method != "fp8"
         bulk = name.replace(".weight", ".qweight") if packed_int4 else name
         assert bulk not in read_whole, name  # only the slice's bytes were read
+
+
+def test_gguf_dense_row_shards_decode_only_their_rows(tmp_path: Path, monkeypatch) -> None:
+    from tandem.models.loader import gguf as gguf_loader
+
+    reader = GGUFReader(write_tiny_gguf(tmp_path / "m.gguf", "Q4_K"))
+    names = ["model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight"]
+    full = dict(load_gguf_weights(reader))
+    shards = {
+        names[0]: Shard(0, 48, 48, tuple(full[names[0]].shape)),
+        names[1]: Shard(0, 128, 128, tuple(full[names[1]].shape)),  # heads 2-3, un-permuted
+    }
+    whole = gguf_loader.dequantize_tensor
+    decoded_whole: list[str] = []
+
+    def spy(reader, info, dtype=torch.float32):
+        decoded_whole.append(info.name)
+        return whole(reader, info, dtype)
+
+    monkeypatch.setattr(gguf_loader, "dequantize_tensor", spy)
+    parts = dict(load_gguf_weights(reader, shards=shards))
+    for name, s in shards.items():
+        assert torch.equal(parts[name], s.take(full[name])), name
+    assert "token_embd.weight" not in decoded_whole and "blk.1.attn_q.weight" not in decoded_whole
+    assert "blk.1.attn_k.weight" in decoded_whole  # no shard given: decoded whole

@@ -221,8 +221,7 @@ def tensor_parallel_shards(
     emb = model.embed_tokens
     vocab = Shard(0, emb.start, emb.num_rows, (cfg.vocab_size, hidden))
     shards["model.embed_tokens.weight"] = vocab
-    if model.lm_head is not None:
-        shards["lm_head.weight"] = vocab
+    shards["lm_head.weight"] = vocab  # dense, packed (models/quant) or absent (tied)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = layer.self_attn

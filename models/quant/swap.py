@@ -6,7 +6,7 @@ packed (name -> type: a ggml type, or "int4" / "fp8" for GPTQ, AWQ and FP8 safet
 swaps every module whose source tensors are all among them. Under tensor parallelism
 (`shards`: this rank's slice of each tensor) a module is swapped only where every slice
 keeps whole quant blocks/groups; the others are left dense (dequantized at load, then
-sliced), and so are the embedding and the head (their vocabulary split is dense only).
+sliced). The embedding and head keep this rank's vocabulary rows packed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tandem.models.quant.hf_config import HfQuantConfig
-from tandem.models.quant.linear import QuantEmbedding, QuantLinear, QuantLogits
+from tandem.models.quant.linear import QuantEmbedding, QuantLinear, QuantLogits, VocabSplit
 from tandem.models.quant.shard import split_error
 
 if TYPE_CHECKING:
@@ -120,25 +120,28 @@ def quantize_modules(
             )
     if dense is not None and split is not None:
         dense.update(split.dense)
-    if split is not None:  # the vocabulary-split embedding and head stay dense
-        return set(swapped)
     embed_name = "model.embed_tokens.weight"
+    rows, vocab = cfg.vocab_size, None
+    if split is not None:  # this rank's vocab rows (an output-row split: no block is cut)
+        emb = model.embed_tokens
+        rows = emb.num_rows
+        vocab = VocabSplit(cfg.vocab_size, emb.start, emb.weight.shape[0], model.tp)
     embed = None
     if embed_name in kept:
-        embed = QuantEmbedding(cfg.vocab_size, cfg.hidden_size, embed_name, dtype, device)
+        embed = QuantEmbedding(rows, cfg.hidden_size, embed_name, dtype, device, vocab)
         model.embed_tokens = embed
         swapped.append(embed_name)
     head_name = embed_name if model.lm_head is None else "lm_head.weight"
     if head_name in kept and (model.lm_head is not None or embed is not None):
         if model.lm_head is None:  # tied: the head reads the embedding's packed table
-            head = QuantLinear(cfg.hidden_size, [cfg.vocab_size], [], False, device, [], embed)
+            head = QuantLinear(cfg.hidden_size, [rows], [], False, device, [], embed)
         else:
             head = QuantLinear(
-                cfg.hidden_size, [cfg.vocab_size], [head_name], False, device, [kept[head_name]]
+                cfg.hidden_size, [rows], [head_name], False, device, [kept[head_name]]
             )
         if model.lm_head is not None:
             model.lm_head = None  # the packed head replaces it (compute_logits below)
         model.quant_head = head
-        model.compute_logits = QuantLogits(head)
+        model.compute_logits = QuantLogits(head, vocab)
         swapped.append(head_name)
     return set(swapped)

@@ -15,7 +15,7 @@ from tandem.models.config import UnsupportedModelError
 from tandem.models.gguf_reader import GGUFReader
 from tandem.models.layers.parallel import Shard
 from tandem.models.loader.gguf import load_gguf_weights
-from tandem.models.quant.linear import QuantLinear
+from tandem.models.quant.linear import QuantEmbedding, QuantLinear
 from tandem.models.quant.shard import split_error, take_packed
 from tandem.models.quant.tensor import QuantizedTensor
 from tandem.runtime.llm import LLM
@@ -66,10 +66,18 @@ def _compare(path: Path, tol: float = 1e-5, **kw) -> nn.Module:
 def test_gguf_tp2_keeps_shards_packed(qtype: str, tmp_path: Path) -> None:
     from tests.app.tiny_engine import TinyTokenizer
 
-    path = write_tiny_gguf(tmp_path / "m.gguf", qtype)
+    head = "Q6_K" if qtype == "Q4_K" else None  # an untied head of another type
+    path = write_tiny_gguf(tmp_path / "m.gguf", qtype, head_type=head)
     model = _compare(path, quantization="gguf", tokenizer=TinyTokenizer())
     layer = model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
+    assert isinstance(model.embed_tokens, QuantEmbedding)  # this rank's 48 of 96 rows, packed
+    assert model.embed_tokens.table.shape == (48, HIDDEN)
+    if head is None:  # tied: the head reads the embedding's rows
+        assert model.quant_head.segments[0] is model.embed_tokens.table
+    else:
+        assert [s.qtype for s in model.quant_head.segments] == ["Q6_K"]
+        assert model.quant_head.out_features == 48
     assert isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.out_features == 128 + 2 * 64
     assert isinstance(mlp.gate_up_proj, QuantLinear) and mlp.gate_up_proj.out_features == INTER
     assert isinstance(mlp.down_proj, QuantLinear) and mlp.down_proj.in_features == INTER // 2

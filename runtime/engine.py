@@ -142,6 +142,9 @@ class Engine:
             if self.device.type == "cuda":  # every rank runs rank 0's options
                 from tandem.runtime.cuda_runner import CudaRunnerOptions
 
+                if self.device.index is None:  # rank r drives cuda:r (runtime/tp_worker.py)
+                    self.device = torch.device("cuda", 0)
+
                 runner_options = runner_options or CudaRunnerOptions.from_env()
             self.tp_group = TensorParallelGroup(config, model_config, self.device, runner_options)
         try:

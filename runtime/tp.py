@@ -41,12 +41,21 @@ def set_process_env() -> None:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 
+def check_devices(device: torch.device, size: int) -> None:
+    """One GPU per rank: refuse, before any process starts, more ranks than visible GPUs."""
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs {size} GPUs (one per rank); "
+            f"{torch.cuda.device_count()} visible"
+        )
+
+
 def init_group(rank: int, size: int, device: torch.device) -> tuple[TensorParallel, object]:
     """Join the group (MASTER_ADDR/MASTER_PORT from the env, as torchrun sets them) and make it
     the one layers shard for. Returns it and the long-timeout group steps are broadcast on."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # rank r drives cuda:r unless told otherwise
+        torch.cuda.set_device(device if device.index is not None else rank)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
     steps = dist.new_group(list(range(size)), timeout=STEP_TIMEOUT, backend=backend)
     tp = TensorParallel(rank=rank, size=size, group=steps)
@@ -124,6 +133,7 @@ class TensorParallelGroup:
     ) -> None:
         """`runner_options`: the CUDA runner's options, which every rank must share."""
         size = config.model.tensor_parallel_size
+        check_devices(device, size)
         set_process_env()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())

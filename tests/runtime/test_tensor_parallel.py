@@ -231,3 +231,13 @@ def test_dequantized_gguf_under_tp_runs(tmp_path: Path) -> None:
         assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 3
     finally:
         llm.engine.close()
+
+
+def test_more_ranks_than_gpus_is_refused_before_any_process_starts(monkeypatch) -> None:
+    from tandem.runtime.tp import check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs 2 GPUs.*1 visible"):
+        check_devices(torch.device("cuda", 0), 2)
+    check_devices(torch.device("cuda", 0), 1)
+    check_devices(torch.device("cpu"), 2)  # gloo processes need no GPU

@@ -37,35 +37,36 @@ def _parts(mirror: StepMirror, p: PreparedStep, d: StepBuffers) -> list[torch.Te
     return mirror._parts(mirror.header(p), d)
 
 
-def _worker(rank: int, port: int, windowed: bool, queue) -> None:
+def _worker(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         mirror = StepMirror(None, rank, MAX_SEQS, BLOCK, torch.device("cpu"))
-        if rank == 0:
-            for i, p in enumerate(STEPS):
-                mirror.send(p, _filled(i, windowed))
-            dist.broadcast(mirror.stop_header(), 0)
-            return
-        got = []
-        d = _filled(99, windowed)  # stale values where a step writes nothing
-        while (p := mirror.receive(d)) is not None:
-            got.append((p, [t.tolist() for t in _parts(mirror, p, d)]))  # no shared memory
-        queue.put(got)
+        for windowed in (False, True):
+            if rank == 0:
+                for i, p in enumerate(STEPS):
+                    mirror.send(p, _filled(i, windowed))
+                dist.broadcast(mirror.stop_header(), 0)
+                continue
+            got = []
+            d = _filled(99, windowed)  # stale values where a step writes nothing
+            while (p := mirror.receive(d)) is not None:
+                got.append((p, [t.tolist() for t in _parts(mirror, p, d)]))  # no shared memory
+            queue.put(got)
     finally:
         dist.destroy_process_group()
 
 
-def _run(windowed: bool) -> list:
+def _run() -> list:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, port, windowed, queue)) for r in (0, 1)]
+    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = queue.get()
+    got = [queue.get(), queue.get()]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -73,8 +74,7 @@ def _run(windowed: bool) -> list:
 
 
 def test_the_other_rank_receives_exactly_what_rank_0_staged() -> None:
-    for windowed in (False, True):
-        got = _run(windowed)
+    for windowed, got in zip((False, True), _run(), strict=True):
         assert [p for p, _ in got] == STEPS
         mirror = StepMirror(None, 0, MAX_SEQS, BLOCK, torch.device("cpu"))
         for i, (p, parts) in enumerate(got):

@@ -62,11 +62,16 @@ def _compare(path: Path, tol: float = 1e-5, **kw) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize(
+    "qtype",
+    ["Q8_0", "Q4_K", "Q4_0", "Q6_K", pytest.param("Q4_1", marks=pytest.mark.slow),
+     pytest.param("Q5_K", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_gguf_tp2_keeps_shards_packed(qtype: str, tmp_path: Path) -> None:
     from tests.app.tiny_engine import TinyTokenizer
 
     head = "Q6_K" if qtype == "Q4_K" else None  # an untied head of another type
+    k_quant = qtype.endswith("_K")
     path = write_tiny_gguf(tmp_path / "m.gguf", qtype, head_type=head)
     model = _compare(path, quantization="gguf", tokenizer=TinyTokenizer())
     layer = model.layers[0]
@@ -81,7 +86,7 @@ def test_gguf_tp2_keeps_shards_packed(qtype: str, tmp_path: Path) -> None:
     assert isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.out_features == 128 + 2 * 64
     assert isinstance(mlp.gate_up_proj, QuantLinear) and mlp.gate_up_proj.out_features == INTER
     assert isinstance(mlp.down_proj, QuantLinear) and mlp.down_proj.in_features == INTER // 2
-    if qtype == "Q8_0":  # 32-value blocks: o_proj's 128 columns per rank split cleanly
+    if not k_quant:  # 32-value blocks: o_proj's 128 columns per rank split cleanly
         assert isinstance(attn.o_proj, QuantLinear) and attn.o_proj.in_features == HIDDEN // 2
     else:  # Q4_K's 256-value blocks would be cut at 128: this layer is dense, sliced
         assert type(attn.o_proj) is nn.Linear and attn.o_proj.weight.shape == (HIDDEN, 128)

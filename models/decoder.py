@@ -131,7 +131,7 @@ class DecoderForCausalLM(nn.Module):
         gathered on rank 0; None on the other ranks)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = torch.nn.functional.linear(hidden, weight).float()
-        if self.tp.size == 1:
+        if not self.tp.live:
             return logits
         return self.tp.gather_columns(logits, self.config.vocab_size)
 

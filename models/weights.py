@@ -20,6 +20,7 @@ from tandem.models.config import ModelConfig, UnsupportedModelError
 from tandem.models.layers.parallel import Shard, tensor_parallel_shards
 from tandem.models.quant.fp8 import Fp8Tensor
 from tandem.models.quant.int4 import Int4Tensor
+from tandem.models.quant.shard import take_packed
 from tandem.models.quant.tensor import QuantizedTensor
 
 PACKED = (QuantizedTensor, Int4Tensor, Fp8Tensor)  # checkpoint weights still in their format
@@ -257,6 +258,9 @@ def load_hf_weights(
             if isinstance(tensor, PACKED):
                 canon = _canonical(name)
                 if canon in quant:
+                    shard = shards.get(canon)
+                    if shard is not None and tuple(tensor.shape) == shard.full:
+                        tensor = take_packed(tensor, shard.dim, shard.start, shard.length, name)
                     for module, index in quant[canon]:  # each copies it into its own buffer
                         module.set_part(index, tensor)
                     filled.add(canon)
@@ -272,9 +276,10 @@ def load_hf_weights(
                         continue  # tied embeddings: the embedding matrix is the head
                     raise UnsupportedModelError(f"unexpected tensor {name!r} for {arch}")
                 shard = shards.get(canon)
-                if shard is not None:
+                if shard is not None and tuple(piece.shape) != tuple(dst.shape):
                     _check_shape(name, piece, shard.full, canon, arch)
-                    piece = shard.take(piece)
+                if shard is not None and tuple(piece.shape) == shard.full:
+                    piece = shard.take(piece)  # else the loader read this rank's slice alone
                 _check_shape(name, piece, tuple(dst.shape), canon, arch)
                 dst.copy_(piece)
                 filled.add(canon)

@@ -46,7 +46,7 @@ def compile_forward(fn: ForwardFn, mode: str, *, dynamic: bool | None, recompile
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bs, vocab] float32, the graph's static output
+    logits: torch.Tensor | None  # [bs, vocab] float32, the graph's static output (rank 0)
 
 
 class DecodeGraphs:
@@ -62,11 +62,12 @@ class DecodeGraphs:
                 return bs if bs in self.graphs else None
         return None
 
-    def replay(self, bs: int, num_logits: int) -> torch.Tensor:
-        """Enqueue bucket `bs` on the current stream -> its logits `[num_logits, vocab]`."""
+    def replay(self, bs: int, num_logits: int) -> torch.Tensor | None:
+        """Enqueue bucket `bs` on the current stream -> its logits `[num_logits, vocab]`
+        (None on a tensor-parallel rank past 0, whose forward returns none)."""
         g = self.graphs[bs]
         g.graph.replay()
-        return g.logits[:num_logits]
+        return None if g.logits is None else g.logits[:num_logits]
 
     @torch.inference_mode()
     def capture(

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,7 @@ from tandem.runtime.types import SamplerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from tandem.models.config import ModelConfig
+    from tandem.runtime.step_mirror import StepMirror
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +124,16 @@ class CudaModelRunner(ModelRunner):
         max_num_batched_tokens: int,
         max_model_len: int,
         options: CudaRunnerOptions | None = None,
+        tp_mirror: Callable[[int, int], StepMirror] | None = None,
     ) -> None:
+        """`tp_mirror(max_seqs, block_size)`: under tensor parallelism, the link that carries
+        each step's inputs from rank 0 (which `launch`es) to the other ranks (which
+        `follow`); every rank captures the same decode graphs, collectives included."""
         super().__init__(model, model_config, kv_cache, device, attn_backend)
         self.options = options or CudaRunnerOptions.from_env()
+        if tp_mirror is not None and self.options.compile_mode is not None:
+            log.warning("tensor parallel: torch.compile off (TANDEM_COMPILE ignored)")
+            self.options = replace(self.options, compile_mode=None)
         if getattr(model, "batch_invariant", False) and self.options.compile_mode is not None:
             # Inductor's own GEMMs and reductions pick configurations per shape; the invariant
             # model runs eager (its decode steps still replay CUDA graphs).
@@ -148,6 +157,7 @@ class CudaModelRunner(ModelRunner):
         # Graph replays select rows 0..bs-1; eager steps overwrite `logits_indices`.
         self._graph_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
         self._max_seqs = max_seqs
+        self.tp_mirror = None if tp_mirror is None else tp_mirror(max_seqs, self.block_size)
         # Two of each: launch k+1 fills one while step k's copy back may still be pending.
         self._out_ids = [
             torch.empty(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
@@ -313,12 +323,18 @@ class CudaModelRunner(ModelRunner):
             return self.inputs.prepare(sched, self._placeholder, self._bucket)
 
     def _forward(self, p: PreparedStep) -> torch.Tensor:
-        """Enqueue the forward on the stream -> logits `[num_logits, vocab]` float32."""
+        """Enqueue the forward on the stream -> logits `[num_logits, vocab]` float32 (None
+        past rank 0 under tensor parallelism)."""
+        d = self.inputs.dev
+        mirror = self.tp_mirror
+        if mirror is not None and mirror.rank == 0:
+            if p.has_placeholders:  # the other ranks get the ids resolved, not placeholders
+                self._resolve_placeholders(d.input_ids[: p.num_tokens])
+            mirror.send(p, d)
         if p.graph_bs is not None:
             self.counters.graph_steps += 1
             # The graph restores the static logits rows; the graph's logits_indices are arange.
             return self.graphs.replay(p.graph_bs, p.num_logits)
-        d = self.inputs.dev
         batch = self.inputs.eager_batch(p, self.kv_cache)
         self.counters.eager_steps += 1
         ids, pos = d.input_ids[: p.num_tokens], d.positions[: p.num_tokens]
@@ -328,6 +344,24 @@ class CudaModelRunner(ModelRunner):
         if p.num_logits == 0:
             return torch.empty(0, device=self.device)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def follow(self) -> bool:
+        """A rank past 0: run the next step rank 0 sends (its forward and collectives, no
+        sampling) -> False once rank 0 stops."""
+        assert self.tp_mirror is not None and self.tp_mirror.rank != 0
+        with torch.cuda.stream(self.stream):
+            p = self.tp_mirror.receive(self.inputs.dev)
+            if p is None:
+                return False
+            if p.graph_bs is not None and p.graph_bs not in self.graphs.graphs:
+                # rank 0 replays a bucket this rank failed to capture: same shapes, eagerly
+                d = self.inputs.dev
+                ids, pos = d.input_ids[: p.graph_bs], d.positions[: p.graph_bs]
+                self._forward_logits(ids, pos, self._decode_batch(p.graph_bs))
+            else:
+                self._forward(p)
+        return True
 
     def needs_sync(self, sched: SchedulerOutput) -> bool:
         """Only for a grammar: its mask is built on the host from a matcher that must have

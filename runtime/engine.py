@@ -43,6 +43,7 @@ from tandem.runtime.engine_setup import (
     resolve_dtype,
     resolve_max_model_len,
     resolve_tokenizer,
+    served_model_len,
     size_kv_cache,
 )
 from tandem.runtime.isolation import execute_isolated, sub_step
@@ -138,7 +139,14 @@ class Engine:
                 )
             from tandem.runtime.tp import TensorParallelGroup
 
-            self.tp_group = TensorParallelGroup(config, model_config, self.device)
+            if self.device.type == "cuda":  # every rank runs rank 0's options
+                from tandem.runtime.cuda_runner import CudaRunnerOptions
+
+                if self.device.index is None:  # rank r drives cuda:r (runtime/tp_worker.py)
+                    self.device = torch.device("cuda", 0)
+
+                runner_options = runner_options or CudaRunnerOptions.from_env()
+            self.tp_group = TensorParallelGroup(config, model_config, self.device, runner_options)
         try:
             if model is None:
                 with startup_phase("model weights"):
@@ -178,34 +186,36 @@ class Engine:
                 config, model, model_config, self.dtype, self.device,
                 config.cache.block_size if fit else self.max_model_len,
             )  # fmt: skip
-        held = (self.layout.num_blocks - 1) * self.layout.block_size
-        if fit and held < self.max_model_len:
-            log.warning(
-                "max_model_len %d (the model's) capped at %d tokens, what the KV cache holds; "
-                "give --max-model-len or more KV memory to change it",
-                self.max_model_len,
-                held,
-            )
-            self.max_model_len = held
         from dataclasses import replace
 
         if self.tp_group is not None:  # one scheduler over N caches: the smallest count
             blocks = self.tp_group.agree(True, self.layout.num_blocks)
             self.layout = replace(self.layout, num_blocks=blocks)
+        served = served_model_len(
+            sched_cfg.max_model_len, self.max_model_len, self.layout.num_blocks,
+            self.layout.block_size,
+        )  # fmt: skip
+        if served < self.max_model_len:
+            log.warning(
+                "max_model_len %d (the model's) capped at %d tokens, what the KV cache holds; "
+                "give --max-model-len or more KV memory to change it",
+                self.max_model_len,
+                served,
+            )
+            self.max_model_len = served
         with startup_phase("KV cache"):
             self.kv_cache = KVCache.for_model(
                 model_config, self.layout.num_blocks, self.layout.block_size, self.dtype,
                 self.device, spec.tensor_parallel_size,
                 num_window_blocks=self.layout.num_window_blocks,
             )  # fmt: skip
-        if self.device.type == "cuda" and self.tp_group is None:
+        if self.device.type == "cuda":
             from tandem.runtime.cuda_runner import CudaRunnerOptions
 
             runner_options = runner_options or CudaRunnerOptions.from_env()
             if overlap is None:
                 overlap = runner_options.overlap
-        # tensor parallel: eager steps, no overlap; CUDA graphs are not captured under TP yet
-        self.overlap = bool(overlap) and self.tp_group is None
+        self.overlap = bool(overlap)
         self.scheduler = Scheduler(
             replace(sched_cfg, max_model_len=self.max_model_len), config.cache,
             self.layout.num_blocks, async_mode=self.overlap,
@@ -227,11 +237,13 @@ class Engine:
                     max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
                     max_model_len=self.max_model_len,
                     options=runner_options,
+                    tp_mirror=None if self.tp_group is None else self.tp_group.mirror,
                 )  # fmt: skip
         else:
             self.runner = ModelRunner(model, model_config, self.kv_cache, self.device, attn_backend)
+            if self.tp_group is not None:
+                self.runner.before_forward = self.tp_group.broadcast_step
         if self.tp_group is not None:
-            self.runner.before_forward = self.tp_group.broadcast_step
             self.tp_group.watch(self._on_worker_death)
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(
@@ -403,7 +415,13 @@ class Engine:
         if not sched.is_empty:
             try:
                 self._in_flight = _InFlight(sched, self.runner.launch(sched))
-            except Exception:
+            except Exception as exc:
+                if self.tp_group is not None:  # the other ranks may be inside its collectives
+                    self.tp_group.close(broken=True)
+                    raise EngineStepError(
+                        f"a tensor-parallel forward failed ({type(exc).__name__}); all ranks "
+                        "stopped"
+                    ) from exc
                 # Collect the step in flight, then run this one synchronously, isolating
                 # whichever of its sequences fail.
                 log.warning("launching a step failed; retrying it without overlap", exc_info=True)

@@ -291,6 +291,15 @@ def resolve_max_model_len(requested: int | None, model_config: ModelConfig) -> i
     return positions if requested is None else requested
 
 
+def served_model_len(
+    requested: int | None, max_model_len: int, num_blocks: int, block_size: int
+) -> int:
+    """The longest sequence served: the model's own length (none `requested`) is capped by what
+    `num_blocks` hold (one block kept spare), an asked-for one is not."""
+    held = (num_blocks - 1) * block_size
+    return min(max_model_len, held) if requested is None else max_model_len
+
+
 def size_kv_cache(
     config: EngineConfig,
     model: torch.nn.Module,

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from tandem.models.batch import ForwardBatch, KVCache
 from tandem.models.layers.parallel import TensorParallel, set_tp
+from tandem.runtime.step_mirror import StepMirror
 
 if TYPE_CHECKING:
     from tandem.runtime.config import EngineConfig
@@ -34,16 +35,27 @@ HEADER = 5  # cmd, tokens, seqs, block-table width, logits rows
 
 
 def set_process_env() -> None:
-    """Variables every process Tandem starts runs with: NVLink multicast stays off."""
+    """Variables every process Tandem starts runs with: NVLink multicast stays off (NCCL's
+    NVLS collectives, and PyTorch's symmetric-memory multicast); spawned ranks inherit them."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+
+def check_devices(device: torch.device, size: int) -> None:
+    """One GPU per rank: refuse, before any process starts, more ranks than visible GPUs."""
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs {size} GPUs (one per rank); "
+            f"{torch.cuda.device_count()} visible"
+        )
 
 
 def init_group(rank: int, size: int, device: torch.device) -> tuple[TensorParallel, object]:
     """Join the group (MASTER_ADDR/MASTER_PORT from the env, as torchrun sets them) and make it
     the one layers shard for. Returns it and the long-timeout group steps are broadcast on."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # rank r drives cuda:r unless told otherwise
+        torch.cuda.set_device(device if device.index is not None else rank)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
     steps = dist.new_group(list(range(size)), timeout=STEP_TIMEOUT, backend=backend)
     tp = TensorParallel(rank=rank, size=size, group=steps)
@@ -116,8 +128,12 @@ class TensorParallelGroup:
     """Rank 0's handle on the workers: started in the constructor, stopped by `close` (also at
     exit). Workers die with this process (PR_SET_PDEATHSIG) if it is killed."""
 
-    def __init__(self, config: EngineConfig, model_config, device: torch.device) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config, device: torch.device, runner_options=None
+    ) -> None:
+        """`runner_options`: the CUDA runner's options, which every rank must share."""
         size = config.model.tensor_parallel_size
+        check_devices(device, size)
         set_process_env()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
@@ -130,7 +146,7 @@ class TensorParallelGroup:
         self.procs = [
             ctx.Process(
                 target=worker_main,
-                args=(rank, size, config, model_config, self.errors),
+                args=(rank, size, config, model_config, self.errors, runner_options),
                 name=f"tandem-tp{rank}",
                 daemon=True,
             )
@@ -140,6 +156,7 @@ class TensorParallelGroup:
             p.start()
         self._closed = False
         self._agreed = False
+        self._mirror: StepMirror | None = None
         self._watch: threading.Thread | None = None
         atexit.register(self.close)
         try:
@@ -192,6 +209,11 @@ class TensorParallelGroup:
         dist.broadcast(header, 0, group=self.steps)
         dist.broadcast(payload, 0, group=self.steps)
 
+    def mirror(self, max_seqs: int, block_size: int) -> StepMirror:
+        """Rank 0's end of the CUDA runner's step link (runtime/step_mirror.py)."""
+        self._mirror = StepMirror(self.steps, 0, max_seqs, block_size, self.device)
+        return self._mirror
+
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` once, from a thread, if a worker exits before `close`."""
 
@@ -218,7 +240,10 @@ class TensorParallelGroup:
                 p.kill()
         elif all(p.is_alive() for p in self.procs) and dist.is_initialized():
             try:
-                stop = torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
+                if self._mirror is not None:  # a CUDA runner's workers read its header
+                    stop = self._mirror.stop_header()
+                else:
+                    stop = torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
                 dist.broadcast(stop, 0, group=self.steps)
             except Exception:  # a worker is gone: the kill below ends the rest
                 pass

@@ -23,7 +23,10 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def worker_main(rank: int, size: int, config: Any, model_config: Any, errors: Any) -> None:
+def worker_main(
+    rank: int, size: int, config: Any, model_config: Any, errors: Any, runner_options: Any = None
+) -> None:
+    """`runner_options`: rank 0's CUDA runner options (the same graphs must be captured)."""
     _die_with_parent()
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -34,9 +37,10 @@ def worker_main(rank: int, size: int, config: Any, model_config: Any, errors: An
         resolve_device,
         resolve_dtype,
         resolve_max_model_len,
+        served_model_len,
         size_kv_cache,
     )
-    from tandem.runtime.tp import HEADER, STOP, agree, init_group, set_process_env, unpack_step
+    from tandem.runtime.tp import agree, init_group, set_process_env
 
     set_process_env()
     spec = config.model
@@ -63,6 +67,20 @@ def worker_main(rank: int, size: int, config: Any, model_config: Any, errors: An
     if not all_ok:
         return
     kv_cache = KVCache.for_model(model_config, blocks, layout.block_size, dtype, device, size)
+    if device.type == "cuda":
+        max_model_len = served_model_len(requested, max_model_len, blocks, layout.block_size)
+        _follow_cuda(
+            model, model_config, kv_cache, device, config, max_model_len, runner_options, steps
+        )
+    else:
+        _follow_cpu(model, kv_cache, device, steps)
+    dist.destroy_process_group()
+
+
+def _follow_cpu(model: Any, kv_cache: Any, device: torch.device, steps: Any) -> None:
+    """Eager forwards of the steps rank 0's `ModelRunner` broadcasts (runtime/tp.py)."""
+    from tandem.runtime.tp import HEADER, STOP, unpack_step
+
     with torch.inference_mode():
         while True:
             header = torch.empty(HEADER, dtype=torch.int64, device=device)
@@ -79,4 +97,24 @@ def worker_main(rank: int, size: int, config: Any, model_config: Any, errors: An
             hidden = model(input_ids, positions, batch)
             if n:
                 model.compute_logits(hidden)
-    dist.destroy_process_group()
+
+
+def _follow_cuda(
+    model: Any, model_config: Any, kv_cache: Any, device: torch.device, config: Any,
+    max_model_len: int, runner_options: Any, steps: Any,
+) -> None:  # fmt: skip
+    """A CUDA runner like rank 0's (same buckets, same captured graphs) fed by its mirror."""
+    from tandem.runtime.cuda_runner import CudaModelRunner
+    from tandem.runtime.step_mirror import StepMirror
+
+    sched = config.scheduler
+    runner = CudaModelRunner(
+        model, model_config, kv_cache, device, getattr(model, "attn_backend", None),
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        options=runner_options,
+        tp_mirror=lambda seqs, block: StepMirror(steps, dist.get_rank(), seqs, block, device),
+    )  # fmt: skip
+    while runner.follow():
+        pass

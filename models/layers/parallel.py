@@ -47,17 +47,29 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # the torch.distributed process group (None: the default one)
 
+    @property
+    def live(self) -> bool:
+        """Whether the collectives run: several ranks, or a group of one joined on purpose
+        (its all-reduces then run too, e.g. to capture them in CUDA graphs on one GPU)."""
+        return self.size > 1 or self.group is not None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.live:
             dist.all_reduce(x, group=self.group)
         return x
 
     def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor | None:
         """Every rank's `[N, c]` -> `[N, width]` (the ranks' columns side by side, cut to
-        `width`) on rank 0; None on the others."""
-        if self.size == 1:
+        `width`) on rank 0; None on the others. On CUDA an all-gather (every rank gets them:
+        NCCL's all-gather is one kernel, capturable in a CUDA graph); gloo gathers to rank 0."""
+        if not self.live:
             return x[:, :width]
         x = x.contiguous()
+        if x.is_cuda:
+            out = torch.empty(self.size, *x.shape, dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.group)
+            full = out.permute(1, 0, 2).reshape(x.shape[0], -1)[:, :width]
+            return full if self.rank == 0 else None
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=1)[:, :width] if parts is not None else None
@@ -144,9 +156,12 @@ def row_parallel(
     """A linear whose input columns are split across ranks: partial products summed by one
     all-reduce (or left partial, `reduce=False`, for a caller that sums more first); the bias
     counts once."""
-    if tp.size == 1:
+    if not tp.live:
         return linear(x)
-    out = F.linear(x, linear.weight, linear.bias if tp.rank == 0 else None)
+    if linear.weight is None:  # packed (models/quant): its shard of the input columns
+        out = linear(x, add_bias=tp.rank == 0)
+    else:
+        out = F.linear(x, linear.weight, linear.bias if tp.rank == 0 else None)
     return tp.all_reduce(out) if reduce else out
 
 
@@ -206,8 +221,7 @@ def tensor_parallel_shards(
     emb = model.embed_tokens
     vocab = Shard(0, emb.start, emb.num_rows, (cfg.vocab_size, hidden))
     shards["model.embed_tokens.weight"] = vocab
-    if model.lm_head is not None:
-        shards["lm_head.weight"] = vocab
+    shards["lm_head.weight"] = vocab  # dense, packed (models/quant) or absent (tied)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = layer.self_attn

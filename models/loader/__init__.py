@@ -19,7 +19,12 @@ from torch import nn
 from tandem.models.attention_backend import get_attention_backend
 from tandem.models.config import ModelConfig, UnsupportedModelError
 from tandem.models.layers.expert_registry import get_expert_backend
-from tandem.models.layers.parallel import check_tensor_parallel, get_tp
+from tandem.models.layers.parallel import (
+    Shard,
+    check_tensor_parallel,
+    get_tp,
+    tensor_parallel_shards,
+)
 from tandem.models.loader.dummy import init_dummy_weights
 from tandem.models.loader.safetensors import iter_safetensors_weights
 from tandem.models.quant.hf_config import HF_QUANT_FORMATS, HfQuantConfig, read_quant_config
@@ -215,24 +220,13 @@ def load_model(
     if kept and quantization == "auto" and not _packed_kernels_serve(device, dtype):
         log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
         kept = {}
-    if kept and get_tp().size > 1:  # packed layers do not shard: dense slices instead
-        if quantization != "auto":
-            raise UnsupportedModelError(
-                f"--quantization {quantization} keeps weights packed, which "
-                f"--tensor-parallel-size {get_tp().size} cannot split yet; pass --dequantize "
-                f"(each rank then holds its {dtype} slices) or serve on one device"
-            )
-        log.warning(
-            "tensor parallel: the checkpoint's packed weights are dequantized to %s at load "
-            "(packed layers are not split across ranks yet)",
-            dtype,
-        )
-        kept = {}
+    dense: dict[str, str] = {}  # tensor parallel: kept tensors whose split cuts a block
 
     def prepare(m: nn.Module) -> None:
         from tandem.models.quant.swap import quantize_modules
 
-        packed.update(quantize_modules(m, kept, device, dtype))
+        shards = tensor_parallel_shards(m)[0] if get_tp().size > 1 else None
+        packed.update(quantize_modules(m, kept, device, dtype, shards, hf_quant, dense))
 
     model = build_model(
         config,
@@ -243,6 +237,15 @@ def load_model(
         expert_options=expert_options,
         prepare=prepare if kept else None,
     )
+    if dense:
+        name, why = next(iter(dense.items()))
+        log.warning(
+            "tensor parallel: %d packed tensors dequantized at load because their split would "
+            "cut quant blocks (first: %s: %s)",
+            len(dense),
+            name,
+            why,
+        )
     if kept and len(packed) < len(kept):
         log.info(
             "%d quantized tensors without a packed layer (MoE experts: the cpu_pool converts "
@@ -264,7 +267,8 @@ def load_model(
         # never read: skipped experts, and DeepSeek's multi-token-prediction layers
         has_mtp = is_mtp(f"model.layers.{config.num_hidden_layers}.", config)
         select = wanted if skip or has_mtp else None
-        weights = _checkpoint_weights(path, fmt, dtype, select, packed, hf_quant)
+        shards = tensor_parallel_shards(model)[0] if get_tp().size > 1 else None
+        weights = _checkpoint_weights(path, fmt, dtype, select, packed, hf_quant, shards)
         model.load_weights(weights, expected=select)
 
         def read_experts(layer: int) -> None:
@@ -438,24 +442,28 @@ def _checkpoint_weights(
     select: Callable[[str], bool] | None,
     packed: set[str] | frozenset[str] = frozenset(),
     quant: HfQuantConfig | None = None,
+    shards: dict[str, Shard] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) of a "gguf" or "safetensors" checkpoint; `select(name)` False: not
-    read at all; names in `packed` come as `models.quant.tensor.QuantizedTensor`s."""
+    read at all; names in `packed` come as `models.quant.tensor.QuantizedTensor`s (with
+    `shards`, as this rank's slice, read alone where the format allows)."""
     if fmt == "gguf":
         from tandem.models.loader.gguf import load_gguf_weights
 
-        return load_gguf_weights(path, dtype, select, frozenset(packed))
-    return iter_safetensors_weights(path, dtype, select, frozenset(packed), quant)
+        return load_gguf_weights(path, dtype, select, frozenset(packed), shards)
+    return iter_safetensors_weights(path, dtype, select, frozenset(packed), quant, shards)
 
 
 def apply_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
     """Swap dense linears for the device's small-M kernels where they apply (CPU: ext/cpu's
     GEMV for bf16, `TANDEM_CPU_LINEAR`; CUDA: ext/cuda's skinny GEMM, `TANDEM_CUDA_LINEAR`)."""
     kind = torch.device(device).type
-    if get_tp().size > 1:  # the sharded layers call F.linear on their own weights
-        return
     if kind == "cpu" and dtype == torch.bfloat16:
-        _apply_cpu_quant(model)
+        _apply_cpu_quant(model)  # kernels on packed layers: any shard of them works
+    if get_tp().size > 1:  # the sharded layers call F.linear on their own dense weights
+        if kind == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            _apply_cuda_quant(model)
+        return
     linear_fmt = cpu_linear_format()
     if linear_fmt is not None and kind == "cpu" and dtype == torch.bfloat16:
         _apply_cpu_linear(model, linear_fmt)

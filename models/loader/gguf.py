@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.models.config import ModelConfig, UnsupportedModelError
-from tandem.models.gguf_dequant import SUPPORTED_TYPES, dequantize_tensor, one_thread
+from tandem.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_tensor, one_thread
 from tandem.models.gguf_reader import GGUFReader, GGUFTensorInfo, ggml_type_name
+from tandem.models.layers.parallel import Shard
 from tandem.models.loader import gguf_deepseek2, gguf_glm4moe
+from tandem.models.quant.shard import take_packed
 from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -293,6 +295,7 @@ def load_gguf_weights(
     dtype: torch.dtype = torch.float32,
     select: Callable[[str], bool] | None = None,
     packed: frozenset[str] | set[str] = frozenset(),
+    shards: Mapping[str, Shard] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield `(hf_checkpoint_name, tensor)` for every tensor in the file, dequantized to `dtype`.
 
@@ -301,7 +304,8 @@ def load_gguf_weights(
     An unknown tensor name raises `UnsupportedModelError` naming it. `select(hf name)` (a
     stacked tensor's name has `{e}` for the expert) leaves out, undecoded, what it refuses.
     Tensors named in `packed` (see `gguf_packed_tensors`) come as `QuantizedTensor`s, q/k rows
-    un-permuted likewise.
+    un-permuted likewise; one with a `shards` entry (tensor parallel) as this rank's slice,
+    cut from the file mapping before anything is read (a dense one too, when it is rows).
     """
     reader = _open(path)
     config = gguf_model_config(reader)
@@ -310,7 +314,15 @@ def load_gguf_weights(
         yield from gguf_deepseek2.merge_kv_b(pieces, config)
         return
     names = _ARCH_LAYER_NAMES.get(reader.architecture, {})
-    yield from _gguf_weights(reader, config, dtype, select, names, packed)
+    yield from _gguf_weights(reader, config, dtype, select, names, packed, shards or {})
+
+
+def _row_shard(shard: Shard | None, info: GGUFTensorInfo) -> bool:
+    """Whether `shard` is whole rows of 2-D tensor `info` (cut from the mapping undecoded)."""
+    return (
+        shard is not None and shard.dim == 0 and len(info.torch_shape) == 2
+        and tuple(info.torch_shape) == shard.full
+    )  # fmt: skip
 
 
 def _unread_layer(gguf_name: str, config: ModelConfig) -> bool:
@@ -326,6 +338,7 @@ def _gguf_weights(
     select: Callable[[str], bool] | None,
     layer_names: dict[str, str],
     packed: frozenset[str] | set[str] = frozenset(),
+    shards: Mapping[str, Shard] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     mlp = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
     permute = reader.architecture == "llama"
@@ -346,19 +359,35 @@ def _gguf_weights(
             continue
         if hf_name in packed:
             qt = _packed(reader, info)
+            rows = qt.rows
+            shard = (shards or {}).get(hf_name)
+            if shard is not None:  # q/k split by whole heads: unpermuted per head below
+                qt = take_packed(qt, shard.dim, shard.start, shard.length, hf_name)
             if permute and ".self_attn.q_proj." in hf_name:
-                qt.data = unpermute_qk(qt.data, config.num_attention_heads).contiguous()
+                heads = config.num_attention_heads * qt.rows // rows
+                qt.data = unpermute_qk(qt.data, heads).contiguous()
             elif permute and ".self_attn.k_proj." in hf_name:
-                qt.data = unpermute_qk(qt.data, config.num_key_value_heads).contiguous()
+                heads = config.num_key_value_heads * qt.rows // rows
+                qt.data = unpermute_qk(qt.data, heads).contiguous()
             yield hf_name, qt
             continue
         with one_thread():  # memory-bound work; see models.gguf_dequant
             keep32 = hf_name.endswith(".e_score_correction_bias")  # stays float32 (routing)
-            tensor = dequantize_tensor(reader, info, torch.float32 if keep32 else dtype)
+            rows = info.torch_shape[0]
+            shard = None if stacked is not None else (shards or {}).get(hf_name)
+            if _row_shard(shard, info):  # this rank's rows alone, decoded from the mapping
+                raw = torch.from_numpy(reader.tensor_data(info.name)).view(rows, -1)
+                shape = (shard.length, info.torch_shape[1])
+                part = raw[shard.start : shard.start + shard.length]
+                tensor = dequantize(
+                    part, info.ggml_type, shape, torch.float32 if keep32 else dtype, info.name
+                )
+            else:
+                tensor = dequantize_tensor(reader, info, torch.float32 if keep32 else dtype)
             if permute and ".self_attn.q_proj." in hf_name:
-                tensor = unpermute_qk(tensor, config.num_attention_heads)
+                tensor = unpermute_qk(tensor, config.num_attention_heads * tensor.shape[0] // rows)
             elif permute and ".self_attn.k_proj." in hf_name:
-                tensor = unpermute_qk(tensor, config.num_key_value_heads)
+                tensor = unpermute_qk(tensor, config.num_key_value_heads * tensor.shape[0] // rows)
             elif hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
                 tensor = tensor.unsqueeze(0)  # [hidden] -> [1, hidden], HF's Linear(hidden, 1)
         if stacked is not None:

@@ -11,7 +11,7 @@ or dequantized to `dtype`, so no full high-precision copy of the checkpoint ever
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,11 @@ import torch
 from safetensors import safe_open
 
 from tandem.models.config import UnsupportedModelError
-from tandem.models.quant.fp8 import SCALE_SUFFIXES, read_fp8
+from tandem.models.layers.parallel import Shard
+from tandem.models.quant.fp8 import SCALE_SUFFIXES, Fp8Tensor, read_fp8
 from tandem.models.quant.hf_config import HfQuantConfig, read_quant_config
 from tandem.models.quant.int4 import from_awq, from_gptq
+from tandem.models.quant.shard import take_packed
 
 INDEX_NAME = "model.safetensors.index.json"
 # Tensors kept in their stored float32 whatever the model dtype: DeepSeek-V3's router
@@ -71,6 +73,15 @@ class _Tensors:
 
     def names(self) -> Iterator[str]:
         return iter(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(self.where[name]).get_slice(name).get_shape())
+
+    def get_part(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """`[start, start + length)` along `dim` of `name`, reading only those bytes."""
+        index = [slice(None)] * len(self.shape(name))
+        index[dim] = slice(start, start + length)
+        return self._file(self.where[name]).get_slice(name)[tuple(index)]
 
 
 def quantized_weights(tensors: _Tensors) -> dict[str, str]:
@@ -133,17 +144,71 @@ def read_quantized(tensors: _Tensors, name: str, kind: str, quant: HfQuantConfig
     return from_awq(name, qweight, qzeros, scales, quant.group)
 
 
+def read_shard(
+    tensors: _Tensors, name: str, kind: str | None, quant: HfQuantConfig | None, shard: Shard
+) -> Any | None:
+    """This rank's `shard` of weight `name` read alone (dense, or packed `Int4Tensor` /
+    `Fp8Tensor`), or None where only the whole tensor can be read (then sliced by the caller):
+    a stored shape other than the expected full one, int4 act-order or one group per row
+    along the split, or an output split that cuts a packed word of 8 channels."""
+    dim, start, length = shard.dim, shard.start, shard.length
+    if kind is None:
+        return (
+            tensors.get_part(name, dim, start, length)
+            if tensors.shape(name) == shard.full
+            else None
+        )
+    if kind == "fp8":
+        if tensors.shape(name) != shard.full:
+            return None
+        block = quant.block if quant is not None and quant.method == "fp8" else (128, 128)
+        meta = torch.empty(shard.full, dtype=torch.float8_e4m3fn, device="meta")
+        part = take_packed(read_fp8(name, meta, tensors.get, block), dim, start, length, name)
+        return Fp8Tensor(tensors.get_part(name, dim, start, length), part.scale, part.block)
+    if quant is None or quant.method not in ("gptq", "awq") or quant.group <= 0:
+        return None
+    base, g = name[: -len("weight")], quant.group
+    n, k = shard.full
+    gptq = quant.method == "gptq"
+    if tensors.shape(base + "qweight") != ((k // 8, n) if gptq else (k, n // 8)):
+        return None
+    if dim == 0:  # output channels: qzeros (and AWQ's qweight) pack 8 of them per word
+        if start % 8 or length % 8:
+            return None
+        w_part = (start, length) if gptq else (start // 8, length // 8)
+        z_part, s_part = (start // 8, length // 8), (start, length)
+    else:  # input channels, whole groups (GPTQ's qweight packs 8 per word)
+        if start % g or length % g:
+            return None
+        if gptq and base + "g_idx" in tensors.where:
+            g_idx = tensors.get(base + "g_idx")
+            if not torch.equal(g_idx.long(), torch.arange(k) // g):
+                return None  # act-order: converted whole, then cut (or refused) by the caller
+        w_part = (start // 8, length // 8) if gptq else (start, length)
+        z_part = s_part = (start // g, length // g)
+    t_dim = 1 if dim == 0 else 0  # qweight, qzeros and scales all put N on dim 1
+    qweight = tensors.get_part(base + "qweight", t_dim, *w_part)
+    qzeros = tensors.get_part(base + "qzeros", t_dim, *z_part)
+    scales = tensors.get_part(base + "scales", t_dim, *s_part)
+    if not gptq:
+        return from_awq(name, qweight, qzeros, scales, g)
+    g_idx = tensors.get(base + "g_idx") if dim == 0 and base + "g_idx" in tensors.where else None
+    return from_gptq(name, qweight, qzeros, scales, g_idx, g, quant.zero_offset)
+
+
 def iter_safetensors_weights(
     path: str | Path,
     dtype: torch.dtype | None = None,
     select: Callable[[str], bool] | None = None,
     packed: set[str] | frozenset[str] = frozenset(),
     quant: HfQuantConfig | None = None,
+    shards: Mapping[str, Shard] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, CPU tensor) for every tensor, or those whose name `select` accepts (the
     others are never read); floating tensors cast to `dtype`. A quantized weight comes as
     `<module>.weight`: packed when its name is in `packed`, else dequantized. `quant`: the
-    checkpoint's format (default: its config.json's)."""
+    checkpoint's format (default: its config.json's). `shards` (tensor parallel): a dense or
+    packed tensor named there comes as that slice alone where `read_shard` can read it so."""
     tensors = _Tensors(safetensors_files(path))
     quantized = quantized_weights(tensors)
     if quant is None and quantized:
@@ -155,7 +220,16 @@ def iter_safetensors_weights(
         if select is not None and not select(name):
             continue
         kind = quantized.get(name)
-        if kind is not None:
+        shard = shards.get(name) if shards else None
+        part = None
+        if shard is not None and (kind is None or name in packed):
+            part = read_shard(tensors, name, kind, quant, shard)
+        if part is not None and kind is not None:
+            yield name, part
+            continue
+        if part is not None:
+            tensor = part
+        elif kind is not None:
             tensor = read_quantized(tensors, name, kind, quant)
             if name in packed:
                 yield name, tensor

@@ -11,6 +11,8 @@ reference: dequantize through torch, then F.linear. Device kernels are attached 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -146,8 +148,9 @@ class QuantLinear(nn.Module):
         """[out_features, in_features] in dtype: the reference weight."""
         return torch.cat([s.dequantize(dtype) for s in self.segments])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] float
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x `[..., in_features]` float; `add_bias` False: a row-parallel shard on a rank
+        other than 0 (the bias counts once over the ranks)."""
         if not self.segments or not (all(self._loaded) or self._tied):
             raise RuntimeError(f"QuantLinear {self.source_names} used before its weights loaded")
         x2 = x.reshape(-1, self.in_features)
@@ -156,7 +159,7 @@ class QuantLinear(nn.Module):
         else:
             ys = [self.kernel(x2, s) for s in self.segments]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-        if self.bias is not None:
+        if self.bias is not None and add_bias:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -171,15 +174,28 @@ class QuantEmbedding(nn.Module):
     weight = None
 
     def __init__(
-        self, num_embeddings: int, dim: int, source_name: str, dtype: torch.dtype, device
-    ) -> None:
+        self, num_embeddings: int, dim: int, source_name: str, dtype: torch.dtype, device,
+        vocab: VocabSplit | None = None,
+    ) -> None:  # fmt: skip
+        """`vocab` (tensor parallel): this rank holds `num_embeddings` rows from `vocab.start`;
+        other ids look up zeros, and the all-reduce fills them in."""
         super().__init__()
+        self.vocab = vocab
         self.num_embeddings = num_embeddings
         self.embedding_dim = dim
         self.source_names = [source_name]
         self.dtype = dtype
         self.device = torch.device(device)
         self.table: QuantizedTensor | None = None
+
+    @property
+    def start(self) -> int:
+        """The first vocab row this rank holds (tensor_parallel_shards reads it)."""
+        return 0 if self.vocab is None else self.vocab.start
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_embeddings
 
     def set_part(self, index: int, tensor: QuantizedTensor) -> None:
         if tensor.shape != (self.num_embeddings, self.embedding_dim):
@@ -200,18 +216,44 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.table is not None
-        rows = self.table.take_rows(ids.reshape(-1)).dequantize(self.dtype)  # [T, dim]
-        return rows.reshape(*ids.shape, self.embedding_dim)
+        flat = ids.reshape(-1)
+        if self.vocab is None:
+            rows = self.table.take_rows(flat).dequantize(self.dtype)  # [T, dim]
+            return rows.reshape(*ids.shape, self.embedding_dim)
+        local = flat - self.vocab.start
+        own = (local >= 0) & (local < self.num_embeddings)
+        rows = self.table.take_rows(torch.where(own, local, 0)).dequantize(self.dtype)
+        rows = rows * own[:, None].to(rows.dtype)
+        return self.vocab.tp.all_reduce(rows).reshape(*ids.shape, self.embedding_dim)
 
 
 class QuantLogits:
-    """compute_logits through a packed head (float32 logits)."""
+    """compute_logits through a packed head (float32 logits); under tensor parallelism
+    (`vocab`) this rank's vocab columns, padded to the ranks' equal share and gathered."""
 
-    def __init__(self, head: QuantLinear) -> None:
+    def __init__(self, head: QuantLinear, vocab: VocabSplit | None = None) -> None:
         self.head = head
+        self.vocab = vocab
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.head(hidden).float()
+        if self.vocab is None:
+            return logits
+        pad = self.vocab.per_rank - logits.shape[-1]
+        if pad:
+            logits = F.pad(logits, (0, pad))
+        return self.vocab.tp.gather_columns(logits, self.vocab.size)
+
+
+@dataclass(frozen=True)
+class VocabSplit:
+    """A vocabulary split across tensor-parallel ranks: this rank's rows start at `start`;
+    every rank's share is padded to `per_rank` rows; `tp` runs the collectives."""
+
+    size: int
+    start: int
+    per_rank: int
+    tp: Any
 
 
 def quant_modules(model: nn.Module) -> list[QuantLinear | QuantEmbedding]:

@@ -211,16 +211,12 @@ def test_a_forward_that_fails_between_collectives_stops_every_rank(tmp_path: Pat
     assert multiprocessing.active_children() == []
 
 
-def test_packed_gguf_under_tp_is_refused_naming_dequantize(tmp_path: Path) -> None:
+def test_dequantized_gguf_under_tp_runs(tmp_path: Path) -> None:
+    # packed shards: tests/runtime/test_tensor_parallel_quant.py
     from tests.app.tiny_engine import TinyTokenizer
     from tests.models.quant_cases import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0")
-    with pytest.raises(UnsupportedModelError, match="--dequantize"):
-        LLM(str(path), device="cpu", dtype="bfloat16", quantization="gguf",
-            num_kv_blocks=64, tensor_parallel_size=2)  # fmt: skip
-    assert multiprocessing.active_children() == []
-    # dequantized, it runs: each rank takes its slices of the dense weights
     llm = LLM(
         str(path),
         device="cpu",
@@ -235,3 +231,44 @@ def test_packed_gguf_under_tp_is_refused_naming_dequantize(tmp_path: Path) -> No
         assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 3
     finally:
         llm.engine.close()
+
+
+def test_more_ranks_than_gpus_is_refused_before_any_process_starts(monkeypatch) -> None:
+    from tandem.runtime.tp import check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs 2 GPUs.*1 visible"):
+        check_devices(torch.device("cuda", 0), 2)
+    check_devices(torch.device("cuda", 0), 1)
+    check_devices(torch.device("cpu"), 2)  # gloo processes need no GPU
+
+
+def test_overlapped_steps_under_tp_and_a_launch_failure_stops_every_rank(tmp_path: Path) -> None:
+    # The overlap scheduler's path (launch N+1 before applying N) under TP: the same greedy
+    # ids; a launch that raises is the engine's failure, never the retry that would broadcast
+    # another step into the workers' collectives.
+    from tandem.runtime.engine import EngineStepError
+
+    path = _save(CASES["llama_bias"](), tmp_path / "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want, _ = _run(path, 1)
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=256,
+              tensor_parallel_size=2, overlap=True)  # fmt: skip
+    try:
+        assert llm.engine.overlap
+        assert [list(o.token_ids) for o in llm.generate(PROMPTS, params)] == want
+        procs = list(llm.engine.tp_group.procs)
+        layer = llm.engine.runner.model.layers[1]
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("fault between collectives")
+
+        layer.forward = broken
+        with pytest.raises(EngineStepError, match="tensor-parallel forward failed"):
+            llm.generate(PROMPTS, params)
+        for p in procs:
+            p.join(timeout=10)
+            assert not p.is_alive()
+    finally:
+        llm.engine.close()
+    assert multiprocessing.active_children() == []

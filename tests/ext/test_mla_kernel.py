@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import subprocess
 
 import pytest
 import torch
@@ -323,6 +324,30 @@ def test_sm90_cluster_merge(batch, H, dtype):
     assert torch.equal(out[3].float(), torch.zeros(H, 512, device="cuda"))
     ref = mla_attention_ref(ql, qr, cache, query_lens, seq_lens, bt, 0.07)
     assert rel_err_per_token(out, ref) < TOL
+
+
+@sm90_test
+def test_sm90_cubin_the_driver_refuses_falls_back(tmp_path, monkeypatch, caplog):
+    """A cubin that builds but does not load on this GPU (here: built for sm_100a): "auto"
+    warns once and computes with the portable kernel, "sm90" raises naming the cause."""
+    src = tmp_path / "k.cu"
+    src.write_text('extern "C" __global__ void mla90_bf16(float* x) { x[0] = 1.f; }\n')
+    cubin = tmp_path / "k.cubin"
+    nvcc = sm90_build.nvcc_path()
+    assert nvcc is not None
+    subprocess.run([nvcc, "-arch=sm_100a", "-cubin", "-o", str(cubin), str(src)], check=True)
+    monkeypatch.setattr(mla_cuda, "sm90_cubin", lambda name: cubin)
+    monkeypatch.setattr(mla_cuda, "_sm90_warned", False)
+    mla_cuda._sm90_module.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert run_kernel([(3000, 1), (10, 1)], 128, seed=2) < TOL
+            assert run_kernel([(50, 1)], 128, seed=3) < TOL
+        assert sum("Hopper kernel is unavailable" in r.message for r in caplog.records) == 1
+        with pytest.raises(RuntimeError, match="sm90 MLA kernel is unavailable"):
+            run_kernel([(50, 1)], 128, seed=3, kernel="sm90")
+    finally:
+        mla_cuda._sm90_module.cache_clear()
 
 
 def test_kernel_choice_on_cpu():

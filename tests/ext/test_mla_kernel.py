@@ -146,6 +146,7 @@ def test_plan_mla_covers_context(num_tokens, head_tiles, max_seq_len):
 
 def test_smem_fits_h100():
     assert mla_cuda.smem_bytes(512, 64, 64) <= 227 * 1024
+    assert mla_cuda.SM90_SMEM <= 227 * 1024
     assert mla_cuda.rows_per_cta(128) == 64 and mla_cuda.rows_per_cta(16) == 16
     assert mla_cuda.rows_per_cta(48) == 16 and mla_cuda.rows_per_cta(96) == 32
     with pytest.raises(ValueError, match="multiple of 16"):

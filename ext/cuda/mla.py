@@ -34,7 +34,11 @@ SM90_SHAPE = (512, 64)
 SM90_HEADS = 64
 SM90_TILE = 64
 SM90_SMEM = 3 * 64 * 576 * 2 + 64 * 64 * 2 + 3 * 64 * 4 + 1024  # mirrors mla90:: in the .cu
-_SM90_NAMES = {torch.float16: "mla90_f16", torch.bfloat16: "mla90_bf16"}
+_SM90_DT = {torch.float16: "f16", torch.bfloat16: "bf16"}
+# split-KV partition counts the Hopper kernel merges inside one thread-block cluster (no float32
+# partials, no combine launch). Not 4: clusters of four one-CTA-per-SM blocks did not all fit
+# one wave; other counts take the partials and mla_combine_kernel (docs/mla.md).
+SM90_CLUSTERS = (2,)
 KERNELS = ("auto", "sm90", "portable")
 _MAX_GRID_Y = 65535  # tokens per launch (grid.y); x is the head tile, so both tiles of a token
 # run in the same wave and the second reads the latent rows from L2
@@ -175,6 +179,11 @@ def check_mla_args(
     return latent, rope, num_heads, block_size
 
 
+def sm90_kernel_name(dtype: torch.dtype, cluster: int) -> str:
+    """The Hopper kernel for `dtype` whose clusters merge `cluster` partitions (1: none)."""
+    return f"mla90_{_SM90_DT[dtype]}" if cluster == 1 else f"mla90_c{cluster}_{_SM90_DT[dtype]}"
+
+
 @cache
 def _sm90_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -188,8 +197,9 @@ def _sm90_module(index: int) -> str | Exception:
     """The built cubin's path once its kernels load on device `index`, else the error."""
     try:
         path = str(sm90_cubin("mla_sm90.cu"))
-        for name in _SM90_NAMES.values():
-            get_cubin_kernel(path, name, index)
+        for dtype in _SM90_DT:
+            for cl in (1, *SM90_CLUSTERS):
+                get_cubin_kernel(path, sm90_kernel_name(dtype, cl), index)
         return path
     except Exception as e:  # no nvcc, a failed build, a driver that refuses the cubin
         return e
@@ -250,11 +260,13 @@ def launch_mla_attention(
     head_tiles = num_heads // hm
     tile = SM90_TILE if cubin else _TILE
     part_len, num_parts = plan_mla(num_tokens, head_tiles, max_seq_len, _num_sms(index), tile)
-    if num_parts > 1:
+    cluster = num_parts if cubin and num_parts in SM90_CLUSTERS else 1
+    partials = num_parts // cluster  # float32 partials for the combine kernel (1: none)
+    if partials > 1:
         part_out = torch.empty(
-            num_tokens, num_heads, num_parts, latent, dtype=torch.float32, device=device
+            num_tokens, num_heads, partials, latent, dtype=torch.float32, device=device
         )
-        part_lse = torch.empty(num_tokens, num_heads, num_parts, dtype=torch.float32, device=device)
+        part_lse = torch.empty(num_tokens, num_heads, partials, dtype=torch.float32, device=device)
     else:
         part_out = part_lse = None
     dt = _DT[latent_cache.dtype]
@@ -287,12 +299,12 @@ def launch_mla_attention(
         )
         grid = (head_tiles, rows, num_parts)
         if cubin:
-            name = _SM90_NAMES[latent_cache.dtype]
+            name = sm90_kernel_name(latent_cache.dtype, cluster)
             launch_cubin(cubin, name, device, grid, (256, 1, 1), args, shared_mem=SM90_SMEM)
         else:
             name = f"mla_attention_kernel<{dt},{latent},{rope},{hm // 16},{nw}>"
             launch("mla_decode.cu", name, device, grid, (nw * 32, 1, 1), args, shared_mem=smem)
-        if num_parts > 1:
+        if partials > 1:
             launch(
                 "mla_decode.cu",
                 f"mla_combine_kernel<{dt},{latent}>",

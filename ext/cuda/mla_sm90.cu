@@ -103,8 +103,33 @@ __device__ __forceinline__ void reg_fence(float* d) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-__device__ __forceinline__ void bar_sync_wg(int id) {  // one warpgroup's 128 threads
-  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+// Thread-block cluster: rank, barrier (release/acquire) and a peer CTA's shared memory.
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                   : "memory");
+}
+__device__ __forceinline__ u32 peer_addr(u32 saddr, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(saddr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float ld_peer(u32 addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float4 ld_peer4(u32 addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
 }
 
 // Shared-memory matrix descriptor, 128-byte swizzle (layout type 1), base offset 0: every
@@ -164,7 +189,196 @@ __device__ __forceinline__ void mla90_load_tile(u32 dst, const u16* __restrict__
   }
 }
 
+// WG0's score product S = Q K^T of the tile at `kt` (36 wgmma; the first QR k-steps of Q
+// from registers); the caller fences, commits and waits.
 template <int DT, int QR>
+__device__ __forceinline__ void mla90_issue_scores(float* s, const u32 (&qf)[QR > 0 ? QR : 1][4],
+                                                   u32 q_base, u32 kt) {
+  using namespace mla90;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const u32 off = (ks >> 2) * CHUNK + (ks & 3) * 32;
+    const uint64_t kd = sw128_desc(kt + off, 16, 1024);
+    if (ks < QR) wgmma_m64n64_rs<DT, 0>(s, qf[QR > 0 ? ks : 0], kd, ks > 0);
+    else wgmma_m64n64<DT, 0>(s, sw128_desc(q_base + off, 16, 1024), kd, ks > 0);
+  }
+}
+
+// Online softmax of a score tile (rows at or past `end` masked): s becomes the exponentials,
+// m / l the running max and sum of this thread's rows, c0 / c1 their rescale factors.
+// s[4j + e]: row wrow (+8 for e >= 2), column 8j + 2 (lane % 4) + (e & 1).
+__device__ __forceinline__ void mla90_softmax(float* s, int t0, int end, float scale_log2,
+                                              int lane, float& m0, float& m1, float& l0,
+                                              float& l1, float& c0, float& c1) {
+  float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * j + 2 * (lane & 3) + (e & 1);
+      const float x = t0 + c < end ? s[4 * j + e] * scale_log2 : neg_inf();
+      s[4 * j + e] = x;
+      if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+    }
+  }
+#pragma unroll
+  for (int w = 1; w < 4; w <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, w));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, w));
+  }
+  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);  // finite: tile's first row valid
+  c0 = exp2f(m0 - n0);
+  c1 = exp2f(m1 - n1);
+  m0 = n0;
+  m1 = n1;
+  float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    s[4 * j] = exp2f(s[4 * j] - n0);
+    s[4 * j + 1] = exp2f(s[4 * j + 1] - n0);
+    s[4 * j + 2] = exp2f(s[4 * j + 2] - n1);
+    s[4 * j + 3] = exp2f(s[4 * j + 3] - n1);
+    p0 += s[4 * j] + s[4 * j + 1];
+    p1 += s[4 * j + 2] + s[4 * j + 3];
+  }
+  l0 = l0 * c0 + p0;
+  l1 = l1 * c1 + p1;
+}
+
+// P (the softmax's exponentials, 16-bit) and the rows' rescale factors into shared memory,
+// made visible to wgmma.
+template <int DT>
+__device__ __forceinline__ void mla90_store_p(const float* s, unsigned char* sP, float* sC,
+                                              int wrow, int lane, float c0, float c1) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    *reinterpret_cast<u32*>(sP + sw128(wrow, j) + (lane & 3) * 4) =
+        pack2<DT>(s[4 * j], s[4 * j + 1]);
+    *reinterpret_cast<u32*>(sP + sw128(wrow + 8, j) + (lane & 3) * 4) =
+        pack2<DT>(s[4 * j + 2], s[4 * j + 3]);
+  }
+  if ((lane & 3) == 0) {
+    sC[wrow] = c0;
+    sC[wrow + 8] = c1;
+  }
+  fence_proxy_async();
+}
+
+// O = O * corr + P V for this warpgroup's 256 columns; V = the tile's first 512 columns,
+// MN-major: 64-column chunks 8 KB apart (LBO), 8-row groups 1 KB apart (SBO); warpgroup wg's
+// columns are chunks 4 wg .. 4 wg + 3. The caller commits and waits.
+template <int DT>
+__device__ __forceinline__ void mla90_rescale_pv(float* o, float c0, float c1, u32 p_base,
+                                                 u32 kt, int wg) {
+  using namespace mla90;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j] *= c0;
+    o[4 * j + 1] *= c0;
+    o[4 * j + 2] *= c1;
+    o[4 * j + 3] *= c1;
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+    wgmma_m64n256<DT, 1>(o, sw128_desc(p_base + kk * 32, 16, 1024),
+                         sw128_desc(kt + wg * 4 * CHUNK + kk * 2048, CHUNK, 1024), 1);
+}
+
+// Epilogue: each thread scales its O rows and parks them (float32) in the free tile buffers,
+// then the CTA stores whole rows: 8-byte (out) or 16-byte (partials) stores per thread.
+// CL > 1: the CL partitions of one (token, 64-head tile) are a cluster; the scale is
+// exp2(m - m*) / l* (m*, l*: the cluster's max and sum, from the peers' sM / sL) and CTA r sums
+// columns [r L / CL, (r + 1) L / CL) over the peers' parked rows (distributed shared memory)
+// into the output: no float32 partials and no combine launch.
+template <int DT, int CL>
+__device__ __forceinline__ void mla90_epilogue(u16* __restrict__ out, float* __restrict__ part_out,
+                                               float* __restrict__ part_lse, const float* o,
+                                               u32 base, const float* sM, const float* sL,
+                                               int tq, int num_heads, int head0, int wrow,
+                                               int tid, bool direct, int pidx, int pcount) {
+  using namespace mla90;
+  constexpr int OS = L + 4;  // float stride of a parked row (fewer bank conflicts)
+  static_assert(HM * OS * 4 <= 2 * TILE, "parked O fits the tile buffers");
+  const int wg = tid >> 7, lane = tid & 31;
+  u32 rank = 0;
+  if constexpr (CL > 1) {
+    rank = cluster_rank();
+    cluster_sync();  // every peer's m and l are final
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = wrow + 8 * h;
+    const float own_l = sL[row];
+    float f = own_l > 0.f ? 1.f / own_l : 0.f;
+    if constexpr (CL > 1) {
+      const u32 sm_off = smem_addr(sM + row), sl_off = smem_addr(sL + row);
+      float mp[CL], lp[CL];
+      float mx = neg_inf();
+#pragma unroll
+      for (int r = 0; r < CL; ++r) {
+        mp[r] = ld_peer(peer_addr(sm_off, r));
+        lp[r] = ld_peer(peer_addr(sl_off, r));
+        if (lp[r] > 0.f) mx = fmaxf(mx, mp[r]);
+      }
+      float lsum = 0.f;
+#pragma unroll
+      for (int r = 0; r < CL; ++r)
+        if (lp[r] > 0.f) lsum += lp[r] * exp2f(mp[r] - mx);
+      f = own_l > 0.f ? exp2f(sM[row] - mx) / lsum : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = wg * 256 + 8 * j + 2 * (lane & 3);
+      const u32 a = base + K_OFF + (row * OS + col) * 4;
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(o[4 * j + 2 * h] * f),
+                   "f"(o[4 * j + 2 * h + 1] * f)
+                   : "memory");
+    }
+  }
+  if constexpr (CL > 1) cluster_sync();  // every peer's scaled O is parked
+  else __syncthreads();
+  constexpr int COLS = L / CL, V4 = COLS / 4;
+  for (int i = tid; i < HM * V4; i += THREADS) {
+    const int row = i / V4, col = (int)rank * COLS + (i % V4) * 4;
+    const u32 a = base + K_OFF + (row * OS + col) * 4;
+    float4 acc;
+    if constexpr (CL > 1) {
+      acc = ld_peer4(peer_addr(a, 0));
+#pragma unroll
+      for (int r = 1; r < CL; ++r) {
+        const float4 v = ld_peer4(peer_addr(a, r));
+        acc.x += v.x;
+        acc.y += v.y;
+        acc.z += v.z;
+        acc.w += v.w;
+      }
+    } else {
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=f"(acc.x), "=f"(acc.y), "=f"(acc.z), "=f"(acc.w)
+                   : "r"(a)
+                   : "memory");
+    }
+    const i64 orow = (i64)tq * num_heads + head0 + row;
+    if (direct) {
+      *reinterpret_cast<uint2*>(out + orow * L + col) =
+          make_uint2(pack2<DT>(acc.x, acc.y), pack2<DT>(acc.z, acc.w));
+    } else {
+      *reinterpret_cast<float4*>(part_out + (orow * pcount + pidx) * L + col) = acc;
+    }
+  }
+  if (!direct && tid < HM) {  // CL == 1: this partition's log2-sum-exp
+    const float l = sL[tid];
+    part_lse[((i64)tq * num_heads + head0 + tid) * pcount + pidx] =
+        l > 0.f ? sM[tid] + log2f(l) : neg_inf();
+  }
+  if constexpr (CL > 1) cluster_sync();  // no CTA leaves while a peer reads its shared memory
+}
+
+// CL: cluster size along the partitions (grid z == num_parts == CL); CL > 1 merges the
+// partitions' outputs through distributed shared memory instead of float32 partials and the
+// combine kernel.
+template <int DT, int QR, int CL>
 __device__ __forceinline__ void mla90_body(
     u16* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_lse,
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope,
@@ -202,10 +416,10 @@ __device__ __forceinline__ void mla90_body(
     return;
   }
   const int start = part * part_len;
-  if (start >= ctx) return;
+  if (CL == 1 && start >= ctx) return;  // a cluster's empty partition still joins the merge
   const int end = min(ctx, start + part_len);
   const int token_parts = (ctx + part_len - 1) / part_len;
-  const int ntiles = (end - start + BN - 1) / BN;
+  const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
   const int* bt = block_tables + (i64)seq * bt_stride;
 
   // Q [64 heads x (L | R)] into 9 swizzled chunks, by all threads; tile 0 by WG1.
@@ -239,6 +453,7 @@ __device__ __forceinline__ void mla90_body(
   float m0 = neg_inf(), m1 = neg_inf();  // running max of rows wrow, wrow + 8 (WG0)
   float l0 = 0.f, l1 = 0.f;              // this thread's share of their sums (WG0)
 
+  const u32 p_base = base + P_OFF;
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait<0>();
     fence_proxy_async();
@@ -254,76 +469,19 @@ __device__ __forceinline__ void mla90_body(
     } else {
       float s[32];
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        const u32 off = (ks >> 2) * CHUNK + (ks & 3) * 32;
-        const uint64_t kd = sw128_desc(kt + off, 16, 1024);
-        if (ks < QR) wgmma_m64n64_rs<DT, 0>(s, qf[QR > 0 ? ks : 0], kd, ks > 0);
-        else wgmma_m64n64<DT, 0>(s, sw128_desc(base + Q_OFF + off, 16, 1024), kd, ks > 0);
-      }
+      mla90_issue_scores<DT, QR>(s, qf, base + Q_OFF, kt);
       wgmma_commit();
       wgmma_wait0();
       reg_fence<32>(s);
-      // s[4j + e]: row wrow (+8 for e >= 2), column 8j + 2 (lane % 4) + (e & 1)
-      float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 8 * j + 2 * (lane & 3) + (e & 1);
-          const float x = t0 + c < end ? s[4 * j + e] * scale_log2 : neg_inf();
-          s[4 * j + e] = x;
-          if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
-        }
-      }
-#pragma unroll
-      for (int w = 1; w < 4; w <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, w));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, w));
-      }
-      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);  // finite: tile's first row valid
-      c0 = exp2f(m0 - n0);
-      c1 = exp2f(m1 - n1);
-      m0 = n0;
-      m1 = n1;
-      float p0 = 0.f, p1 = 0.f;
-      unsigned char* sP = smem + P_OFF;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float a0 = exp2f(s[4 * j] - n0), a1 = exp2f(s[4 * j + 1] - n0);
-        const float b0 = exp2f(s[4 * j + 2] - n1), b1 = exp2f(s[4 * j + 3] - n1);
-        p0 += a0 + a1;
-        p1 += b0 + b1;
-        *reinterpret_cast<u32*>(sP + sw128(wrow, j) + (lane & 3) * 4) = pack2<DT>(a0, a1);
-        *reinterpret_cast<u32*>(sP + sw128(wrow + 8, j) + (lane & 3) * 4) = pack2<DT>(b0, b1);
-      }
-      l0 = l0 * c0 + p0;
-      l1 = l1 * c1 + p1;
-      if ((lane & 3) == 0) {
-        sC[wrow] = c0;
-        sC[wrow + 8] = c1;
-      }
-      fence_proxy_async();
+      mla90_softmax(s, t0, end, scale_log2, lane, m0, m1, l0, l1, c0, c1);
+      mla90_store_p<DT>(s, smem + P_OFF, sC, wrow, lane, c0, c1);
     }
     __syncthreads();  // P and corr of tile `it` are in shared memory
     if (wg == 1) {
       c0 = sC[wrow];
       c1 = sC[wrow + 8];
     }
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= c0;
-      o[4 * j + 1] *= c0;
-      o[4 * j + 2] *= c1;
-      o[4 * j + 3] *= c1;
-    }
-    // V = the tile's first 512 columns, MN-major: 64-column chunks 8 KB apart (LBO), 8-row
-    // groups 1 KB apart (SBO); this warpgroup's 256 columns are chunks 4 wg .. 4 wg + 3.
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_m64n256<DT, 1>(o, sw128_desc(base + P_OFF + kk * 32, 16, 1024),
-                           sw128_desc(kt + wg * 4 * CHUNK + kk * 2048, CHUNK, 1024), 1);
+    mla90_rescale_pv<DT>(o, c0, c1, p_base, kt, wg);
     wgmma_commit();
     wgmma_wait0();
     reg_fence<128>(o);
@@ -344,43 +502,27 @@ __device__ __forceinline__ void mla90_body(
   }
   __syncthreads();
 
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = wrow + 8 * h;
-    const float l = sL[row];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const i64 orow = (i64)tq * num_heads + head0 + row;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = wg * 256 + 8 * j + 2 * (lane & 3);
-      const float v0 = o[4 * j + 2 * h] * inv, v1 = o[4 * j + 2 * h + 1] * inv;
-      if (token_parts == 1) {
-        *reinterpret_cast<u32*>(out + orow * L + col) = pack2<DT>(v0, v1);
-      } else {
-        *reinterpret_cast<float2*>(part_out + (orow * num_parts + part) * L + col) =
-            make_float2(v0, v1);
-      }
-    }
-  }
-  if (token_parts > 1 && tid < HM) {
-    const float l = sL[tid];
-    part_lse[((i64)tq * num_heads + head0 + tid) * num_parts + part] =
-        l > 0.f ? sM[tid] + log2f(l) : neg_inf();
-  }
+  mla90_epilogue<DT, CL>(out, part_out, part_lse, o, base, sM, sL, tq, num_heads, head0, wrow,
+                         tid, CL > 1 || token_parts == 1, part, num_parts);
 }
 
-#define MLA90_KERNEL(NAME, DT, QR)                                                          \
-  extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                   \
+#define MLA90_KERNEL(NAME, DT, QR, CL, ATTR)                                                 \
+  extern "C" __global__ void __launch_bounds__(256, 1) ATTR NAME(                              \
       u16* out, float* part_out, float* part_lse, const u16* q_lat, const u16* q_rope,         \
       const u16* cache, const int* qsl, const int* seq_lens, const int* block_tables, int tq0, \
       int num_seqs, int num_heads, i64 ql_t, i64 ql_h, i64 qr_t, i64 qr_h, int bt_stride,      \
       int bs_shift, int part_len, int num_parts, float scale_log2) {                           \
-    mla90_body<DT, QR>(out, part_out, part_lse, q_lat, q_rope, cache, qsl, seq_lens,       \
-                          block_tables, tq0, num_seqs, num_heads, ql_t, ql_h, qr_t, qr_h,      \
-                          bt_stride, bs_shift, part_len, num_parts, scale_log2);               \
+    mla90_body<DT, QR, CL>(out, part_out, part_lse, q_lat, q_rope, cache, qsl, seq_lens,   \
+                               block_tables, tq0, num_seqs, num_heads, ql_t, ql_h, qr_t, qr_h, \
+                               bt_stride, bs_shift, part_len, num_parts, scale_log2);          \
   }
+#define MLA90_NOCLUSTER
+#define MLA90_CLUSTER(CL) __cluster_dims__(1, 1, CL)
 
-// QR = 8: measured against 0 (and against P from registers for WG0's half, and two
-// accumulator chains for S), docs/mla.md.
-MLA90_KERNEL(mla90_f16, 0, 8)
-MLA90_KERNEL(mla90_bf16, 1, 8)
+#ifndef MLA90_NO_KERNELS
+// QR = 8: measured against 0, 4, 12 and 16 (and the variants docs/mla.md lists as not helping).
+MLA90_KERNEL(mla90_f16, 0, 8, 1, MLA90_NOCLUSTER)
+MLA90_KERNEL(mla90_bf16, 1, 8, 1, MLA90_NOCLUSTER)
+MLA90_KERNEL(mla90_c2_f16, 0, 8, 2, MLA90_CLUSTER(2))
+MLA90_KERNEL(mla90_c2_bf16, 1, 8, 2, MLA90_CLUSTER(2))
+#endif

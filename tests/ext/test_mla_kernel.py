@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import subprocess
 
 import pytest
 import torch
@@ -145,6 +146,7 @@ def test_plan_mla_covers_context(num_tokens, head_tiles, max_seq_len):
 
 def test_smem_fits_h100():
     assert mla_cuda.smem_bytes(512, 64, 64) <= 227 * 1024
+    assert mla_cuda.SM90_SMEM <= 227 * 1024
     assert mla_cuda.rows_per_cta(128) == 64 and mla_cuda.rows_per_cta(16) == 16
     assert mla_cuda.rows_per_cta(48) == 16 and mla_cuda.rows_per_cta(96) == 32
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -297,6 +299,58 @@ def test_sm90_extend_and_tile_edges(H):
     assert run_kernel(edges + MIXED, H, seed=11, kernel="sm90") < TOL
 
 
+@sm90_test
+@pytest.mark.parametrize(
+    "batch,H,dtype",
+    [(24, 128, torch.bfloat16), (26, 128, torch.float16), (50, 64, torch.bfloat16)],
+)
+def test_sm90_cluster_merge(batch, H, dtype):
+    """Two split-KV partitions merged inside a thread-block cluster: contexts over both, short
+    ones whose second partition is empty, an extend row and a padded (seq_len 0) row, which
+    must come out as zeros."""
+    rng = random.Random(batch)
+    pairs = [(rng.randint(0, 9000), 1) for _ in range(batch - 1)] + [(400, 3)]
+    pairs[:3] = [(0, 1), (63, 1), (9999, 1)]
+    query_lens = [n for _, n in pairs]
+    seq_lens = [p + n for p, n in pairs]
+    ql, qr, cache, qsl, sl, bt = make_batch(query_lens, seq_lens, H, 512, 64, dtype, seed=batch,
+                                            device="cuda")  # fmt: skip
+    sl[3] = 0
+    seq_lens[3] = 0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _, parts = mla_cuda.plan_mla(ql.shape[0], H // 64, 10002, sms, mla_cuda.SM90_TILE)
+    assert parts in mla_cuda.SM90_CLUSTERS, parts
+    out = torch.full_like(ql, float("nan"))
+    cuda_ext.mla_attention_cuda(ql, qr, cache, qsl, sl, bt, 0.07, 10002, out=out, kernel="sm90")
+    assert torch.equal(out[3].float(), torch.zeros(H, 512, device="cuda"))
+    ref = mla_attention_ref(ql, qr, cache, query_lens, seq_lens, bt, 0.07)
+    assert rel_err_per_token(out, ref) < TOL
+
+
+@sm90_test
+def test_sm90_cubin_the_driver_refuses_falls_back(tmp_path, monkeypatch, caplog):
+    """A cubin that builds but does not load on this GPU (here: built for sm_100a): "auto"
+    warns once and computes with the portable kernel, "sm90" raises naming the cause."""
+    src = tmp_path / "k.cu"
+    src.write_text('extern "C" __global__ void mla90_bf16(float* x) { x[0] = 1.f; }\n')
+    cubin = tmp_path / "k.cubin"
+    nvcc = sm90_build.nvcc_path()
+    assert nvcc is not None
+    subprocess.run([nvcc, "-arch=sm_100a", "-cubin", "-o", str(cubin), str(src)], check=True)
+    monkeypatch.setattr(mla_cuda, "sm90_cubin", lambda name: cubin)
+    monkeypatch.setattr(mla_cuda, "_sm90_warned", False)
+    mla_cuda._sm90_module.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert run_kernel([(3000, 1), (10, 1)], 128, seed=2) < TOL
+            assert run_kernel([(50, 1)], 128, seed=3) < TOL
+        assert sum("Hopper kernel is unavailable" in r.message for r in caplog.records) == 1
+        with pytest.raises(RuntimeError, match="sm90 MLA kernel is unavailable"):
+            run_kernel([(50, 1)], 128, seed=3, kernel="sm90")
+    finally:
+        mla_cuda._sm90_module.cache_clear()
+
+
 def test_kernel_choice_on_cpu():
     assert mla_cuda.choose_kernel("portable", 512, 64, 128, 0) is None
     with pytest.raises(ValueError, match="kernel must be"):
@@ -345,7 +399,10 @@ def test_sm90_source_builds(tmp_path, monkeypatch):
     path = sm90_build.sm90_cubin("mla_sm90.cu")
     data = path.read_bytes()
     assert path.parent == tmp_path / "cuda_sm90"
-    assert all(name.encode() in data for name in mla_cuda._SM90_NAMES.values())
+    names = [mla_cuda.sm90_kernel_name(dt, cl) for dt in (torch.float16, torch.bfloat16)
+             for cl in (1, *mla_cuda.SM90_CLUSTERS)]  # fmt: skip
+    assert len(set(names)) == len(names)
+    assert all(name.encode() in data for name in names)
 
 
 @gpu_test

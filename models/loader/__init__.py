@@ -211,6 +211,10 @@ def load_model(
     config = config or read_model_config(path, load_format)
     packed: set[str] = set()
     kept = _packed_tensors(path, fmt, quantization)
+    if fmt == "gguf" and _experts_stay_packed(expert_backend, device, quantization):
+        from tandem.models.loader.gguf import gguf_packed_tensors
+
+        kept = gguf_packed_tensors(path, experts=True)
     hf_quant = _hf_quant(path, fmt, quantization)
     if kept and quantization == "auto" and not _packed_kernels_serve(device, dtype):
         log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
@@ -246,7 +250,7 @@ def load_model(
     if kept and len(packed) < len(kept):
         log.info(
             "%d quantized tensors without a packed layer (MoE experts: the cpu_pool converts "
-            "them to its own formats, the gpu/torch experts hold them in %s) dequantized at load",
+            "them to its own formats, the torch experts hold them in %s) dequantized at load",
             len(kept) - len(packed),
             dtype,
         )
@@ -360,6 +364,15 @@ def _init_dummy(
         init_dummy_weights(model, seed, select=lambda n: n in names)
 
     return read_experts
+
+
+def _experts_stay_packed(expert_backend: str, device: torch.device | str, quantization: str) -> bool:
+    """Whether a GGUF's routed experts stay packed: the gpu expert backend on CUDA (its kernels
+    read them; ext/cuda/moe_quant.py), or anywhere with `--quantization gguf` (the torch
+    reference dequantizes them every step)."""
+    if expert_backend != "gpu" or quantization == "none":
+        return False
+    return torch.device(device).type == "cuda" or quantization == "gguf"
 
 
 def _packed_kernels_serve(device: torch.device | str, dtype: torch.dtype) -> bool:

@@ -3,7 +3,8 @@ meta device before materialization, so the dense weights are never allocated.
 
 `quantize_modules(model, kept, device)` takes the HF names of the checkpoint tensors that stay
 packed (name -> type: a ggml type, or "int4" / "fp8" for GPTQ, AWQ and FP8 safetensors) and
-swaps every module whose source tensors are all among them.
+swaps every module whose source tensors are all among them (a "gpu"-backend MoE block's routed
+experts too: models/quant/experts.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.models.quant.experts import swap_experts
 from tandem.models.quant.linear import QuantEmbedding, QuantLinear, QuantLogits
+from tandem.models.weights import canonical_name
 
 
 def _swap_linear(
@@ -41,6 +44,8 @@ def quantize_modules(
     """Swap in place; returns the HF tensor names now expected packed."""
     cfg = model.config
     swapped: list[str] = []
+    raw = {canonical_name(n): n for n in kept}  # Mixtral's expert names differ in checkpoints
+    canon_kept = {c: kept[n] for c, n in raw.items()}
     q, kv = cfg.q_size, cfg.kv_size
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
@@ -75,6 +80,7 @@ def quantize_modules(
             swapped += _swap_linear(
                 mlp, "down_proj", [prefix + "down_proj"], [cfg.hidden_size], kept, device
             )
+        swapped += [raw[n] for n in swap_experts(layer.mlp, p + "mlp.", canon_kept)]
     embed_name = "model.embed_tokens.weight"
     embed = None
     if embed_name in kept:

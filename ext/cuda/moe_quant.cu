@@ -1,0 +1,205 @@
+// A MoE layer's routed experts kept packed on the GPU (ext/cuda/moe_quant.py): GGUF block types
+// (decode_chunk of gguf_linear.cu) and MXFP4 (QT 39: a 17-byte block of one e8m0 scale byte
+// then 16 bytes of e2m1 nibbles, value i < 16 the low nibble of byte i, i + 16 its high
+// nibble: ggml's layout), dequantized in registers, fp32 accumulation.
+// - qmoe_gemv_kernel: the S (token, expert) slots of a step sorted by expert, as
+//   skinny_gemm.cu's moe_gemv_kernel: a block computes one expert run's rows, up to 8 slots per
+//   pass, so a step reads each touched expert's packed rows once per 8 of its slots. GLU = 1:
+//   w13 [E][2N rows] (gate, then up) -> act [S, N] 16-bit; GLU = 0: w2 [E][N rows] -> float
+//   [S, N] times the slot's routing weight. Optional 16-bit biases b [E, 2N] / [E, N] (GPT-OSS),
+//   ACT 0: silu(gate) * up; 1: GPT-OSS's clamped SwiGLU (alpha, limit).
+// - qmoe_dequant_kernel: every expert with slots (offsets) into a 16-bit [E, rows, K] scratch
+//   for grouped GEMMs at prefill sizes; experts without slots are skipped (left unwritten).
+#include "gguf_linear.cu"
+
+// An e2m1 nibble's value doubled (0, 1, 2, 3, 4, 6, 8, 12, then the same negated), from a byte
+// table in a 64-bit constant (no local-memory array).
+__device__ __forceinline__ float e2m1x2(u32 v) {
+  const float mag = (float)((0x0C08060403020100ull >> (8 * (v & 7))) & 255u);
+  return (v & 8) ? -mag : mag;
+}
+
+// MXFP4 chunk c (= block c) of a row -> 32 floats, as models/gguf_dequant.py forms them.
+__device__ __forceinline__ void decode_mxfp4(const u8* row, int c, float* w) {
+  const u8* b = row + (size_t)c * 17;
+  const float s = ldexpf(1.f, (int)b[0] - 128);  // e2m1 values doubled, scale halved (ggml)
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const u32 v = b[1 + i];
+    w[i] = e2m1x2(v & 15) * s;
+    w[i + 16] = e2m1x2(v >> 4) * s;
+  }
+}
+
+template <int QT>
+__device__ __forceinline__ void qmoe_chunk(const u8* row, int c, float* w) {
+  if constexpr (QT == 39) {
+    decode_mxfp4(row, c, w);
+  } else {
+    decode_chunk<QT>(row, c, w);
+  }
+}
+
+template <int ACT>
+__device__ __forceinline__ float qmoe_act(float g, float u, float alpha, float limit) {
+  if constexpr (ACT == 0) {
+    return g / (1.f + __expf(-g)) * u;
+  } else {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return (u + 1.f) * (g / (1.f + __expf(-g * alpha)));
+  }
+}
+
+template <int QT, int M, int DT, int GLU, int ACT>
+__device__ __forceinline__ void qmoe_rows(const u16* __restrict__ x, i64 ldx, const u8* w_e,
+                                          i64 rb, const long long* __restrict__ order,
+                                          const float* __restrict__ slot_w, const u16* b_e,
+                                          void* y, int n, int k, int top_k, i64 ldy, int p,
+                                          int count, int row, int lane, float alpha,
+                                          float limit) {
+  constexpr int R = GLU ? 2 : 1;
+  const u8* wr[R];
+  wr[0] = w_e + (i64)row * rb;
+  if constexpr (GLU) wr[R - 1] = w_e + (i64)(row + n) * rb;
+  long long slot[M];
+  const u16* xr[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    slot[m] = order[p + (m < count ? m : count - 1)];  // clamp: a tail slot is read, not written
+    xr[m] = x + (GLU ? slot[m] / top_k : slot[m]) * ldx;
+  }
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+  const int chunks = k >> 5;
+  for (int c = lane; c < chunks; c += 32) {
+    float wv[R][32];
+#pragma unroll
+    for (int r = 0; r < R; ++r) qmoe_chunk<QT>(wr[r], c, wv[r]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const u16* xp = xr[m] + c * 32;
+      float s[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = 0.f;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        float xf[8];
+        unpack8<DT>(ldg16(xp + v * 8), xf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int r = 0; r < R; ++r) s[r] = fmaf(wv[r][v * 8 + i], xf[i], s[r]);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[m][r] += s[r];
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], o);
+  if (lane != 0) return;
+  float b0 = 0.f, b1 = 0.f;
+  if (b_e != nullptr) {
+    b0 = ld_f<DT>(b_e + row);
+    if constexpr (GLU) b1 = ld_f<DT>(b_e + row + n);
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    if (m >= count) break;
+    if constexpr (GLU) {
+      const float a = qmoe_act<ACT>(acc[m][0] + b0, acc[m][R - 1] + b1, alpha, limit);
+      ((u16*)y)[slot[m] * ldy + row] = from_float<DT>(a);
+    } else {
+      ((float*)y)[slot[m] * ldy + row] = (acc[m][0] + b0) * slot_w[slot[m]];
+    }
+  }
+}
+
+// Grid: x = row blocks of 8 rows (a warp a row); y = sorted positions (offsets null: a block
+// works only where its position starts a run) or experts (offsets [E + 1]). Ids outside
+// [0, E) are slots computed elsewhere: skipped, their rows unwritten. M_MAX (1, 2, 4, 8): the
+// most slots per pass, no more than a step can give one expert (fewer registers at batch 1).
+template <int QT, int DT, int GLU, int ACT, int M_MAX>
+__global__ void __launch_bounds__(256) qmoe_gemv_kernel(
+    const u16* __restrict__ x,                 // GLU: hidden [T, K]; else act [S, K]; stride ldx
+    const u8* __restrict__ w,                  // [E][rows][rb] packed rows
+    const long long* __restrict__ sorted_ids,  // [S] expert of each sorted position, ascending
+    const long long* __restrict__ order,       // [S] slot of each sorted position
+    const long long* __restrict__ offsets,     // [E + 1] run bounds, or null
+    const float* __restrict__ slot_w,          // [S] routing weight per slot (GLU = 0)
+    const u16* __restrict__ bias,              // [E][GLU ? 2N : N] or null
+    void* __restrict__ y,                      // [S, N], row stride ldy
+    int n, int k, i64 rb, int num_slots, int num_experts, int top_k, i64 ldx, i64 ldy,
+    float alpha, float limit) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= n) return;
+  long long e;
+  int begin, end;
+  if (offsets != nullptr) {
+    e = blockIdx.y;
+    begin = (int)offsets[e];
+    end = (int)offsets[e + 1];
+  } else {
+    begin = blockIdx.y;
+    e = sorted_ids[begin];
+    if (e < 0 || e >= num_experts) return;
+    if (begin > 0 && sorted_ids[begin - 1] == e) return;  // not the start of a run
+    end = begin + 1;
+    while (end < num_slots && sorted_ids[end] == e) ++end;
+  }
+  const int rows = GLU ? 2 * n : n;
+  const u8* w_e = w + e * (i64)rows * rb;
+  const u16* b_e = bias == nullptr ? nullptr : bias + e * (i64)rows;
+  for (int p = begin; p < end; p += M_MAX) {
+    const int count = end - p < M_MAX ? end - p : M_MAX;
+    if (M_MAX == 1 || count == 1)
+      qmoe_rows<QT, 1, DT, GLU, ACT>(x, ldx, w_e, rb, order, slot_w, b_e, y, n, k, top_k, ldy, p,
+                                     count, row, lane, alpha, limit);
+    else if (M_MAX == 2 || count == 2)
+      qmoe_rows<QT, (M_MAX < 2 ? M_MAX : 2), DT, GLU, ACT>(x, ldx, w_e, rb, order, slot_w, b_e, y,
+                                                           n, k, top_k, ldy, p, count, row, lane,
+                                                           alpha, limit);
+    else if (M_MAX == 4 || count <= 4)
+      qmoe_rows<QT, (M_MAX < 4 ? M_MAX : 4), DT, GLU, ACT>(x, ldx, w_e, rb, order, slot_w, b_e, y,
+                                                           n, k, top_k, ldy, p, count, row, lane,
+                                                           alpha, limit);
+    else
+      qmoe_rows<QT, M_MAX, DT, GLU, ACT>(x, ldx, w_e, rb, order, slot_w, b_e, y, n, k, top_k, ldy,
+                                         p, count, row, lane, alpha, limit);
+  }
+}
+
+// Grid (ceil(rows * K / 32 / 256), E): one thread per (row, 32-value chunk) of expert
+// blockIdx.y, skipped where offsets (not null) say the expert has no slot.
+template <int QT, int DT>
+__global__ void __launch_bounds__(256) qmoe_dequant_kernel(const u8* __restrict__ w,
+                                                           const long long* __restrict__ offsets,
+                                                           u16* __restrict__ out, int rows, int K,
+                                                           i64 rb) {
+  const long long e = blockIdx.y;
+  if (offsets != nullptr && offsets[e + 1] == offsets[e]) return;
+  const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const int chunks = K >> 5;
+  if (t >= (i64)rows * chunks) return;
+  const int r = (int)(t / chunks), c = (int)(t % chunks);
+  float wv[32];
+  qmoe_chunk<QT>(w + (e * rows + r) * rb, c, wv);
+  u16* o = out + (e * rows + r) * (i64)K + c * 32;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    V16 p;
+    p.x = pack2<DT>(wv[v * 8 + 0], wv[v * 8 + 1]);
+    p.y = pack2<DT>(wv[v * 8 + 2], wv[v * 8 + 3]);
+    p.z = pack2<DT>(wv[v * 8 + 4], wv[v * 8 + 5]);
+    p.w = pack2<DT>(wv[v * 8 + 6], wv[v * 8 + 7]);
+    stg16(o + v * 8, p);
+  }
+}

@@ -1,0 +1,145 @@
+"""`PackedExperts`: a MoE block's routed experts kept in a checkpoint's packed format (GGUF block
+types, MXFP4 in ggml's 17-byte block), stacked as the block's w13 `[E, 2I, H]` (gate rows, then
+up rows) and w2 `[E, H, I]` would be, each row its blocks in order. The block then holds
+`PackedExpertWeight` views in place of its w13 / w2 tensors; the "gpu" expert backend runs them
+(ext/cuda/moe_quant.py) and every other path dequantizes them (`dequantize`, the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.models.config import UnsupportedModelError
+from tandem.models.gguf_dequant import dequantize
+from tandem.models.gguf_reader import GGML_TYPES
+from tandem.models.quant.tensor import QuantizedTensor, ggml_block
+
+# Expert types kept packed for the gpu backend: the GGUF types its kernels decode, and MXFP4.
+EXPERT_KEPT_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
+
+
+def expert_names(prefix: str, first: int, count: int) -> list[str]:
+    """The canonical per-expert weight names of experts [first, first + count), three each."""
+    return [f"{prefix}experts.{first + j}.{p}.weight" for j in range(count) for p in PROJECTIONS]
+
+
+class PackedExperts(nn.Module):
+    """The packed bytes of E experts: `data13` [E, 2I, row_bytes(H)] and `data2`
+    [E, H, row_bytes(I)] uint8 buffers (allocated with the model, filled by `set_part` as the
+    loader streams each expert's gate / up / down tensor by)."""
+
+    def __init__(self, source_names: list[str], qtype: str, hidden: int, inter: int) -> None:
+        """Buffers on the default device: meta inside `build_model`'s `prepare`, materialized
+        on the model's device with the rest of its tensors."""
+        super().__init__()
+        block, size = ggml_block(qtype)
+        if hidden % block or inter % block:
+            raise UnsupportedModelError(
+                f"{qtype} experts need hidden ({hidden}) and intermediate ({inter}) sizes that are "
+                f"multiples of {block}"
+            )
+        if len(source_names) % 3:
+            raise ValueError("source_names: gate, up and down of each expert")
+        self.qtype = qtype
+        self.hidden, self.inter = hidden, inter
+        self.num_experts = len(source_names) // 3
+        self.source_names = list(source_names)
+        self._loaded = [False] * len(source_names)
+        e = self.num_experts
+        rb13, rb2 = hidden // block * size, inter // block * size
+        self.register_buffer("data13", torch.empty(e, 2 * inter, rb13, dtype=torch.uint8))
+        self.register_buffer("data2", torch.empty(e, hidden, rb2, dtype=torch.uint8))
+
+    @property
+    def type_id(self) -> int:
+        return _TYPE_IDS[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data13.numel() + self.data2.numel()
+
+    def set_part(self, index: int, tensor: QuantizedTensor) -> None:
+        expert, proj = divmod(index, 3)
+        rows, cols = (self.hidden, self.inter) if proj == 2 else (self.inter, self.hidden)
+        name = self.source_names[index]
+        if not isinstance(tensor, QuantizedTensor) or tensor.qtype != self.qtype:
+            kind = getattr(tensor, "qtype", type(tensor).__name__)
+            raise UnsupportedModelError(f"tensor {name!r} is {kind}, expected {self.qtype}")
+        if tensor.shape != (rows, cols):
+            raise UnsupportedModelError(
+                f"tensor {name!r} has shape {tensor.shape}, expected {(rows, cols)}"
+            )
+        data = tensor.as_rows().data
+        if proj == 2:
+            self.data2[expert].copy_(data)
+        else:
+            self.data13[expert, proj * self.inter : (proj + 1) * self.inter].copy_(data)
+        self._loaded[index] = True
+
+    def finalize(self) -> None:
+        pass
+
+    def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) in `dtype`: the values every kernel must reproduce."""
+        tid = self.type_id
+        e = self.num_experts
+        w13 = dequantize(self.data13.reshape(-1), tid, (e * 2 * self.inter, self.hidden), dtype)
+        w2 = dequantize(self.data2.reshape(-1), tid, (e * self.hidden, self.inter), dtype)
+        return w13.view(e, 2 * self.inter, self.hidden), w2.view(e, self.hidden, self.inter)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, {self.qtype}"
+
+
+@dataclass(frozen=True)
+class PackedExpertWeight:
+    """What a MoE block passes as w13 ("13") or w2 ("2") when its experts are packed: a view
+    of its `PackedExperts` (which owns the buffers, so device moves stay with the module)."""
+
+    owner: PackedExperts
+    which: str
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.owner.data13 if self.which == "13" else self.owner.data2
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        o = self.owner
+        if self.which == "13":
+            return (o.num_experts, 2 * o.inter, o.hidden)
+        return (o.num_experts, o.hidden, o.inter)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def is_packed(w: object) -> bool:
+    return isinstance(w, PackedExpertWeight)
+
+
+def swap_experts(block: nn.Module, prefix: str, kept: dict[str, str]) -> list[str]:
+    """Replace `block`'s w13 / w2 by packed views where its backend is "gpu" and every one of
+    its experts' tensors is in `kept` (canonical name -> type) with one type of
+    `EXPERT_KEPT_TYPES`; the (canonical) names swapped."""
+    if getattr(getattr(block, "backend", None), "name", None) != "gpu":
+        return []
+    w13, w2 = getattr(block, "w13", None), getattr(block, "w2", None)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        return []
+    names = expert_names(prefix, getattr(block, "expert_start", 0), w13.shape[0])
+    types = {kept.get(n) for n in names}
+    if len(types) != 1 or next(iter(types)) not in EXPERT_KEPT_TYPES:
+        return []
+    packed = PackedExperts(names, types.pop(), w13.shape[2], w2.shape[2])
+    del block.w13, block.w2
+    block.packed_experts = packed
+    block.w13 = PackedExpertWeight(packed, "13")
+    block.w2 = PackedExpertWeight(packed, "2")
+    return names

@@ -1,0 +1,72 @@
+"""GGUF experts kept packed for the "gpu" expert backend (models/quant/experts.py): which
+tensors stay packed, their resident bytes, and logits against the dequantized model. On the
+CPU the backend runs the torch reference on the dequantized bytes; the CUDA kernels are
+checked in tests/ext/test_cuda_moe_quant.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from tandem.models.config import UnsupportedModelError
+from tandem.models.loader import load_model
+from tandem.models.quant.experts import PackedExperts, PackedExpertWeight, expert_names
+from tandem.models.quant.tensor import QuantizedTensor
+from tests.models.quant_cases import pack, write_tiny_gguf
+
+
+def _expert_bytes(path: Path) -> int:
+    return sum(t.n_bytes for t in gguf.GGUFReader(path).tensors if "_exps" in t.name)
+
+
+@pytest.mark.parametrize("experts_type", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "MXFP4"])
+def test_gpu_backend_keeps_gguf_experts_packed(tmp_path: Path, experts_type: str, paged_runner):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0", moe=True, experts_type=experts_type)
+    packed, cfg = load_model(
+        path, dtype=torch.float32, device="cpu", quantization="gguf", expert_backend="gpu"
+    )
+    dense, _ = load_model(path, dtype=torch.float32, device="cpu", quantization="none")
+    blocks = [layer.mlp for layer in packed.layers]
+    assert all(isinstance(b.w13, PackedExpertWeight) for b in blocks)
+    assert all(isinstance(layer.mlp.w13, torch.nn.Parameter) for layer in dense.layers)
+    assert blocks[0].w13.shape == tuple(dense.layers[0].mlp.w13.shape)
+    resident = sum(b.packed_experts.nbytes for b in blocks)
+    assert resident == _expert_bytes(path)  # the file's bytes, not a dequantized copy
+    for b, d in zip(blocks, dense.layers, strict=True):
+        w13, w2 = b.packed_experts.dequantize(torch.float32)
+        torch.testing.assert_close(w13, d.mlp.w13, rtol=0, atol=0)
+        torch.testing.assert_close(w2, d.mlp.w2, rtol=0, atol=0)
+    ids = [int(i) for i in torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(1))]
+    a = paged_runner(packed, cfg, block_size=4).step([(0, ids)])[0]
+    b = paged_runner(dense, cfg, block_size=4).step([(0, ids)])[0]
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert packed.expert_backend.calls["torch"] > 0  # no CUDA here: the reference path
+
+
+def test_other_backends_and_none_dequantize_experts(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0", moe=True, experts_type="Q4_0")
+    torch_be, _ = load_model(
+        path, dtype=torch.float32, device="cpu", quantization="gguf", expert_backend="torch"
+    )
+    none, _ = load_model(
+        path, dtype=torch.float32, device="cpu", quantization="none", expert_backend="gpu"
+    )
+    auto_cpu, _ = load_model(path, dtype=torch.float32, device="cpu", expert_backend="gpu")
+    for model in (torch_be, none, auto_cpu):  # auto on the CPU: no kernel reads them packed
+        assert isinstance(model.layers[0].mlp.w13, torch.nn.Parameter)
+
+
+def test_set_part_refuses_wrong_type_and_shape() -> None:
+    experts = PackedExperts(expert_names("model.layers.0.mlp.", 0, 2), "Q4_0", 64, 32)
+    gate = pack(torch.randn(32, 64).numpy(), "Q4_0")
+    experts.set_part(0, QuantizedTensor("Q4_0", torch.from_numpy(gate), 64))
+    with pytest.raises(UnsupportedModelError, match="is Q8_0, expected Q4_0"):
+        q8 = pack(torch.randn(32, 64).numpy(), "Q8_0")
+        experts.set_part(1, QuantizedTensor("Q8_0", torch.from_numpy(q8), 64))
+    with pytest.raises(UnsupportedModelError, match=r"shape \(32, 64\), expected \(64, 32\)"):
+        experts.set_part(2, QuantizedTensor("Q4_0", torch.from_numpy(gate), 64))
+    with pytest.raises(UnsupportedModelError, match="multiples of 256"):
+        PackedExperts(expert_names("p.", 0, 1), "Q4_K", 64, 32)

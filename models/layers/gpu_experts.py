@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.ext.cuda import is_available as cuda_kernels_available
-from tandem.ext.cuda import moe_quant  # registers torch.ops.tandem.qmoe_routed_experts
-from tandem.ext.cuda import skinny  # registers torch.ops.tandem.moe_routed_experts
+from tandem.ext.cuda import (
+    moe_quant,  # registers torch.ops.tandem.qmoe_routed_experts
+    skinny,  # registers torch.ops.tandem.moe_routed_experts
+)
 from tandem.models.layers.experts import ExpertBias, TorchExpertBackend
 from tandem.models.quant.experts import PackedExpertWeight, is_packed
 

@@ -366,7 +366,9 @@ def _init_dummy(
     return read_experts
 
 
-def _experts_stay_packed(expert_backend: str, device: torch.device | str, quantization: str) -> bool:
+def _experts_stay_packed(
+    expert_backend: str, device: torch.device | str, quantization: str
+) -> bool:
     """Whether a GGUF's routed experts stay packed: the gpu expert backend on CUDA (its kernels
     read them; ext/cuda/moe_quant.py), or anywhere with `--quantization gguf` (the torch
     reference dequantizes them every step)."""

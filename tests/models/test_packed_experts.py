@@ -70,3 +70,31 @@ def test_set_part_refuses_wrong_type_and_shape() -> None:
         experts.set_part(2, QuantizedTensor("Q4_0", torch.from_numpy(gate), 64))
     with pytest.raises(UnsupportedModelError, match="multiples of 256"):
         PackedExperts(expert_names("p.", 0, 1), "Q4_K", 64, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts_type", ["Q4_0", "Q4_K", "MXFP4"])
+def test_packed_experts_model_on_cuda_close_to_dequantized(
+    tmp_path: Path, experts_type: str, paged_runner
+):
+    import tandem.ext.cuda as cuda_ext
+
+    if not cuda_ext.is_available():
+        pytest.skip("needs CUDA and CuPy")
+    from tests.models.test_cuda_parity import CudaPagedRunner
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0", moe=True, experts_type=experts_type)
+    fast, cfg = load_model(path, dtype=torch.bfloat16, device="cuda", expert_backend="gpu")
+    assert all(layer.mlp.packed_experts.data13.is_cuda for layer in fast.layers)
+    ref, _ = load_model(
+        path, dtype=torch.bfloat16, device="cuda", quantization="none", expert_backend="gpu"
+    )
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 7, 16, 64, 300):
+        ids = [int(i) for i in torch.randint(0, 96, (rows,), generator=gen)]
+        a = CudaPagedRunner(paged_runner, fast, cfg, block_size=16, seed=1).step([(0, ids)])[0]
+        b = CudaPagedRunner(paged_runner, ref, cfg, block_size=16, seed=1).step([(0, ids)])[0]
+        row_ok = (a - b).abs().amax(-1) <= 0.03 * b.abs().max()
+        assert int((~row_ok).sum()) <= max(1, rows // 10), rows  # routing flips allowed
+    calls = fast.expert_backend.calls
+    assert calls["qgemv"] > 0 and calls["qgrouped"] > 0 and calls["torch"] == 0, calls

@@ -211,10 +211,8 @@ def load_model(
     config = config or read_model_config(path, load_format)
     packed: set[str] = set()
     kept = _packed_tensors(path, fmt, quantization)
-    if fmt == "gguf" and _experts_stay_packed(expert_backend, device, quantization):
-        from tandem.models.loader.gguf import gguf_packed_tensors
-
-        kept = gguf_packed_tensors(path, experts=True)
+    if _experts_stay_packed(expert_backend, device, quantization):
+        kept = {**kept, **_packed_expert_tensors(path, fmt, config)}
     hf_quant = _hf_quant(path, fmt, quantization)
     if kept and quantization == "auto" and not _packed_kernels_serve(device, dtype):
         log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
@@ -369,12 +367,27 @@ def _init_dummy(
 def _experts_stay_packed(
     expert_backend: str, device: torch.device | str, quantization: str
 ) -> bool:
-    """Whether a GGUF's routed experts stay packed: the gpu expert backend on CUDA (its kernels
-    read them; ext/cuda/moe_quant.py), or anywhere with `--quantization gguf` (the torch
-    reference dequantizes them every step)."""
+    """Whether routed experts stay packed (`_packed_expert_tensors`): the gpu expert backend
+    on CUDA (its kernels read them; ext/cuda/moe_quant.py), or anywhere with `--quantization
+    gguf` (the torch reference dequantizes them every step)."""
     if expert_backend != "gpu" or quantization == "none":
         return False
     return torch.device(device).type == "cuda" or quantization == "gguf"
+
+
+def _packed_expert_tensors(path: Path, fmt: str, config: ModelConfig) -> dict[str, str]:
+    """Per-expert HF name -> type of the routed experts a gpu-backend model keeps packed: a
+    GGUF's stacked expert tensors of the kept types, a GPT-OSS checkpoint's MXFP4 experts."""
+    if fmt == "gguf":
+        from tandem.models.loader.gguf import gguf_packed_tensors
+
+        return gguf_packed_tensors(path, experts=True)
+    if fmt == "safetensors" and config.architecture == "GptOssForCausalLM":
+        from tandem.models.gpt_oss import mxfp4_expert_names
+        from tandem.models.loader.safetensors import tensor_names
+
+        return mxfp4_expert_names(tensor_names(path), config)
+    return {}
 
 
 def _packed_kernels_serve(device: torch.device | str, dtype: torch.dtype) -> bool:

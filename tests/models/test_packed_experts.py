@@ -98,3 +98,48 @@ def test_packed_experts_model_on_cuda_close_to_dequantized(
         assert int((~row_ok).sum()) <= max(1, rows // 10), rows  # routing flips allowed
     calls = fast.expert_backend.calls
     assert calls["qgemv"] > 0 and calls["qgrouped"] > 0 and calls["torch"] == 0, calls
+
+
+def test_mxfp4_to_ggml_blocks_keeps_the_values() -> None:
+    from tandem.models.gguf_dequant import dequantize
+    from tandem.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_ggml_blocks
+
+    x = torch.randn(6, 96) * torch.logspace(-3, 1, 6)[:, None]
+    blocks, scales = quantize_mxfp4(x)
+    rows = to_ggml_blocks(blocks, scales)
+    assert rows.shape == (6, 3 * 17)
+    ours = dequantize(rows.reshape(-1), 39, (6, 96), torch.float32)
+    assert torch.equal(ours, dequantize_mxfp4(blocks, scales))
+
+
+@pytest.mark.gpu
+def test_gpt_oss_mxfp4_checkpoint_experts_stay_packed_on_cuda(tmp_path: Path, paged_runner):
+    import tandem.ext.cuda as cuda_ext
+
+    if not cuda_ext.is_available():
+        pytest.skip("needs CUDA and CuPy")
+    import transformers as hf
+
+    from tests.models.test_cuda_parity import CudaPagedRunner
+    from tests.models.test_gpt_oss import GPT_OSS, _save_hf_model, _to_mxfp4
+
+    _save_hf_model(hf.GptOssConfig(**GPT_OSS), tmp_path / "q")
+    _to_mxfp4(tmp_path / "q")
+    fast, cfg = load_model(
+        tmp_path / "q", dtype=torch.bfloat16, device="cuda", expert_backend="gpu"
+    )
+    ref, _ = load_model(
+        tmp_path / "q", dtype=torch.bfloat16, device="cuda", expert_backend="gpu",
+        quantization="none",
+    )  # fmt: skip
+    assert all(layer.mlp.packed_experts.qtype == "MXFP4" for layer in fast.layers)
+    assert all(isinstance(layer.mlp.w13, torch.nn.Parameter) for layer in ref.layers)
+    w13, w2 = fast.layers[0].mlp.packed_experts.dequantize(torch.bfloat16)
+    assert torch.equal(w13, ref.layers[0].mlp.w13) and torch.equal(w2, ref.layers[0].mlp.w2)
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 7, 64):
+        ids = [int(i) for i in torch.randint(0, 128, (rows,), generator=gen)]
+        a = CudaPagedRunner(paged_runner, fast, cfg, block_size=16, seed=1).step([(0, ids)])[0]
+        b = CudaPagedRunner(paged_runner, ref, cfg, block_size=16, seed=1).step([(0, ids)])[0]
+        row_ok = (a - b).abs().amax(-1) <= 0.03 * b.abs().max()
+        assert int((~row_ok).sum()) <= max(1, rows // 10), rows

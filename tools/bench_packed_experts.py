@@ -54,12 +54,16 @@ def random_experts(qtype: str, hidden: int, inter: int, num: int) -> PackedExper
     """Random codes with sane scales in every block (the values do not matter for timing)."""
     experts = PackedExperts(expert_names("l.", 0, num), qtype, hidden, inter).cuda()
     _, size = ggml_block(qtype)
-    for data in (experts.data13, experts.data2):
+    for data, scales in ((experts.data13, experts.scales13), (experts.data2, experts.scales2)):
         data.random_(0, 256)
+        if scales is not None:  # planes: codes and scales apart
+            if qtype == "MXFP4":
+                scales.fill_(118)  # e8m0: 2^-10 (x the doubled e2m1 values)
+            else:
+                scales.view(torch.float16).fill_(0.005)
+            continue
         blocks = data.view(-1, size)
-        if qtype == "MXFP4":
-            blocks[:, 0] = 118  # e8m0: 2^-10 (x the doubled e2m1 values)
-        elif qtype == "Q6_K":
+        if qtype == "Q6_K":
             blocks[:, 208:210] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8).cuda()
         else:  # d (and dmin / m) at the block's start
             d = torch.tensor([0.005, 0.001], dtype=torch.float16).view(torch.uint8).cuda()
@@ -122,35 +126,48 @@ def main() -> None:
     for t in [int(x) for x in args.tokens.split(",")]:
         g = torch.Generator("cuda").manual_seed(t)
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-        logits = torch.randn(t, num, device="cuda", generator=g)
-        w, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+        logits = torch.randn(t, num, device="cuda", generator=g).bfloat16()
+        w, ids = torch.topk(torch.softmax(logits.float(), -1), top_k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
         touched = torch.unique(ids).numel()
         floor_s = args.layers * touched * packed_bytes / num / bw
         row = {"tokens": t, "touched_experts": touched, "floor_us": floor_s * 1e6}
-        for name, limit in (("gemv", 1 << 30), ("grouped", 0)):
+        views = [(PackedExpertWeight(e, "13"), PackedExpertWeight(e, "2")) for e in layers]
+        paths = [("gemv", 1 << 30), ("grouped", 0)]
+        if t <= 16 and bias is None:
+            paths.insert(0, ("decode", 1 << 30))  # from the router's logits, as the engine runs
+        for name, limit in paths:
             backend = GpuExpertBackend(packed_gemv_max_tokens=limit)
-            views = [(PackedExpertWeight(e, "13"), PackedExpertWeight(e, "2")) for e in layers]
 
-            def step(backend=backend, views=views, x=x, ids=ids, w=w) -> None:
+            def step(backend=backend, name=name, x=x, ids=ids, w=w, logits=logits, views=views):
                 for w13, w2 in views:
-                    backend.forward(0, x, ids, w, w13, w2, bias=bias)
+                    if name == "decode":
+                        backend.forward_logits(0, x, logits, top_k, True, w13, w2)
+                    else:
+                        backend.forward(0, x, ids, w, w13, w2, bias=bias)
 
             fn = graph_of(step) if t <= 64 else step
             row[f"{name}_us"] = timed(fn, 10 if t <= 64 else 3) * 1e6
+            if name == "decode":
+                assert backend.calls["qdecode"] > 0, backend.calls
         if dense:
             backend = GpuExpertBackend()
 
-            def step_bf16(backend=backend, x=x, ids=ids, w=w) -> None:
-                for i in range(args.layers):
+            def step_bf16(backend=backend, x=x, ids=ids, w=w, logits=logits) -> None:
+                for i in range(args.layers):  # the backend's own decode kernels where they take it
                     w13, w2 = dense[i % len(dense)]
-                    backend.forward(0, x, ids, w, w13, w2, bias=bias)
+                    out = None
+                    if bias is None:
+                        out = backend.forward_logits(0, x, logits, top_k, True, w13, w2)
+                    if out is None:
+                        backend.forward(0, x, ids, w, w13, w2, bias=bias)
 
             fn = graph_of(step_bf16) if t <= 64 else step_bf16
             row["bf16_us"] = timed(fn, 10 if t <= 64 else 3) * 1e6
         rows.append(row)
         cells = " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.endswith("_us"))
         print(f"tokens={t:5d} touched={touched:3d} {cells} "
-              f"(gemv {row['floor_us'] / row['gemv_us']:.0%} of floor)")  # fmt: skip
+              f"(best {row['floor_us'] / min(row[k] for k in row if k.startswith(('decode', 'gemv'))):.0%} of floor)")  # fmt: skip
     resident = sum(e.nbytes for e in layers)
     stats = {"shape": args.shape, "type": args.type, "bw": bw, "packed_bytes_per_layer":
              packed_bytes, "resident_bytes": resident, "rows": rows}  # fmt: skip

@@ -1,7 +1,9 @@
-// A MoE layer's routed experts kept packed on the GPU (ext/cuda/moe_quant.py): GGUF block types
-// (decode_chunk of gguf_linear.cu) and MXFP4 (QT 39: a 17-byte block of one e8m0 scale byte
-// then 16 bytes of e2m1 nibbles, value i < 16 the low nibble of byte i, i + 16 its high
-// nibble: ggml's layout), dequantized in registers, fp32 accumulation.
+// A MoE layer's routed experts kept packed on the GPU (ext/cuda/moe_quant.py), dequantized in
+// registers, fp32 accumulation. Layouts (models/quant/experts.py): Q4_0 (QT 2), Q8_0 (8) and
+// MXFP4 (39) as planes: per row the blocks' codes (16 bytes of nibbles, value i < 16 the low
+// nibble of byte i and i + 16 its high one; or 32 int8) then, in a second tensor, the blocks'
+// scales (fp16 d; or the e8m0 byte); one 16-byte load per lane and 32 values. Other GGUF types
+// (Q4_1, Q4_K, Q5_K, Q6_K) as GGUF rows (decode_chunk of gguf_linear.cu).
 // - qmoe_gemv_kernel: the S (token, expert) slots of a step sorted by expert, as
 //   skinny_gemm.cu's moe_gemv_kernel: a block computes one expert run's rows, up to 8 slots per
 //   pass, so a step reads each touched expert's packed rows once per 8 of its slots. GLU = 1:
@@ -11,32 +13,69 @@
 // - qmoe_dequant_kernel: every expert with slots (offsets) into a 16-bit [E, rows, K] scratch
 //   for grouped GEMMs at prefill sizes; experts without slots are skipped (left unwritten).
 #include "gguf_linear.cu"
+#define HF_LINEAR_DECODE_ONLY
+#include "hf_linear.cu"
 
 // An e2m1 nibble's value doubled (0, 1, 2, 3, 4, 6, 8, 12, then the same negated), from a byte
 // table in a 64-bit constant (no local-memory array).
-__device__ __forceinline__ float e2m1x2(u32 v) {
+__device__ __forceinline__ float e2m1x2(u32 v) {  // v < 16
   const float mag = (float)((0x0C08060403020100ull >> (8 * (v & 7))) & 255u);
   return (v & 8) ? -mag : mag;
 }
 
-// MXFP4 chunk c (= block c) of a row -> 32 floats, as models/gguf_dequant.py forms them.
-__device__ __forceinline__ void decode_mxfp4(const u8* row, int c, float* w) {
-  const u8* b = row + (size_t)c * 17;
-  const float s = ldexpf(1.f, (int)b[0] - 128);  // e2m1 values doubled, scale halved (ggml)
+// Chunk c (32 values) of a row: q the row's codes (planes) or its GGUF blocks, sc the row's
+// scales (planes only) -> the 32 values before the scale in w; returns the scale.
+template <int QT>
+__device__ __forceinline__ float qmoe_chunk(const u8* q, const u8* sc, int c, float* w) {
+  if constexpr (QT == 2 || QT == 39) {
+    const V16 v = ldg16(q + c * 16);
+    const u32 b[4] = {v.x, v.y, v.z, v.w};
+    if constexpr (QT == 2) {
+      decode_int4_chunk(b, 1.f, 8.f, w);
+      return h2f(sc + 2 * c);
+    } else {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const u32 v = b[1 + i];
-    w[i] = e2m1x2(v & 15) * s;
-    w[i + 16] = e2m1x2(v >> 4) * s;
+      for (int i = 0; i < 16; ++i) {
+        const u32 x = b[i >> 2] >> (8 * (i & 3));
+        w[i] = e2m1x2(x & 15u);
+        w[i + 16] = e2m1x2((x >> 4) & 15u);
+      }
+      return __uint_as_float((u32)sc[c] << 23) * 0.5f;  // 2^(e - 128); e = 0 flushes to 0
+    }
+  } else if constexpr (QT == 8) {
+    const V16 a = ldg16(q + c * 32), b = ldg16(q + c * 32 + 16);
+    const u32 u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) w[i] = (float)(signed char)((u[i >> 2] >> (8 * (i & 3))) & 255u);
+    return h2f(sc + 2 * c);
+  } else {
+    decode_chunk<QT>(q, c, w);
+    return 1.f;
   }
 }
 
-template <int QT>
-__device__ __forceinline__ void qmoe_chunk(const u8* row, int c, float* w) {
-  if constexpr (QT == 39) {
-    decode_mxfp4(row, c, w);
-  } else {
-    decode_chunk<QT>(row, c, w);
+// One row's dot products with the M rows xr, chunks lane, lane + 32, ...: acc[m] += the row's
+// values . xr[m] (scaled per chunk).
+template <int QT, int M, int DT>
+__device__ __forceinline__ void qmoe_dot(const u8* q, const u8* sc, const u16* const* xr, int k,
+                                         int lane, float* acc) {
+  const int chunks = k >> 5;
+  for (int c = lane; c < chunks; c += 32) {
+    float wv[32];
+    const float scale = qmoe_chunk<QT>(q, sc, c, wv);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const u16* xp = xr[m] + c * 32;
+      float s = 0.f;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        float xf[8];
+        unpack8<DT>(ldg16(xp + v * 8), xf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s = fmaf(wv[v * 8 + i], xf[i], s);
+      }
+      acc[m] = fmaf(scale, s, acc[m]);
+    }
   }
 }
 
@@ -53,15 +92,13 @@ __device__ __forceinline__ float qmoe_act(float g, float u, float alpha, float l
 
 template <int QT, int M, int DT, int GLU, int ACT>
 __device__ __forceinline__ void qmoe_rows(const u16* __restrict__ x, i64 ldx, const u8* w_e,
-                                          i64 rb, const long long* __restrict__ order,
+                                          i64 rb, const u8* s_e, i64 srb,
+                                          const long long* __restrict__ order,
                                           const float* __restrict__ slot_w, const u16* b_e,
                                           void* y, int n, int k, int top_k, i64 ldy, int p,
                                           int count, int row, int lane, float alpha,
                                           float limit) {
   constexpr int R = GLU ? 2 : 1;
-  const u8* wr[R];
-  wr[0] = w_e + (i64)row * rb;
-  if constexpr (GLU) wr[R - 1] = w_e + (i64)(row + n) * rb;
   long long slot[M];
   const u16* xr[M];
 #pragma unroll
@@ -69,41 +106,20 @@ __device__ __forceinline__ void qmoe_rows(const u16* __restrict__ x, i64 ldx, co
     slot[m] = order[p + (m < count ? m : count - 1)];  // clamp: a tail slot is read, not written
     xr[m] = x + (GLU ? slot[m] / top_k : slot[m]) * ldx;
   }
-  float acc[M][R];
+  float acc[R][M];
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int r = 0; r < R; ++r) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
-  const int chunks = k >> 5;
-  for (int c = lane; c < chunks; c += 32) {
-    float wv[R][32];
-#pragma unroll
-    for (int r = 0; r < R; ++r) qmoe_chunk<QT>(wr[r], c, wv[r]);
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const u16* xp = xr[m] + c * 32;
-      float s[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) s[r] = 0.f;
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        float xf[8];
-        unpack8<DT>(ldg16(xp + v * 8), xf);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-          for (int r = 0; r < R; ++r) s[r] = fmaf(wv[r][v * 8 + i], xf[i], s[r]);
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[m][r] += s[r];
-    }
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    const i64 rr = row + r * n;
+    qmoe_dot<QT, M, DT>(w_e + rr * rb, s_e + rr * srb, xr, k, lane, acc[r]);
   }
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], o);
+      for (int o = 16; o > 0; o >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], o);
   if (lane != 0) return;
   float b0 = 0.f, b1 = 0.f;
   if (b_e != nullptr) {
@@ -114,10 +130,10 @@ __device__ __forceinline__ void qmoe_rows(const u16* __restrict__ x, i64 ldx, co
   for (int m = 0; m < M; ++m) {
     if (m >= count) break;
     if constexpr (GLU) {
-      const float a = qmoe_act<ACT>(acc[m][0] + b0, acc[m][R - 1] + b1, alpha, limit);
+      const float a = qmoe_act<ACT>(acc[0][m] + b0, acc[R - 1][m] + b1, alpha, limit);
       ((u16*)y)[slot[m] * ldy + row] = from_float<DT>(a);
     } else {
-      ((float*)y)[slot[m] * ldy + row] = (acc[m][0] + b0) * slot_w[slot[m]];
+      ((float*)y)[slot[m] * ldy + row] = (acc[0][m] + b0) * slot_w[slot[m]];
     }
   }
 }
@@ -129,14 +145,15 @@ __device__ __forceinline__ void qmoe_rows(const u16* __restrict__ x, i64 ldx, co
 template <int QT, int DT, int GLU, int ACT, int M_MAX>
 __global__ void __launch_bounds__(256) qmoe_gemv_kernel(
     const u16* __restrict__ x,                 // GLU: hidden [T, K]; else act [S, K]; stride ldx
-    const u8* __restrict__ w,                  // [E][rows][rb] packed rows
+    const u8* __restrict__ w,                  // [E][rows][rb] codes (planes) or GGUF rows
+    const u8* __restrict__ scales,             // [E][rows][srb] (planes) or null
     const long long* __restrict__ sorted_ids,  // [S] expert of each sorted position, ascending
     const long long* __restrict__ order,       // [S] slot of each sorted position
     const long long* __restrict__ offsets,     // [E + 1] run bounds, or null
     const float* __restrict__ slot_w,          // [S] routing weight per slot (GLU = 0)
     const u16* __restrict__ bias,              // [E][GLU ? 2N : N] or null
     void* __restrict__ y,                      // [S, N], row stride ldy
-    int n, int k, i64 rb, int num_slots, int num_experts, int top_k, i64 ldx, i64 ldy,
+    int n, int k, i64 rb, i64 srb, int num_slots, int num_experts, int top_k, i64 ldx, i64 ldy,
     float alpha, float limit) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -157,22 +174,23 @@ __global__ void __launch_bounds__(256) qmoe_gemv_kernel(
   }
   const int rows = GLU ? 2 * n : n;
   const u8* w_e = w + e * (i64)rows * rb;
+  const u8* s_e = scales + e * (i64)rows * srb;  // unused (null + 0) for GGUF rows
   const u16* b_e = bias == nullptr ? nullptr : bias + e * (i64)rows;
   for (int p = begin; p < end; p += M_MAX) {
     const int count = end - p < M_MAX ? end - p : M_MAX;
     if (M_MAX == 1 || count == 1)
-      qmoe_rows<QT, 1, DT, GLU, ACT>(x, ldx, w_e, rb, order, slot_w, b_e, y, n, k, top_k, ldy, p,
+      qmoe_rows<QT, 1, DT, GLU, ACT>(x, ldx, w_e, rb, s_e, srb, order, slot_w, b_e, y, n, k, top_k, ldy, p,
                                      count, row, lane, alpha, limit);
     else if (M_MAX == 2 || count == 2)
-      qmoe_rows<QT, (M_MAX < 2 ? M_MAX : 2), DT, GLU, ACT>(x, ldx, w_e, rb, order, slot_w, b_e, y,
+      qmoe_rows<QT, (M_MAX < 2 ? M_MAX : 2), DT, GLU, ACT>(x, ldx, w_e, rb, s_e, srb, order, slot_w, b_e, y,
                                                            n, k, top_k, ldy, p, count, row, lane,
                                                            alpha, limit);
     else if (M_MAX == 4 || count <= 4)
-      qmoe_rows<QT, (M_MAX < 4 ? M_MAX : 4), DT, GLU, ACT>(x, ldx, w_e, rb, order, slot_w, b_e, y,
+      qmoe_rows<QT, (M_MAX < 4 ? M_MAX : 4), DT, GLU, ACT>(x, ldx, w_e, rb, s_e, srb, order, slot_w, b_e, y,
                                                            n, k, top_k, ldy, p, count, row, lane,
                                                            alpha, limit);
     else
-      qmoe_rows<QT, M_MAX, DT, GLU, ACT>(x, ldx, w_e, rb, order, slot_w, b_e, y, n, k, top_k, ldy,
+      qmoe_rows<QT, M_MAX, DT, GLU, ACT>(x, ldx, w_e, rb, s_e, srb, order, slot_w, b_e, y, n, k, top_k, ldy,
                                          p, count, row, lane, alpha, limit);
   }
 }
@@ -181,9 +199,10 @@ __global__ void __launch_bounds__(256) qmoe_gemv_kernel(
 // blockIdx.y, skipped where offsets (not null) say the expert has no slot.
 template <int QT, int DT>
 __global__ void __launch_bounds__(256) qmoe_dequant_kernel(const u8* __restrict__ w,
+                                                           const u8* __restrict__ scales,
                                                            const long long* __restrict__ offsets,
                                                            u16* __restrict__ out, int rows, int K,
-                                                           i64 rb) {
+                                                           i64 rb, i64 srb) {
   const long long e = blockIdx.y;
   if (offsets != nullptr && offsets[e + 1] == offsets[e]) return;
   const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -191,7 +210,9 @@ __global__ void __launch_bounds__(256) qmoe_dequant_kernel(const u8* __restrict_
   if (t >= (i64)rows * chunks) return;
   const int r = (int)(t / chunks), c = (int)(t % chunks);
   float wv[32];
-  qmoe_chunk<QT>(w + (e * rows + r) * rb, c, wv);
+  const float scale = qmoe_chunk<QT>(w + (e * rows + r) * rb, scales + (e * rows + r) * srb, c, wv);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) wv[i] *= scale;
   u16* o = out + (e * rows + r) * (i64)K + c * 32;
 #pragma unroll
   for (int v = 0; v < 4; ++v) {
@@ -202,4 +223,41 @@ __global__ void __launch_bounds__(256) qmoe_dequant_kernel(const u8* __restrict_
     p.w = pack2<DT>(wv[v * 8 + 6], wv[v * 8 + 7]);
     stg16(o + v * 8, p);
   }
+}
+
+// The down pass of a decode-sized step, token-major: block (bx, t), warp w owns output row h of
+// token t and sums its K slots j: weights[t, j] * (w2[ids[t, j]][h] . act[t * K + j] + b2[e][h])
+// (ids outside [0, E): nothing), reduced once and written rounded once to out[t, h]; no float
+// buffer and no separate sum.
+template <int QT, int K, int DT>
+__global__ void __launch_bounds__(256) qmoe_down_kernel(
+    const u16* __restrict__ act,         // [T * K, I], row stride lda
+    const u8* __restrict__ w,            // [E][N][rb]
+    const u8* __restrict__ scales,       // [E][N][srb] or null
+    const long long* __restrict__ ids,   // [T * K]
+    const float* __restrict__ weights,   // [T * K]
+    const u16* __restrict__ bias,        // [E][N] or null
+    u16* __restrict__ out,               // [T, N], row stride ldo
+    int n, int k, i64 rb, i64 srb, int num_experts, i64 lda, i64 ldo) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= n) return;
+  const long long t = blockIdx.y;
+  float total = 0.f, bias_sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const long long s = t * K + j;
+    const long long e = ids[s];
+    if (e < 0 || e >= num_experts) continue;
+    const float wj = weights[s];
+    const i64 rr = e * n + row;
+    const u16* xr[1] = {act + s * lda};
+    float acc[1] = {0.f};
+    qmoe_dot<QT, 1, DT>(w + rr * rb, scales + rr * srb, xr, k, lane, acc);
+    total = fmaf(wj, acc[0], total);
+    if (bias != nullptr) bias_sum = fmaf(wj, ld_f<DT>(bias + rr), bias_sum);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  if (lane == 0) out[t * ldo + row] = from_float<DT>(total + bias_sum);
 }

@@ -25,10 +25,12 @@ torch reference.
 (tools/bench_gpu_moe.py measures both paths per token count).
 
 Packed experts (w13 / w2 `PackedExpertWeight`s, models/quant/experts.py: GGUF types, MXFP4):
-up to `packed_gemv_max_tokens` tokens `qmoe_routed_experts` reads the routed experts' packed
-rows in place (ext/cuda/moe_quant.py; biases and the clamped SwiGLU in the kernel); above, the
-routed experts are dequantized into a scratch and run through the grouped GEMMs. Elsewhere the
-torch reference on the dequantized weights.
+decode steps from the router's logits through `qmoe_decode_experts` (route + sort, gate_up,
+down: three kernels); from routed ids, up to `packed_gemv_max_tokens` tokens,
+`qmoe_routed_experts` (biases and the clamped SwiGLU in the kernels). Both read the routed
+experts' packed bytes in place (ext/cuda/moe_quant.py). Above, the routed experts are
+dequantized into a scratch and run through the grouped GEMMs. Elsewhere the torch reference
+on the dequantized weights.
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ class GpuExpertBackend:
         self.decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "1") != "0"
         ratio = os.environ.get("TANDEM_MOE_DECODE_SLOT_RATIO", "").strip()  # for A/B runs
         self.decode_max_slot_ratio = float(ratio) if ratio else DECODE_MAX_SLOT_RATIO
-        self.calls = {"decode": 0, "gemv": 0, "grouped": 0, "torch": 0, "qgemv": 0, "qgrouped": 0}
+        self.calls = {"decode": 0, "gemv": 0, "grouped": 0, "torch": 0}
+        self.calls.update({"qdecode": 0, "qgemv": 0, "qgrouped": 0})  # packed experts
 
     def forward_logits(
         self,
@@ -139,9 +142,9 @@ class GpuExpertBackend:
         """A decode-sized step from the router's logits in three kernels; None where that does
         not apply (the block then routes in torch and calls `forward`)."""
         tokens = hidden.shape[0]
-        if is_packed(w13) or not (
-            self._kernels and self.decode_kernels and tokens <= self.gemv_max_tokens
-        ):
+        if is_packed(w13):
+            return self._decode_packed(hidden, logits, top_k, renormalize, w13)
+        if not (self._kernels and self.decode_kernels and tokens <= self.gemv_max_tokens):
             return None
         if tokens * top_k > self.decode_max_slot_ratio * w13.shape[0]:
             return None  # experts shared by several tokens: the routed kernels read them once
@@ -195,6 +198,25 @@ class GpuExpertBackend:
         self.calls["torch"] += 1
         return self._reference.forward(layer_idx, hidden, topk_ids, topk_weights, w13, w2, bias)
 
+    def _decode_packed(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        logits: torch.Tensor,  # [T, E]
+        top_k: int,
+        renormalize: bool,
+        w13: PackedExpertWeight,
+    ) -> torch.Tensor | None:
+        ex = w13.owner
+        if not (self._kernels and self.decode_kernels):
+            return None
+        ops = (ex.data13, ex.scales13, ex.data2, ex.scales2, ex.type_id)
+        if not moe_quant.supported(hidden, *ops):
+            return None
+        if not moe_quant.decode_supported(hidden, logits, ex.num_experts, top_k):
+            return None
+        self.calls["qdecode"] += 1
+        return torch.ops.tandem.qmoe_decode_experts(hidden, logits, *ops, top_k, renormalize)
+
     def _forward_packed(
         self,
         layer_idx: int,
@@ -204,9 +226,10 @@ class GpuExpertBackend:
         w13: PackedExpertWeight,
         bias: ExpertBias | None,
     ) -> torch.Tensor:
-        experts = w13.owner
-        tid = experts.type_id
-        fast = self._kernels and moe_quant.supported(hidden, experts.data13, experts.data2, tid)
+        ex = w13.owner
+        tid = ex.type_id
+        ops = (ex.data13, ex.scales13, ex.data2, ex.scales2, tid)
+        fast = self._kernels and moe_quant.supported(hidden, *ops)
         if fast and hidden.shape[0] <= self.packed_gemv_max_tokens:
             self.calls["qgemv"] += 1
             b13 = b2 = None
@@ -216,14 +239,15 @@ class GpuExpertBackend:
                 b2 = bias.b2.to(hidden.dtype).contiguous()
                 alpha, limit = bias.activation.alpha, bias.activation.limit
             return torch.ops.tandem.qmoe_routed_experts(
-                hidden, topk_ids, topk_weights.float(), experts.data13, experts.data2, tid,
-                b13, b2, alpha, limit,
-            )  # fmt: skip
+                hidden, topk_ids, topk_weights.float(), *ops, b13, b2, alpha, limit
+            )
         if fast and not self._grouped_failed and hasattr(torch, "_grouped_mm"):
-            num, dtype = experts.num_experts, hidden.dtype
+            num, dtype = ex.num_experts, hidden.dtype
             _, _, offsets = skinny.sort_slots(topk_ids, num)
-            d13 = moe_quant.dequantize_experts(experts.data13, tid, experts.hidden, dtype, offsets)
-            d2 = moe_quant.dequantize_experts(experts.data2, tid, experts.inter, dtype, offsets)
+            d13 = moe_quant.dequantize_experts(
+                ex.data13, ex.scales13, tid, ex.hidden, dtype, offsets
+            )
+            d2 = moe_quant.dequantize_experts(ex.data2, ex.scales2, tid, ex.inter, dtype, offsets)
             if grouped_supported(hidden, d13, d2):
                 try:
                     out = grouped_experts(hidden, topk_ids, topk_weights, d13, d2, bias)
@@ -233,5 +257,5 @@ class GpuExpertBackend:
                     self._grouped_failed = True
                     logger.warning("gpu experts: grouped GEMMs unavailable, per-expert loop: %s", e)
         self.calls["torch"] += 1
-        d13, d2 = experts.dequantize(hidden.dtype)
+        d13, d2 = ex.dequantize(hidden.dtype)
         return self._reference.forward(layer_idx, hidden, topk_ids, topk_weights, d13, d2, bias)

@@ -1,8 +1,10 @@
 """`PackedExperts`: a MoE block's routed experts kept in a checkpoint's packed format (GGUF block
 types, MXFP4 in ggml's 17-byte block), stacked as the block's w13 `[E, 2I, H]` (gate rows, then
-up rows) and w2 `[E, H, I]` would be, each row its blocks in order. The block then holds
-`PackedExpertWeight` views in place of its w13 / w2 tensors; the "gpu" expert backend runs them
-(ext/cuda/moe_quant.py) and every other path dequantizes them (`dequantize`, the reference).
+up rows) and w2 `[E, H, I]` would be. Q4_0, Q8_0 and MXFP4 are split once at load into two
+planes of the same bytes (per row the blocks' codes, then the blocks' scales), so a kernel reads
+32 values with one aligned 16-byte load; the other types keep their GGUF rows. The block then
+holds `PackedExpertWeight` views in place of its w13 / w2 tensors; the "gpu" expert backend runs
+them (ext/cuda/moe_quant.py) and every other path dequantizes them (`dequantize`, the reference).
 """
 
 from __future__ import annotations
@@ -21,6 +23,27 @@ from tandem.models.quant.tensor import QuantizedTensor, ggml_block
 EXPERT_KEPT_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
+# type -> (scale bytes at the start of each block, code bytes after them): kept as planes
+PLANAR: dict[str, tuple[int, int]] = {"Q4_0": (2, 16), "Q8_0": (2, 32), "MXFP4": (1, 16)}
+
+
+def to_planes(rows: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF rows [..., R, nb * size] of a `PLANAR` type -> (codes [..., R, nb * code bytes],
+    scales [..., R, nb * scale bytes]), the same bytes regrouped."""
+    sb, cb = PLANAR[qtype]
+    blocks = rows.reshape(*rows.shape[:-1], -1, sb + cb)
+    codes = blocks[..., sb:].reshape(*rows.shape[:-1], -1)
+    return codes.contiguous(), blocks[..., :sb].reshape(*rows.shape[:-1], -1).contiguous()
+
+
+def from_planes(codes: torch.Tensor, scales: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The inverse of `to_planes`: GGUF rows."""
+    sb, cb = PLANAR[qtype]
+    lead = codes.shape[:-1]
+    blocks = torch.cat(
+        (scales.reshape(*lead, -1, sb), codes.reshape(*lead, -1, cb)), dim=-1
+    )  # [..., nb, sb + cb]
+    return blocks.reshape(*lead, -1)
 
 
 def expert_names(prefix: str, first: int, count: int) -> list[str]:
@@ -30,8 +53,9 @@ def expert_names(prefix: str, first: int, count: int) -> list[str]:
 
 class PackedExperts(nn.Module):
     """The packed bytes of E experts: `data13` [E, 2I, row_bytes(H)] and `data2`
-    [E, H, row_bytes(I)] uint8 buffers (allocated with the model, filled by `set_part` as the
-    loader streams each expert's gate / up / down tensor by)."""
+    [E, H, row_bytes(I)] uint8 buffers (GGUF rows), or for a `PLANAR` type their codes there and
+    their scales in `scales13` / `scales2` (else None); allocated with the model, filled by
+    `set_part` as the loader streams each expert's gate / up / down tensor by."""
 
     def __init__(self, source_names: list[str], qtype: str, hidden: int, inter: int) -> None:
         """Buffers on the default device: meta inside `build_model`'s `prepare`, materialized
@@ -51,9 +75,20 @@ class PackedExperts(nn.Module):
         self.source_names = list(source_names)
         self._loaded = [False] * len(source_names)
         e = self.num_experts
-        rb13, rb2 = hidden // block * size, inter // block * size
-        self.register_buffer("data13", torch.empty(e, 2 * inter, rb13, dtype=torch.uint8))
-        self.register_buffer("data2", torch.empty(e, hidden, rb2, dtype=torch.uint8))
+        self.planar = qtype in PLANAR
+        u8 = torch.uint8
+        if self.planar:
+            sb, cb = PLANAR[qtype]
+            nb13, nb2 = hidden // block, inter // block
+            self.register_buffer("data13", torch.empty(e, 2 * inter, nb13 * cb, dtype=u8))
+            self.register_buffer("data2", torch.empty(e, hidden, nb2 * cb, dtype=u8))
+            self.register_buffer("scales13", torch.empty(e, 2 * inter, nb13 * sb, dtype=u8))
+            self.register_buffer("scales2", torch.empty(e, hidden, nb2 * sb, dtype=u8))
+        else:
+            rb13, rb2 = hidden // block * size, inter // block * size
+            self.register_buffer("data13", torch.empty(e, 2 * inter, rb13, dtype=u8))
+            self.register_buffer("data2", torch.empty(e, hidden, rb2, dtype=u8))
+            self.scales13 = self.scales2 = None
 
     @property
     def type_id(self) -> int:
@@ -61,7 +96,8 @@ class PackedExperts(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return self.data13.numel() + self.data2.numel()
+        parts = (self.data13, self.data2, self.scales13, self.scales2)
+        return sum(t.numel() for t in parts if t is not None)
 
     def set_part(self, index: int, tensor: QuantizedTensor) -> None:
         expert, proj = divmod(index, 3)
@@ -75,10 +111,13 @@ class PackedExperts(nn.Module):
                 f"tensor {name!r} has shape {tensor.shape}, expected {(rows, cols)}"
             )
         data = tensor.as_rows().data
-        if proj == 2:
-            self.data2[expert].copy_(data)
-        else:
-            self.data13[expert, proj * self.inter : (proj + 1) * self.inter].copy_(data)
+        parts = to_planes(data, self.qtype) if self.planar else (data,)
+        dsts = (self.data2, self.scales2) if proj == 2 else (self.data13, self.scales13)
+        for src, dst in zip(parts, dsts, strict=False):
+            if proj == 2:
+                dst[expert].copy_(src)
+            else:
+                dst[expert, proj * self.inter : (proj + 1) * self.inter].copy_(src)
         self._loaded[index] = True
 
     def finalize(self) -> None:
@@ -88,8 +127,12 @@ class PackedExperts(nn.Module):
         """(w13 [E, 2I, H], w2 [E, H, I]) in `dtype`: the values every kernel must reproduce."""
         tid = self.type_id
         e = self.num_experts
-        w13 = dequantize(self.data13.reshape(-1), tid, (e * 2 * self.inter, self.hidden), dtype)
-        w2 = dequantize(self.data2.reshape(-1), tid, (e * self.hidden, self.inter), dtype)
+        rows13, rows2 = self.data13, self.data2
+        if self.planar:
+            rows13 = from_planes(self.data13, self.scales13, self.qtype)
+            rows2 = from_planes(self.data2, self.scales2, self.qtype)
+        w13 = dequantize(rows13.reshape(-1), tid, (e * 2 * self.inter, self.hidden), dtype)
+        w2 = dequantize(rows2.reshape(-1), tid, (e * self.hidden, self.inter), dtype)
         return w13.view(e, 2 * self.inter, self.hidden), w2.view(e, self.hidden, self.inter)
 
     def extra_repr(self) -> str:
@@ -107,6 +150,10 @@ class PackedExpertWeight:
     @property
     def data(self) -> torch.Tensor:
         return self.owner.data13 if self.which == "13" else self.owner.data2
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        return self.owner.scales13 if self.which == "13" else self.owner.scales2
 
     @property
     def shape(self) -> tuple[int, int, int]:

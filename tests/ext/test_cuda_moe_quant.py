@@ -35,6 +35,10 @@ def _experts(qtype: str, num: int, hidden: int, inter: int, seed: int):
     return experts.cuda()
 
 
+def _ops(experts):
+    return (experts.data13, experts.scales13, experts.data2, experts.scales2, experts.type_id)
+
+
 def _shape(qtype: str, rows: int) -> tuple[int, int]:
     if qtype.endswith("_K"):
         return 512, 256 * (1 + rows % 2)
@@ -71,9 +75,7 @@ def test_routed_kernel_matches_reference(qtype: str, rows: int) -> None:
     for dtype in (torch.bfloat16, torch.float16) if rows == 7 else (torch.bfloat16,):
         xd = x.to(dtype)
         expected = _reference(xd, ids, w, experts)
-        got = torch.ops.tandem.qmoe_routed_experts(
-            xd, ids, w, experts.data13, experts.data2, experts.type_id
-        )
+        got = torch.ops.tandem.qmoe_routed_experts(xd, ids, w, *_ops(experts))
         assert got.dtype == dtype and got.shape == (rows, hidden)
         scale = expected.abs().max().item()
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2 * scale)
@@ -136,20 +138,43 @@ def test_ids_outside_the_experts_add_nothing_and_graph_capture() -> None:
     ids[1, 0] = -1  # computed elsewhere (the CPU pool)
     ids[2, 1] = num  # another rank's expert
     op = torch.ops.tandem.qmoe_routed_experts
-    got = op(x, ids, w, experts.data13, experts.data2, experts.type_id)
+    got = op(x, ids, w, *_ops(experts))
     w_kept = w * ((ids >= 0) & (ids < num))
     expected = _reference(x, ids.clamp(0, num - 1), w_kept, experts)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2 * expected.abs().max())
     # inside a CUDA graph: same result on replay with new inputs, no host sync
     ids2, w2 = _routing(3, num, top_k, 6)
     static_x, static_ids, static_w = x.clone(), ids.clone(), w.clone()
-    op(static_x, static_ids, static_w, experts.data13, experts.data2, experts.type_id)  # warm
+    op(static_x, static_ids, static_w, *_ops(experts))  # warm
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = op(static_x, static_ids, static_w, experts.data13, experts.data2, experts.type_id)
+        out = op(static_x, static_ids, static_w, *_ops(experts))
     static_ids.copy_(ids2)
     static_w.copy_(w2)
     graph.replay()
     expected2 = _reference(x, ids2, w2, experts)
     torch.testing.assert_close(out.double(), expected2, rtol=0, atol=2e-2 * expected2.abs().max())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_decode_from_logits_matches_reference(qtype: str, rows: int) -> None:
+    """The backend's decode path from the router's logits (route + sort, gate_up, token-major
+    down), softmax top-k renormalized, against routing and experts in torch."""
+    from tandem.models.layers.gpu_experts import GpuExpertBackend
+    from tandem.models.quant.experts import PackedExpertWeight
+
+    num, top_k = 10, 4
+    hidden, inter = _shape(qtype, rows)
+    experts = _experts(qtype, num, hidden, inter, 7 + rows)
+    w13, w2 = PackedExpertWeight(experts, "13"), PackedExpertWeight(experts, "2")
+    g = torch.Generator("cuda").manual_seed(rows)
+    x = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+    logits = (torch.randn(rows, num, device="cuda", generator=g) * 2).bfloat16()
+    backend = GpuExpertBackend()
+    got = backend.forward_logits(0, x, logits, top_k, True, w13, w2)
+    assert got is not None and backend.calls["qdecode"] == 1
+    w, ids = torch.topk(torch.softmax(logits.float(), -1), top_k, dim=-1)
+    expected = _reference(x, ids, w / w.sum(-1, keepdim=True), experts)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2 * expected.abs().max())

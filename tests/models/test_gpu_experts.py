@@ -67,7 +67,7 @@ def test_backend_paths_off_cuda(monkeypatch, caplog) -> None:
     backend = get_expert_backend("gpu")
     assert isinstance(backend, GpuExpertBackend) and backend.supports_cuda_graphs
     assert _rel(backend.forward(0, *layer), ref) < 1e-6
-    no_packed = {"qgemv": 0, "qgrouped": 0}
+    no_packed = {"qdecode": 0, "qgemv": 0, "qgrouped": 0}
     assert backend.calls == {"decode": 0, "gemv": 0, "grouped": 1, "torch": 0, **no_packed}
 
     def broken(*args, **kwargs):
@@ -332,6 +332,7 @@ def test_backend_paths_on_cuda() -> None:
         "gemv": 4 - grouped,
         "grouped": grouped,
         "torch": 0,
+        "qdecode": 0,
         "qgemv": 0,
         "qgrouped": 0,
     }

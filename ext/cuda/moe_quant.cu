@@ -54,27 +54,33 @@ __device__ __forceinline__ float qmoe_chunk(const u8* q, const u8* sc, int c, fl
   }
 }
 
-// One row's dot products with the M rows xr, chunks lane, lane + 32, ...: acc[m] += the row's
-// values . xr[m] (scaled per chunk).
-template <int QT, int M, int DT>
-__device__ __forceinline__ void qmoe_dot(const u8* q, const u8* sc, const u16* const* xr, int k,
-                                         int lane, float* acc) {
+// R rows' dot products with the M rows xr, chunks lane, lane + 32, ...: acc[r][m] += row r's
+// values . xr[m] (scaled per chunk). The R rows' loads of a chunk are issued together.
+template <int QT, int R, int M, int DT>
+__device__ __forceinline__ void qmoe_dot(const u8* const* q, const u8* const* sc,
+                                         const u16* const* xr, int k, int lane, float (*acc)[M]) {
   const int chunks = k >> 5;
   for (int c = lane; c < chunks; c += 32) {
-    float wv[32];
-    const float scale = qmoe_chunk<QT>(q, sc, c, wv);
+    float wv[R][32], scale[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) scale[r] = qmoe_chunk<QT>(q[r], sc[r], c, wv[r]);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const u16* xp = xr[m] + c * 32;
-      float s = 0.f;
+      float s[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = 0.f;
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         float xf[8];
         unpack8<DT>(ldg16(xp + v * 8), xf);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s = fmaf(wv[v * 8 + i], xf[i], s);
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int r = 0; r < R; ++r) s[r] = fmaf(wv[r][v * 8 + i], xf[i], s[r]);
       }
-      acc[m] = fmaf(scale, s, acc[m]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r][m] = fmaf(scale[r], s[r], acc[r][m]);
     }
   }
 }
@@ -107,13 +113,17 @@ __device__ __forceinline__ void qmoe_rows(const u16* __restrict__ x, i64 ldx, co
     xr[m] = x + (GLU ? slot[m] / top_k : slot[m]) * ldx;
   }
   float acc[R][M];
+  const u8* q[R];
+  const u8* sc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
     const i64 rr = row + r * n;
-    qmoe_dot<QT, M, DT>(w_e + rr * rb, s_e + rr * srb, xr, k, lane, acc[r]);
+    q[r] = w_e + rr * rb;
+    sc[r] = s_e + rr * srb;
   }
+  qmoe_dot<QT, R, M, DT>(q, sc, xr, k, lane, acc);
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -228,7 +238,8 @@ __global__ void __launch_bounds__(256) qmoe_dequant_kernel(const u8* __restrict_
 // The down pass of a decode-sized step, token-major: block (bx, t), warp w owns output row h of
 // token t and sums its K slots j: weights[t, j] * (w2[ids[t, j]][h] . act[t * K + j] + b2[e][h])
 // (ids outside [0, E): nothing), reduced once and written rounded once to out[t, h]; no float
-// buffer and no separate sum.
+// buffer and no separate sum. A lane takes (slot, chunk) pairs lane, lane + 32, ... of the
+// K * chunks, so every slot's loads are in flight together (the slots sit in shared memory).
 template <int QT, int K, int DT>
 __global__ void __launch_bounds__(256) qmoe_down_kernel(
     const u16* __restrict__ act,         // [T * K, I], row stride lda
@@ -239,25 +250,49 @@ __global__ void __launch_bounds__(256) qmoe_down_kernel(
     const u16* __restrict__ bias,        // [E][N] or null
     u16* __restrict__ out,               // [T, N], row stride ldo
     int n, int k, i64 rb, i64 srb, int num_experts, i64 lda, i64 ldo) {
+  __shared__ long long s_e[K];
+  __shared__ float s_w[K];
+  const long long t = blockIdx.y;
+  if (threadIdx.x < K) {
+    const long long e = ids[t * K + threadIdx.x];
+    const bool here = e >= 0 && e < num_experts;
+    s_e[threadIdx.x] = here ? e : 0;
+    s_w[threadIdx.x] = here ? weights[t * K + threadIdx.x] : 0.f;
+  }
+  __syncthreads();
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (row >= n) return;
-  const long long t = blockIdx.y;
-  float total = 0.f, bias_sum = 0.f;
+  const int chunks = k >> 5;
+  float total = 0.f;
+#pragma unroll 2
+  for (int idx = lane; idx < K * chunks; idx += 32) {
+    const int j = idx / chunks, c = idx - j * chunks;
+    const float wj = s_w[j];
+    if (wj == 0.f) continue;  // a slot routed elsewhere (or weighted 0): not read
+    const i64 rr = s_e[j] * n + row;
+    const u16* xr[1] = {act + (t * K + j) * lda};
+    const u8* q[1] = {w + rr * rb};
+    const u8* sc[1] = {scales + rr * srb};
+    float wv[32];
+    const float scale = qmoe_chunk<QT>(q[0], sc[0], c, wv);
+    const u16* xp = xr[0] + c * 32;
+    float s = 0.f;
 #pragma unroll
-  for (int j = 0; j < K; ++j) {
-    const long long s = t * K + j;
-    const long long e = ids[s];
-    if (e < 0 || e >= num_experts) continue;
-    const float wj = weights[s];
-    const i64 rr = e * n + row;
-    const u16* xr[1] = {act + s * lda};
-    float acc[1] = {0.f};
-    qmoe_dot<QT, 1, DT>(w + rr * rb, scales + rr * srb, xr, k, lane, acc);
-    total = fmaf(wj, acc[0], total);
-    if (bias != nullptr) bias_sum = fmaf(wj, ld_f<DT>(bias + rr), bias_sum);
+    for (int v = 0; v < 4; ++v) {
+      float xf[8];
+      unpack8<DT>(ldg16(xp + v * 8), xf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s = fmaf(wv[v * 8 + i], xf[i], s);
+    }
+    total = fmaf(wj * scale, s, total);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-  if (lane == 0) out[t * ldo + row] = from_float<DT>(total + bias_sum);
+  if (lane != 0) return;
+  if (bias != nullptr) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) total = fmaf(s_w[j], ld_f<DT>(bias + s_e[j] * n + row), total);
+  }
+  out[t * ldo + row] = from_float<DT>(total);
 }

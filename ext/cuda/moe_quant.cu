@@ -2,8 +2,9 @@
 // registers, fp32 accumulation. Layouts (models/quant/experts.py): Q4_0 (QT 2), Q8_0 (8) and
 // MXFP4 (39) as planes: per row the blocks' codes (16 bytes of nibbles, value i < 16 the low
 // nibble of byte i and i + 16 its high one; or 32 int8) then, in a second tensor, the blocks'
-// scales (fp16 d; or the e8m0 byte); one 16-byte load per lane and 32 values. Other GGUF types
-// (Q4_1, Q4_K, Q5_K, Q6_K) as GGUF rows (decode_chunk of gguf_linear.cu).
+// scales (fp16 d; or the e8m0 byte); one 16-byte load per lane and 32 values. GPTQ / AWQ int4
+// (QT 1000 + group size) the same, its plane per group an fp16 scale and a zero point byte.
+// Other GGUF types (Q4_1, Q4_K, Q5_K, Q6_K) as GGUF rows (decode_chunk of gguf_linear.cu).
 // - qmoe_gemv_kernel: the S (token, expert) slots of a step sorted by expert, as
 //   skinny_gemm.cu's moe_gemv_kernel: a block computes one expert run's rows, up to 8 slots per
 //   pass, so a step reads each touched expert's packed rows once per 8 of its slots. GLU = 1:
@@ -48,6 +49,13 @@ __device__ __forceinline__ float qmoe_chunk(const u8* q, const u8* sc, int c, fl
 #pragma unroll
     for (int i = 0; i < 32; ++i) w[i] = (float)(signed char)((u[i >> 2] >> (8 * (i & 3))) & 255u);
     return h2f(sc + 2 * c);
+  } else if constexpr (QT >= 1000) {  // int4, groups of G = QT - 1000: (fp16 scale, zero) each
+    const V16 v = ldg16(q + c * 16);
+    const u32 b[4] = {v.x, v.y, v.z, v.w};
+    const u8* g = sc + 3 * ((c * 32) / (QT - 1000));
+    decode_int4_chunk(b, 1.f, (float)g[2], w);
+    const u16 bits = (u16)g[0] | ((u16)g[1] << 8);
+    return ld_f<0>(&bits);
   } else {
     decode_chunk<QT>(q, c, w);
     return 1.f;

@@ -31,8 +31,20 @@ DECODE_MAX_TOKENS = 16  # steps up to here take the token-major down pass
 Activation = tuple[float, float] | None
 
 
+INT4_BASE = 1000  # int4 with groups of G (GPTQ / AWQ): type id INT4_BASE + G
+
+
+def _block(type_id: int) -> int | None:
+    """Values per block (the K granularity), None for an unknown type."""
+    if type_id > INT4_BASE and (type_id - INT4_BASE) % 32 == 0:
+        return type_id - INT4_BASE
+    return QTYPES[type_id][0] if type_id in QTYPES else None
+
+
 def row_bytes(type_id: int, k: int) -> tuple[int, int]:
     """(code or GGUF row bytes, scale bytes) of a row of k values."""
+    if type_id > INT4_BASE:
+        return k // 2, k // (type_id - INT4_BASE) * 3
     if type_id in PLANAR:
         sb, cb = PLANAR[type_id]
         return k // 32 * cb, k // 32 * sb
@@ -71,13 +83,13 @@ def supported(
     """Whether the kernels take these operands: fp16/bf16 x [T, H] on CUDA, the experts'
     [E, rows, bytes] uint8 codes (and scales) contiguous on its device, H and I multiples of
     the block (and of 8)."""
-    if type_id not in QTYPES or not x.is_cuda or x.dtype not in _DT or x.dim() != 2:
+    block = _block(type_id)
+    if block is None or not x.is_cuda or x.dtype not in _DT or x.dim() != 2:
         return False
     if data13.dim() != 3 or not (data13.device == data2.device == x.device):
         return False
     e, two_i, _ = data13.shape
     h, inter = x.shape[1], two_i // 2
-    block, _ = QTYPES[type_id]
     if two_i % 2 or h % block or inter % block or h % 8 or inter % 8:
         return False
     return (
@@ -157,7 +169,7 @@ def dequantize_experts(
 ) -> torch.Tensor:
     """[E, rows, k] in dtype (fp16/bf16); with `offsets`, experts without slots unwritten."""
     e, rows, rb = data.shape
-    if type_id not in QTYPES or not _check_weight(data, scales, type_id, None, k):
+    if _block(type_id) is None or not _check_weight(data, scales, type_id, None, k):
         raise ValueError(f"data {tuple(data.shape)} is not type {type_id} rows of {k} values")
     if not data.is_cuda or dtype not in _DT:
         raise ValueError("data must be on CUDA, dtype fp16 or bf16")

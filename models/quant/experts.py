@@ -17,10 +17,15 @@ from torch import nn
 from tandem.models.config import UnsupportedModelError
 from tandem.models.gguf_dequant import dequantize
 from tandem.models.gguf_reader import GGML_TYPES
+from tandem.models.quant.int4 import Int4Tensor
 from tandem.models.quant.tensor import QuantizedTensor, ggml_block
 
-# Expert types kept packed for the gpu backend: the GGUF types its kernels decode, and MXFP4.
-EXPERT_KEPT_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+# Expert types kept packed for the gpu backend: the GGUF types its kernels decode, MXFP4, and
+# GPTQ / AWQ int4 (without act-order).
+EXPERT_KEPT_TYPES: tuple[str, ...] = (
+    "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "int4",
+)  # fmt: skip
+INT4_TYPE_BASE = 1000  # the kernels' type id of int4 with groups of G: INT4_TYPE_BASE + G
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
 # type -> (scale bytes at the start of each block, code bytes after them): kept as planes
@@ -59,9 +64,12 @@ class PackedExperts(nn.Module):
 
     def __init__(self, source_names: list[str], qtype: str, hidden: int, inter: int) -> None:
         """Buffers on the default device: meta inside `build_model`'s `prepare`, materialized
-        on the model's device with the rest of its tensors."""
+        on the model's device with the rest of its tensors. "int4" (GPTQ / AWQ): codes in
+        `data*` as Q4_0's planes; `scales*` [E, rows, 3 * groups] (per group its fp16 scale's
+        two bytes, then its zero point), allocated at the first part, which gives the group."""
         super().__init__()
-        block, size = ggml_block(qtype)
+        self.group = 0
+        block, size = (32, 18) if qtype == "int4" else ggml_block(qtype)
         if hidden % block or inter % block:
             raise UnsupportedModelError(
                 f"{qtype} experts need hidden ({hidden}) and intermediate ({inter}) sizes that are "
@@ -75,9 +83,14 @@ class PackedExperts(nn.Module):
         self.source_names = list(source_names)
         self._loaded = [False] * len(source_names)
         e = self.num_experts
-        self.planar = qtype in PLANAR
+        self.planar = qtype in PLANAR or qtype == "int4"
         u8 = torch.uint8
-        if self.planar:
+        if qtype == "int4":
+            self.register_buffer("data13", torch.empty(e, 2 * inter, hidden // 2, dtype=u8))
+            self.register_buffer("data2", torch.empty(e, hidden, inter // 2, dtype=u8))
+            self.register_buffer("scales13", None)  # once the group is known
+            self.register_buffer("scales2", None)
+        elif self.planar:
             sb, cb = PLANAR[qtype]
             nb13, nb2 = hidden // block, inter // block
             self.register_buffer("data13", torch.empty(e, 2 * inter, nb13 * cb, dtype=u8))
@@ -92,6 +105,8 @@ class PackedExperts(nn.Module):
 
     @property
     def type_id(self) -> int:
+        if self.qtype == "int4":
+            return INT4_TYPE_BASE + self.group
         return _TYPE_IDS[self.qtype]
 
     @property
@@ -99,10 +114,14 @@ class PackedExperts(nn.Module):
         parts = (self.data13, self.data2, self.scales13, self.scales2)
         return sum(t.numel() for t in parts if t is not None)
 
-    def set_part(self, index: int, tensor: QuantizedTensor) -> None:
+    def set_part(self, index: int, tensor: QuantizedTensor | Int4Tensor) -> None:
         expert, proj = divmod(index, 3)
         rows, cols = (self.hidden, self.inter) if proj == 2 else (self.inter, self.hidden)
         name = self.source_names[index]
+        if self.qtype == "int4":
+            self._set_int4(expert, proj, name, tensor, (rows, cols))
+            self._loaded[index] = True
+            return
         if not isinstance(tensor, QuantizedTensor) or tensor.qtype != self.qtype:
             kind = getattr(tensor, "qtype", type(tensor).__name__)
             raise UnsupportedModelError(f"tensor {name!r} is {kind}, expected {self.qtype}")
@@ -120,13 +139,66 @@ class PackedExperts(nn.Module):
                 dst[expert, proj * self.inter : (proj + 1) * self.inter].copy_(src)
         self._loaded[index] = True
 
+    def _set_int4(self, expert: int, proj: int, name: str, tensor, shape: tuple[int, int]):
+        if not isinstance(tensor, Int4Tensor):
+            raise UnsupportedModelError(
+                f"tensor {name!r} is {type(tensor).__name__}, expected int4"
+            )
+        if tensor.shape != shape:
+            raise UnsupportedModelError(
+                f"tensor {name!r} has shape {tensor.shape}, expected {shape}"
+            )
+        if tensor.perm is not None:
+            raise UnsupportedModelError(
+                f"tensor {name!r}: GPTQ act-order (g_idx) experts cannot stay packed on the GPU; "
+                "pass --quantization none to dequantize them at load"
+            )
+        group = tensor.group
+        if self.group == 0:
+            if self.hidden % group or self.inter % group:
+                raise UnsupportedModelError(
+                    f"int4 experts with groups of {group} need hidden ({self.hidden}) and "
+                    f"intermediate ({self.inter}) sizes that are multiples of it"
+                )
+            self.group = group
+            u8, dev, e = torch.uint8, self.data13.device, self.num_experts
+            three = (self.hidden // group * 3, self.inter // group * 3)
+            self.scales13 = torch.empty(e, 2 * self.inter, three[0], dtype=u8, device=dev)
+            self.scales2 = torch.empty(e, self.hidden, three[1], dtype=u8, device=dev)
+        elif group != self.group:
+            raise UnsupportedModelError(f"tensor {name!r} has groups of {group}, not {self.group}")
+        scales = tensor.scales.to(torch.float16)
+        if not torch.equal(scales.to(tensor.scales.dtype), tensor.scales):
+            raise UnsupportedModelError(f"tensor {name!r}: scales not exact in float16")
+        plane = torch.cat(
+            (scales.view(torch.uint8).view(*scales.shape, 2), tensor.zeros.unsqueeze(-1)), dim=-1
+        ).reshape(scales.shape[0], -1)  # [rows, groups * 3]
+        if proj == 2:
+            self.data2[expert].copy_(tensor.codes)
+            self.scales2[expert].copy_(plane)
+        else:
+            rows = slice(proj * self.inter, (proj + 1) * self.inter)
+            self.data13[expert, rows].copy_(tensor.codes)
+            self.scales13[expert, rows].copy_(plane)
+
+    def _int4(self, codes: torch.Tensor, plane: torch.Tensor) -> Int4Tensor:
+        """[E, rows, ...] int4 buffers as one Int4Tensor of E * rows rows (the reference)."""
+        n = codes.shape[0] * codes.shape[1]
+        p = plane.reshape(n, -1, 3)
+        scales = p[..., :2].contiguous().view(torch.float16).reshape(n, -1)
+        return Int4Tensor("gptq", codes.reshape(n, -1), scales, p[..., 2].contiguous(), self.group)
+
     def finalize(self) -> None:
         pass
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]) in `dtype`: the values every kernel must reproduce."""
-        tid = self.type_id
         e = self.num_experts
+        if self.qtype == "int4":
+            w13 = self._int4(self.data13, self.scales13).dequantize(dtype)
+            w2 = self._int4(self.data2, self.scales2).dequantize(dtype)
+            return w13.view(e, 2 * self.inter, self.hidden), w2.view(e, self.hidden, self.inter)
+        tid = self.type_id
         rows13, rows2 = self.data13, self.data2
         if self.planar:
             rows13 = from_planes(self.data13, self.scales13, self.qtype)

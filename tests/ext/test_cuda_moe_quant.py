@@ -15,24 +15,31 @@ pytestmark = [
     pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy"),
 ]
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "int4-g32", "int4-g128"]
 ROWS = [1, 2, 7, 16, 64, 300]
 
 
 def _experts(qtype: str, num: int, hidden: int, inter: int, seed: int):
-    """A PackedExperts on CUDA with random packed weights of `qtype`."""
+    """A PackedExperts on CUDA with random packed weights of `qtype` ("int4-gG": GPTQ-style
+    int4 with groups of G)."""
     from tandem.models.quant.experts import PackedExperts, expert_names
     from tandem.models.quant.tensor import QuantizedTensor
+    from tests.models.hf_quant_cases import random_int4
     from tests.models.quant_cases import pack
 
     rng = np.random.default_rng(seed)
-    experts = PackedExperts(expert_names("model.layers.0.mlp.", 0, num), qtype, hidden, inter)
+    kind = "int4" if qtype.startswith("int4") else qtype
+    names = expert_names("model.layers.0.mlp.", 0, num)
+    experts = PackedExperts(names, kind, hidden, inter).cuda()
     for i in range(num * 3):
         rows, cols = (hidden, inter) if i % 3 == 2 else (inter, hidden)
+        if kind == "int4":
+            experts.set_part(i, random_int4(rows, cols, int(qtype[6:]), seed * 100 + i))
+            continue
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
         data = torch.from_numpy(np.ascontiguousarray(pack(w, qtype))).reshape(rows, -1)
         experts.set_part(i, QuantizedTensor(qtype, data, cols))
-    return experts.cuda()
+    return experts
 
 
 def _ops(experts):
@@ -42,6 +49,8 @@ def _ops(experts):
 def _shape(qtype: str, rows: int) -> tuple[int, int]:
     if qtype.endswith("_K"):
         return 512, 256 * (1 + rows % 2)
+    if qtype == "int4-g128":
+        return 384, 128 * (1 + rows % 2)
     return 96 + 32 * (rows % 3), 160  # odd multiples of the 32-value block
 
 
@@ -81,7 +90,7 @@ def test_routed_kernel_matches_reference(qtype: str, rows: int) -> None:
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2 * scale)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "MXFP4"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "MXFP4", "int4-g128"])
 @pytest.mark.parametrize("rows", ROWS)
 def test_backend_paths_match_reference(qtype: str, rows: int) -> None:
     """Both of the backend's packed paths at every size: in place (gemv) and dequantized into

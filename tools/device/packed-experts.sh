@@ -15,13 +15,14 @@ for stage in ${STAGES:-tests layers engine}; do
   echo "== $stage at $((SECONDS - T0))s"
   case $stage in
     tests)
-      run_tests tests 200 -m gpu -x tests/ext/test_cuda_moe_quant.py \
+      run_tests tests "${TEST_LIMIT:-220}" -m gpu tests/ext/test_cuda_moe_quant.py \
         tests/models/test_packed_experts.py || rc=1 ;;
     layers)
       room 60 "Q4_0 layers" && { timeout 90 python3 tools/bench_packed_experts.py \
-        --shape qwen3-30b-a3b --type Q4_0 --bf16 --json "$OUT/layers_q4_0.json" || rc=1; }
+        --shape qwen3-30b-a3b --type Q4_0 --bf16 --tokens 1,2,4,8,16,64,300 \
+        --json "$OUT/layers_q4_0.json" || rc=1; }
       room 60 "MXFP4 layers" && { timeout 90 python3 tools/bench_packed_experts.py \
-        --shape gpt-oss-120b --type MXFP4 --layers 4 --bf16 --tokens 1,2,4,8,16,64,300 \
+        --shape gpt-oss-120b --type MXFP4 --layers 4 --bf16 --tokens 1,4,16,300 \
         --json "$OUT/layers_mxfp4.json" || rc=1; }
       ;;
     engine)

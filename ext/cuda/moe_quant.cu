@@ -3,7 +3,8 @@
 // MXFP4 (39) as planes: per row the blocks' codes (16 bytes of nibbles, value i < 16 the low
 // nibble of byte i and i + 16 its high one; or 32 int8) then, in a second tensor, the blocks'
 // scales (fp16 d; or the e8m0 byte); one 16-byte load per lane and 32 values. GPTQ / AWQ int4
-// (QT 1000 + group size) the same, its plane per group an fp16 scale and a zero point byte.
+// (QT 1000 + group size) the same, its plane per group an fp16 scale and a zero point byte; FP8
+// e4m3 (QT 2000 + columns per scale) its bytes, a float32 scale per B columns of each row.
 // Other GGUF types (Q4_1, Q4_K, Q5_K, Q6_K) as GGUF rows (decode_chunk of gguf_linear.cu).
 // - qmoe_gemv_kernel: the S (token, expert) slots of a step sorted by expert, as
 //   skinny_gemm.cu's moe_gemv_kernel: a block computes one expert run's rows, up to 8 slots per
@@ -49,6 +50,11 @@ __device__ __forceinline__ float qmoe_chunk(const u8* q, const u8* sc, int c, fl
 #pragma unroll
     for (int i = 0; i < 32; ++i) w[i] = (float)(signed char)((u[i >> 2] >> (8 * (i & 3))) & 255u);
     return h2f(sc + 2 * c);
+  } else if constexpr (QT >= 2000) {  // e4m3, a float32 scale per B = QT - 2000 columns
+    const V16 a = ldg16(q + c * 32), b = ldg16(q + c * 32 + 16);
+    const u32 u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    decode_fp8_chunk(u, 1.f, w);
+    return ((const float*)sc)[(c * 32) / (QT - 2000)];
   } else if constexpr (QT >= 1000) {  // int4, groups of G = QT - 1000: (fp16 scale, zero) each
     const V16 v = ldg16(q + c * 16);
     const u32 b[4] = {v.x, v.y, v.z, v.w};

@@ -32,17 +32,22 @@ Activation = tuple[float, float] | None
 
 
 INT4_BASE = 1000  # int4 with groups of G (GPTQ / AWQ): type id INT4_BASE + G
+FP8_BASE = 2000  # e4m3 with a float32 scale per B columns: type id FP8_BASE + B
 
 
 def _block(type_id: int) -> int | None:
     """Values per block (the K granularity), None for an unknown type."""
-    if type_id > INT4_BASE and (type_id - INT4_BASE) % 32 == 0:
-        return type_id - INT4_BASE
+    for base in (FP8_BASE, INT4_BASE):
+        if type_id > base:
+            g = type_id - base
+            return g if g % 32 == 0 and g < base else None
     return QTYPES[type_id][0] if type_id in QTYPES else None
 
 
 def row_bytes(type_id: int, k: int) -> tuple[int, int]:
     """(code or GGUF row bytes, scale bytes) of a row of k values."""
+    if type_id > FP8_BASE:
+        return k, k // (type_id - FP8_BASE) * 4
     if type_id > INT4_BASE:
         return k // 2, k // (type_id - INT4_BASE) * 3
     if type_id in PLANAR:

@@ -17,15 +17,17 @@ from torch import nn
 from tandem.models.config import UnsupportedModelError
 from tandem.models.gguf_dequant import dequantize
 from tandem.models.gguf_reader import GGML_TYPES
+from tandem.models.quant.fp8 import Fp8Tensor
 from tandem.models.quant.int4 import Int4Tensor
 from tandem.models.quant.tensor import QuantizedTensor, ggml_block
 
 # Expert types kept packed for the gpu backend: the GGUF types its kernels decode, MXFP4, and
 # GPTQ / AWQ int4 (without act-order).
 EXPERT_KEPT_TYPES: tuple[str, ...] = (
-    "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "int4",
+    "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "int4", "fp8",
 )  # fmt: skip
 INT4_TYPE_BASE = 1000  # the kernels' type id of int4 with groups of G: INT4_TYPE_BASE + G
+FP8_TYPE_BASE = 2000  # e4m3 with a float32 scale per B columns of a row: FP8_TYPE_BASE + B
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
 # type -> (scale bytes at the start of each block, code bytes after them): kept as planes
@@ -66,10 +68,12 @@ class PackedExperts(nn.Module):
         """Buffers on the default device: meta inside `build_model`'s `prepare`, materialized
         on the model's device with the rest of its tensors. "int4" (GPTQ / AWQ): codes in
         `data*` as Q4_0's planes; `scales*` [E, rows, 3 * groups] (per group its fp16 scale's
-        two bytes, then its zero point), allocated at the first part, which gives the group."""
+        two bytes, then its zero point). "fp8": the e4m3 bytes, `scales*` [E, rows, 4 * K / B]
+        (a float32 per B columns; a block scale repeated on each of its rows). Their scale
+        planes are allocated at the first part, which gives the group."""
         super().__init__()
-        self.group = 0
-        block, size = (32, 18) if qtype == "int4" else ggml_block(qtype)
+        self.group = 0  # int4: values per scale; fp8: columns per scale
+        block, size = (32, 18) if qtype in ("int4", "fp8") else ggml_block(qtype)
         if hidden % block or inter % block:
             raise UnsupportedModelError(
                 f"{qtype} experts need hidden ({hidden}) and intermediate ({inter}) sizes that are "
@@ -83,11 +87,12 @@ class PackedExperts(nn.Module):
         self.source_names = list(source_names)
         self._loaded = [False] * len(source_names)
         e = self.num_experts
-        self.planar = qtype in PLANAR or qtype == "int4"
+        self.planar = qtype in PLANAR or qtype in ("int4", "fp8")
         u8 = torch.uint8
-        if qtype == "int4":
-            self.register_buffer("data13", torch.empty(e, 2 * inter, hidden // 2, dtype=u8))
-            self.register_buffer("data2", torch.empty(e, hidden, inter // 2, dtype=u8))
+        if qtype in ("int4", "fp8"):
+            per = 2 if qtype == "int4" else 1  # values per code byte
+            self.register_buffer("data13", torch.empty(e, 2 * inter, hidden // per, dtype=u8))
+            self.register_buffer("data2", torch.empty(e, hidden, inter // per, dtype=u8))
             self.register_buffer("scales13", None)  # once the group is known
             self.register_buffer("scales2", None)
         elif self.planar:
@@ -105,8 +110,9 @@ class PackedExperts(nn.Module):
 
     @property
     def type_id(self) -> int:
-        if self.qtype == "int4":
-            return INT4_TYPE_BASE + self.group
+        if self.qtype in ("int4", "fp8"):
+            base = INT4_TYPE_BASE if self.qtype == "int4" else FP8_TYPE_BASE
+            return base + self.group
         return _TYPE_IDS[self.qtype]
 
     @property
@@ -114,12 +120,13 @@ class PackedExperts(nn.Module):
         parts = (self.data13, self.data2, self.scales13, self.scales2)
         return sum(t.numel() for t in parts if t is not None)
 
-    def set_part(self, index: int, tensor: QuantizedTensor | Int4Tensor) -> None:
+    def set_part(self, index: int, tensor: QuantizedTensor | Int4Tensor | Fp8Tensor) -> None:
         expert, proj = divmod(index, 3)
         rows, cols = (self.hidden, self.inter) if proj == 2 else (self.inter, self.hidden)
         name = self.source_names[index]
-        if self.qtype == "int4":
-            self._set_int4(expert, proj, name, tensor, (rows, cols))
+        if self.qtype in ("int4", "fp8"):
+            set_hf = self._set_int4 if self.qtype == "int4" else self._set_fp8
+            set_hf(expert, proj, name, tensor, (rows, cols))
             self._loaded[index] = True
             return
         if not isinstance(tensor, QuantizedTensor) or tensor.qtype != self.qtype:
@@ -153,33 +160,60 @@ class PackedExperts(nn.Module):
                 f"tensor {name!r}: GPTQ act-order (g_idx) experts cannot stay packed on the GPU; "
                 "pass --quantization none to dequantize them at load"
             )
-        group = tensor.group
-        if self.group == 0:
-            if self.hidden % group or self.inter % group:
-                raise UnsupportedModelError(
-                    f"int4 experts with groups of {group} need hidden ({self.hidden}) and "
-                    f"intermediate ({self.inter}) sizes that are multiples of it"
-                )
-            self.group = group
-            u8, dev, e = torch.uint8, self.data13.device, self.num_experts
-            three = (self.hidden // group * 3, self.inter // group * 3)
-            self.scales13 = torch.empty(e, 2 * self.inter, three[0], dtype=u8, device=dev)
-            self.scales2 = torch.empty(e, self.hidden, three[1], dtype=u8, device=dev)
-        elif group != self.group:
-            raise UnsupportedModelError(f"tensor {name!r} has groups of {group}, not {self.group}")
+        self._planes_for(tensor.group, 3, name)
         scales = tensor.scales.to(torch.float16)
         if not torch.equal(scales.to(tensor.scales.dtype), tensor.scales):
             raise UnsupportedModelError(f"tensor {name!r}: scales not exact in float16")
         plane = torch.cat(
             (scales.view(torch.uint8).view(*scales.shape, 2), tensor.zeros.unsqueeze(-1)), dim=-1
         ).reshape(scales.shape[0], -1)  # [rows, groups * 3]
+        self._store(expert, proj, tensor.codes, plane)
+
+    def _planes_for(self, group: int, per_group: int, name: str) -> None:
+        """Allocate the scale planes at the first part (its group fixes their size)."""
+        if self.group == 0:
+            if self.hidden % group or self.inter % group or group % 32:
+                raise UnsupportedModelError(
+                    f"{self.qtype} experts with {group} values per scale need hidden "
+                    f"({self.hidden}) and intermediate ({self.inter}) sizes that are multiples"
+                    " of it, and it a multiple of 32"
+                )
+            self.group = group
+            u8, dev, e = torch.uint8, self.data13.device, self.num_experts
+            width = (self.hidden // group * per_group, self.inter // group * per_group)
+            self.scales13 = torch.empty(e, 2 * self.inter, width[0], dtype=u8, device=dev)
+            self.scales2 = torch.empty(e, self.hidden, width[1], dtype=u8, device=dev)
+        elif group != self.group:
+            raise UnsupportedModelError(
+                f"tensor {name!r} has {group} values per scale, not {self.group}"
+            )
+
+    def _store(self, expert: int, proj: int, codes: torch.Tensor, plane: torch.Tensor) -> None:
         if proj == 2:
-            self.data2[expert].copy_(tensor.codes)
+            self.data2[expert].copy_(codes)
             self.scales2[expert].copy_(plane)
         else:
             rows = slice(proj * self.inter, (proj + 1) * self.inter)
-            self.data13[expert, rows].copy_(tensor.codes)
+            self.data13[expert, rows].copy_(codes)
             self.scales13[expert, rows].copy_(plane)
+
+    def _set_fp8(self, expert: int, proj: int, name: str, tensor, shape: tuple[int, int]):
+        if not isinstance(tensor, Fp8Tensor):
+            raise UnsupportedModelError(f"tensor {name!r} is {type(tensor).__name__}, expected fp8")
+        if tensor.shape != shape:
+            raise UnsupportedModelError(
+                f"tensor {name!r} has shape {tensor.shape}, expected {shape}"
+            )
+        g0, g1 = tensor.block
+        self._planes_for(g1, 4, name)
+        scale = tensor.scale.float().repeat_interleave(g0, dim=0)[: shape[0]]  # [rows, K / B]
+        codes = tensor.data.view(torch.uint8)
+        self._store(expert, proj, codes, scale.contiguous().view(torch.uint8))
+
+    def _fp8(self, codes: torch.Tensor, plane: torch.Tensor) -> Fp8Tensor:
+        n = codes.shape[0] * codes.shape[1]
+        scale = plane.reshape(n, -1).contiguous().view(torch.float32)
+        return Fp8Tensor(codes.reshape(n, -1).view(torch.float8_e4m3fn), scale, (1, self.group))
 
     def _int4(self, codes: torch.Tensor, plane: torch.Tensor) -> Int4Tensor:
         """[E, rows, ...] int4 buffers as one Int4Tensor of E * rows rows (the reference)."""
@@ -194,9 +228,10 @@ class PackedExperts(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]) in `dtype`: the values every kernel must reproduce."""
         e = self.num_experts
-        if self.qtype == "int4":
-            w13 = self._int4(self.data13, self.scales13).dequantize(dtype)
-            w2 = self._int4(self.data2, self.scales2).dequantize(dtype)
+        if self.qtype in ("int4", "fp8"):
+            hf = self._int4 if self.qtype == "int4" else self._fp8
+            w13 = hf(self.data13, self.scales13).dequantize(dtype)
+            w2 = hf(self.data2, self.scales2).dequantize(dtype)
             return w13.view(e, 2 * self.inter, self.hidden), w2.view(e, self.hidden, self.inter)
         tid = self.type_id
         rows13, rows2 = self.data13, self.data2

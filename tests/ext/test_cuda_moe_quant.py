@@ -15,26 +15,31 @@ pytestmark = [
     pytest.mark.skipif(not cuda_ext.is_available(), reason="needs CUDA and CuPy"),
 ]
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "int4-g32", "int4-g128"]
+TYPES = [
+    "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "int4-g32", "int4-g128", "fp8-b32",
+]  # fmt: skip
 ROWS = [1, 2, 7, 16, 64, 300]
 
 
 def _experts(qtype: str, num: int, hidden: int, inter: int, seed: int):
     """A PackedExperts on CUDA with random packed weights of `qtype` ("int4-gG": GPTQ-style
-    int4 with groups of G)."""
+    int4 with groups of G; "fp8-b32": e4m3 with 32 x 32 block scales)."""
     from tandem.models.quant.experts import PackedExperts, expert_names
     from tandem.models.quant.tensor import QuantizedTensor
-    from tests.models.hf_quant_cases import random_int4
+    from tests.models.hf_quant_cases import random_fp8, random_int4
     from tests.models.quant_cases import pack
 
     rng = np.random.default_rng(seed)
-    kind = "int4" if qtype.startswith("int4") else qtype
+    kind = qtype.split("-")[0]
     names = expert_names("model.layers.0.mlp.", 0, num)
     experts = PackedExperts(names, kind, hidden, inter).cuda()
     for i in range(num * 3):
         rows, cols = (hidden, inter) if i % 3 == 2 else (inter, hidden)
         if kind == "int4":
             experts.set_part(i, random_int4(rows, cols, int(qtype[6:]), seed * 100 + i))
+            continue
+        if kind == "fp8":  # 32 x 32 blocks (tests/models/hf_quant_cases.py)
+            experts.set_part(i, random_fp8(rows, cols, "block", seed * 100 + i))
             continue
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
         data = torch.from_numpy(np.ascontiguousarray(pack(w, qtype))).reshape(rows, -1)

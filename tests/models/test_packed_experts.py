@@ -205,3 +205,26 @@ def test_int4_experts_model_on_cuda_close_to_dequantized(tmp_path: Path, paged_r
         b = CudaPagedRunner(paged_runner, ref, cfg, block_size=16, seed=1).step([(0, ids)])[0]
         row_ok = (a - b).abs().amax(-1) <= 0.03 * b.abs().max()
         assert int((~row_ok).sum()) <= max(1, rows // 10), rows
+
+
+def test_fp8_experts_stay_packed_with_gpu_backend(tmp_path: Path, paged_runner):
+    from tests.models.hf_quant_cases import write_quantized
+
+    write_quantized(tmp_path, "fp8", moe=True, scheme="block")  # 32 x 32 blocks
+    packed, cfg = load_model(tmp_path, dtype=torch.bfloat16, device="cpu", expert_backend="gpu")
+    dense, _ = load_model(
+        tmp_path, dtype=torch.bfloat16, device="cpu", quantization="none", expert_backend="gpu"
+    )
+    moe = [i for i, layer in enumerate(packed.layers) if hasattr(layer.mlp, "packed_experts")]
+    experts = packed.layers[moe[0]].mlp.packed_experts
+    assert experts.qtype == "fp8" and experts.group == 32
+    codes = experts.num_experts * 3 * experts.hidden * experts.inter
+    assert experts.nbytes == codes + codes // 32 * 4  # a block's scale on each of its rows
+    for i in moe:
+        w13, w2 = packed.layers[i].mlp.packed_experts.dequantize(torch.bfloat16)
+        torch.testing.assert_close(w13, dense.layers[i].mlp.w13, rtol=0, atol=0)
+        torch.testing.assert_close(w2, dense.layers[i].mlp.w2, rtol=0, atol=0)
+    ids = [int(i) for i in torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(6))]
+    a = paged_runner(packed, cfg, block_size=4).step([(0, ids)])[0]
+    b = paged_runner(dense, cfg, block_size=4).step([(0, ids)])[0]
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -15,8 +15,8 @@ for stage in ${STAGES:-tests layers engine}; do
   echo "== $stage at $((SECONDS - T0))s"
   case $stage in
     tests)
-      run_tests tests "${TEST_LIMIT:-220}" -m gpu tests/ext/test_cuda_moe_quant.py \
-        tests/models/test_packed_experts.py || rc=1 ;;
+      run_tests tests "${TEST_LIMIT:-220}" -m gpu tests/models/test_packed_experts.py \
+        tests/ext/test_cuda_moe_quant.py || rc=1 ;;
     layers)
       room 60 "Q4_0 layers" && { timeout 90 python3 tools/bench_packed_experts.py \
         --shape qwen3-30b-a3b --type Q4_0 --bf16 --tokens 1,2,4,8,16,64,300 \

@@ -25,126 +25,76 @@ __device__ __forceinline__ float e2m1x2(u32 v) {  // v < 16
   return (v & 8) ? -mag : mag;
 }
 
-// Chunk c (32 values) of a row, in two steps so that several chunks' loads can be in flight
-// before any is decoded: qmoe_load reads a planar chunk's codes and scale (q the row's codes, sc
-// its scales), qmoe_decode turns them into the 32 values before the scale (w) and returns the
-// scale. GGUF rows (Q4_1, k-quants) load inside qmoe_decode (decode_chunk of gguf_linear.cu).
-struct QChunk {
-  V16 a, b;  // 16 or 32 code bytes
-  float s, z;  // scale, zero point (int4)
-};
-
+// Chunk c (32 values) of a row: q the row's codes (planes) or its GGUF blocks, sc the row's
+// scales (planes only) -> the 32 values before the scale in w; returns the scale.
 template <int QT>
-__device__ __forceinline__ QChunk qmoe_load(const u8* q, const u8* sc, int c) {
-  QChunk ch;
-  if constexpr (QT == 2 || QT == 39 || (QT >= 1000 && QT < 2000)) {
-    ch.a = ldg16(q + c * 16);
-  } else if constexpr (QT == 8 || QT >= 2000) {
-    ch.a = ldg16(q + c * 32);
-    ch.b = ldg16(q + c * 32 + 16);
-  }
-  if constexpr (QT == 2 || QT == 8) {
-    ch.s = h2f(sc + 2 * c);
-  } else if constexpr (QT == 39) {
-    ch.s = __uint_as_float((u32)sc[c] << 23) * 0.5f;  // 2^(e - 128); e = 0 flushes to 0
-  } else if constexpr (QT >= 2000) {  // e4m3, a float32 scale per B = QT - 2000 columns
-    ch.s = ((const float*)sc)[(c * 32) / (QT - 2000)];
-  } else if constexpr (QT >= 1000) {  // int4, groups of G = QT - 1000: (fp16 scale, zero) each
-    const u8* g = sc + 3 * ((c * 32) / (QT - 1000));
-    const u16 bits = (u16)g[0] | ((u16)g[1] << 8);
-    ch.s = ld_f<0>(&bits);
-    ch.z = (float)g[2];
-  }
-  return ch;
-}
-
-template <int QT>
-__device__ __forceinline__ float qmoe_decode(const QChunk& ch, const u8* q, int c, float* w) {
-  if constexpr (QT == 2 || (QT >= 1000 && QT < 2000)) {
-    const u32 b[4] = {ch.a.x, ch.a.y, ch.a.z, ch.a.w};
-    decode_int4_chunk(b, 1.f, QT == 2 ? 8.f : ch.z, w);
-  } else if constexpr (QT == 39) {
-    const u32 b[4] = {ch.a.x, ch.a.y, ch.a.z, ch.a.w};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const u32 x = b[i >> 2] >> (8 * (i & 3));
-      w[i] = e2m1x2(x & 15u);
-      w[i + 16] = e2m1x2((x >> 4) & 15u);
-    }
-  } else if constexpr (QT == 8 || QT >= 2000) {
-    const u32 u[8] = {ch.a.x, ch.a.y, ch.a.z, ch.a.w, ch.b.x, ch.b.y, ch.b.z, ch.b.w};
-    if constexpr (QT == 8) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) w[i] = (float)(signed char)((u[i >> 2] >> (8 * (i & 3))) & 255u);
+__device__ __forceinline__ float qmoe_chunk(const u8* q, const u8* sc, int c, float* w) {
+  if constexpr (QT == 2 || QT == 39) {
+    const V16 v = ldg16(q + c * 16);
+    const u32 b[4] = {v.x, v.y, v.z, v.w};
+    if constexpr (QT == 2) {
+      decode_int4_chunk(b, 1.f, 8.f, w);
+      return h2f(sc + 2 * c);
     } else {
-      decode_fp8_chunk(u, 1.f, w);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const u32 x = b[i >> 2] >> (8 * (i & 3));
+        w[i] = e2m1x2(x & 15u);
+        w[i + 16] = e2m1x2((x >> 4) & 15u);
+      }
+      return __uint_as_float((u32)sc[c] << 23) * 0.5f;  // 2^(e - 128); e = 0 flushes to 0
     }
+  } else if constexpr (QT == 8) {
+    const V16 a = ldg16(q + c * 32), b = ldg16(q + c * 32 + 16);
+    const u32 u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) w[i] = (float)(signed char)((u[i >> 2] >> (8 * (i & 3))) & 255u);
+    return h2f(sc + 2 * c);
+  } else if constexpr (QT >= 2000) {  // e4m3, a float32 scale per B = QT - 2000 columns
+    const V16 a = ldg16(q + c * 32), b = ldg16(q + c * 32 + 16);
+    const u32 u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    decode_fp8_chunk(u, 1.f, w);
+    return ((const float*)sc)[(c * 32) / (QT - 2000)];
+  } else if constexpr (QT >= 1000) {  // int4, groups of G = QT - 1000: (fp16 scale, zero) each
+    const V16 v = ldg16(q + c * 16);
+    const u32 b[4] = {v.x, v.y, v.z, v.w};
+    const u8* g = sc + 3 * ((c * 32) / (QT - 1000));
+    decode_int4_chunk(b, 1.f, (float)g[2], w);
+    const u16 bits = (u16)g[0] | ((u16)g[1] << 8);
+    return ld_f<0>(&bits);
   } else {
     decode_chunk<QT>(q, c, w);
     return 1.f;
   }
-  return ch.s;
-}
-
-template <int QT>
-__device__ __forceinline__ float qmoe_chunk(const u8* q, const u8* sc, int c, float* w) {
-  return qmoe_decode<QT>(qmoe_load<QT>(q, sc, c), q, c, w);
-}
-
-// acc += scale * (w . x[0:32]) for one 32-value chunk of x (16-bit).
-template <int DT>
-__device__ __forceinline__ float dot32(const float* w, const u16* xp) {
-  float s = 0.f;
-#pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    float xf[8];
-    unpack8<DT>(ldg16(xp + v * 8), xf);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s = fmaf(w[v * 8 + i], xf[i], s);
-  }
-  return s;
 }
 
 // R rows' dot products with the M rows xr, chunks lane, lane + 32, ...: acc[r][m] += row r's
-// values . xr[m] (scaled per chunk). Two chunk steps of the R rows are loaded before any is
-// decoded.
+// values . xr[m] (scaled per chunk). The R rows' loads of a chunk are issued together.
 template <int QT, int R, int M, int DT>
 __device__ __forceinline__ void qmoe_dot(const u8* const* q, const u8* const* sc,
                                          const u16* const* xr, int k, int lane, float (*acc)[M]) {
-  constexpr int U = 2;
   const int chunks = k >> 5;
-  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-    QChunk ch[U][R];
+  for (int c = lane; c < chunks; c += 32) {
+    float wv[R][32], scale[R];
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) scale[r] = qmoe_chunk<QT>(q[r], sc[r], c, wv[r]);
 #pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (c0 + 32 * u < chunks) ch[u][r] = qmoe_load<QT>(q[r], sc[r], c0 + 32 * u);
+    for (int m = 0; m < M; ++m) {
+      const u16* xp = xr[m] + c * 32;
+      float s[R];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c >= chunks) break;
-      float wv[R][32], scale[R];
+      for (int r = 0; r < R; ++r) s[r] = 0.f;
 #pragma unroll
-      for (int r = 0; r < R; ++r) scale[r] = qmoe_decode<QT>(ch[u][r], q[r], c, wv[r]);
+      for (int v = 0; v < 4; ++v) {
+        float xf[8];
+        unpack8<DT>(ldg16(xp + v * 8), xf);
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const u16* xp = xr[m] + c * 32;
-        float s[R];
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int r = 0; r < R; ++r) s[r] = 0.f;
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          float xf[8];
-          unpack8<DT>(ldg16(xp + v * 8), xf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int r = 0; r < R; ++r) s[r] = fmaf(wv[r][v * 8 + i], xf[i], s[r]);
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] = fmaf(scale[r], s[r], acc[r][m]);
+          for (int r = 0; r < R; ++r) s[r] = fmaf(wv[r][v * 8 + i], xf[i], s[r]);
       }
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r][m] = fmaf(scale[r], s[r], acc[r][m]);
     }
   }
 }
@@ -327,34 +277,29 @@ __global__ void __launch_bounds__(256) qmoe_down_kernel(
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (row >= n) return;
-  const int chunks = k >> 5, pairs = K * chunks;
-  constexpr int P = 4;  // (slot, chunk) pairs loaded before any is decoded
+  const int chunks = k >> 5;
   float total = 0.f;
-  for (int base = lane; base < pairs; base += 32 * P) {
-    QChunk ch[P];
-    const u8* qp[P];
-    int jp[P], cp[P];
+#pragma unroll 2
+  for (int idx = lane; idx < K * chunks; idx += 32) {
+    const int j = idx / chunks, c = idx - j * chunks;
+    const float wj = s_w[j];
+    if (wj == 0.f) continue;  // a slot routed elsewhere (or weighted 0): not read
+    const i64 rr = s_e[j] * n + row;
+    const u16* xr[1] = {act + (t * K + j) * lda};
+    const u8* q[1] = {w + rr * rb};
+    const u8* sc[1] = {scales + rr * srb};
+    float wv[32];
+    const float scale = qmoe_chunk<QT>(q[0], sc[0], c, wv);
+    const u16* xp = xr[0] + c * 32;
+    float s = 0.f;
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      const int idx = base + 32 * p;
-      jp[p] = idx < pairs ? idx / chunks : 0;
-      cp[p] = idx - jp[p] * chunks;
-      if (idx >= pairs || s_w[jp[p]] == 0.f) {
-        jp[p] = -1;  // past the end, or a slot routed elsewhere: not read
-        continue;
-      }
-      const i64 rr = s_e[jp[p]] * n + row;
-      qp[p] = w + rr * rb;
-      ch[p] = qmoe_load<QT>(qp[p], scales + rr * srb, cp[p]);
-    }
+    for (int v = 0; v < 4; ++v) {
+      float xf[8];
+      unpack8<DT>(ldg16(xp + v * 8), xf);
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (jp[p] < 0) continue;
-      float wv[32];
-      const float scale = qmoe_decode<QT>(ch[p], qp[p], cp[p], wv);
-      const float s = dot32<DT>(wv, act + (t * K + jp[p]) * lda + cp[p] * 32);
-      total = fmaf(s_w[jp[p]] * scale, s, total);
+      for (int i = 0; i < 8; ++i) s = fmaf(wv[v * 8 + i], xf[i], s);
     }
+    total = fmaf(wj * scale, s, total);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);

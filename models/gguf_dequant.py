@@ -64,7 +64,8 @@ _E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     # block: u8 e8m0 e | u8 qs[16] (element i < 16 the low nibble of qs[i]);  x = e2m1 * 2^(e-127),
     # with the e2m1 table doubled and the scale halved, as ggml stores it
-    q = _E2M1_DOUBLED.float()[_nibbles(blocks[:, 1:17]).reshape(-1, 32).long()]
+    lut = _E2M1_DOUBLED.to(device=blocks.device, dtype=torch.float32)
+    q = lut[_nibbles(blocks[:, 1:17]).reshape(-1, 32).long()]
     return torch.ldexp(q, blocks[:, :1].float() - 128.0)
 
 

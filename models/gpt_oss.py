@@ -17,7 +17,8 @@ from tandem.models.config import ModelConfig, UnsupportedModelError
 from tandem.models.decoder import DecoderForCausalLM, DecoderLayer
 from tandem.models.layers.experts import ClampedSwiGLU, ExpertBackend, ExpertBias
 from tandem.models.layers.moe import SparseMoeBlock
-from tandem.models.mxfp4 import dequantize_mxfp4
+from tandem.models.mxfp4 import to_ggml_blocks
+from tandem.models.quant.tensor import QuantizedTensor
 from tandem.models.weights import load_hf_weights
 
 _EXPERTS = re.compile(
@@ -128,15 +129,31 @@ def _mxfp4_experts(
             "differ in their number of experts"
         )
     for e in range(blocks.shape[0]):
-        try:
-            w = dequantize_mxfp4(blocks[e], scales[e])  # [rows, cols] float32
+        try:  # still packed: a packed-experts layer keeps them, any other target dequantizes
+            rows = to_ggml_blocks(blocks[e], scales[e])  # [rows, G * 17]
         except ValueError as exc:
             raise UnsupportedModelError(f"{prefix}.{proj}: {exc}") from exc
+        cols = blocks.shape[2] * 32
         if proj == "down_proj":  # [H, I]
-            yield f"{prefix}.{e}.down_proj.weight", w
+            yield f"{prefix}.{e}.down_proj.weight", QuantizedTensor("MXFP4", rows, cols)
         else:  # [2I, H], gate and up rows interleaved
-            yield f"{prefix}.{e}.gate_proj.weight", w[0::2]
-            yield f"{prefix}.{e}.up_proj.weight", w[1::2]
+            gate, up = rows[0::2].contiguous(), rows[1::2].contiguous()
+            yield f"{prefix}.{e}.gate_proj.weight", QuantizedTensor("MXFP4", gate, cols)
+            yield f"{prefix}.{e}.up_proj.weight", QuantizedTensor("MXFP4", up, cols)
+
+
+def mxfp4_expert_names(tensor_names: Iterable[str], config: ModelConfig) -> dict[str, str]:
+    """The per-expert weight names -> "MXFP4" of the layers whose experts a checkpoint (its
+    tensor names) stores as MXFP4 `_blocks` / `_scales`."""
+    kept: dict[str, str] = {}
+    for name in tensor_names:
+        m = _EXPERTS.match(name)
+        if m is None or m[3] != "_blocks":
+            continue
+        projs = ("down_proj",) if m[2] == "down_proj" else ("gate_proj", "up_proj")
+        for e in range(config.num_experts):
+            kept.update({f"{m[1]}.{e}.{p}.weight": "MXFP4" for p in projs})
+    return kept
 
 
 def _check_3d(name: str, tensor: torch.Tensor, dims: int) -> None:

@@ -70,3 +70,22 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scales = (exponent + 127).to(torch.uint8)
     return blocks.contiguous(), scales.contiguous()
+
+
+def to_ggml_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks `[..., G, 16]` and scales `[..., G]` uint8 (this format's order: value 2i in the
+    low nibble of byte i) -> ggml's MXFP4 rows `[..., G * 17]` uint8 (per block the scale byte,
+    then value i < 16 in the low nibble of byte i and value i + 16 in its high nibble), the
+    same values (models/gguf_dequant.py decodes them; so do the CUDA expert kernels)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}"
+        )
+    if blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}"
+        )
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32]
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    out = torch.cat((scales.unsqueeze(-1), qs), dim=-1)  # [..., G, 17]
+    return out.flatten(-2).contiguous()

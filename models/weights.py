@@ -71,6 +71,11 @@ def _canonical(name: str) -> str:
     )
 
 
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name in the scheme of the model's targets (Mixtral's experts)."""
+    return _canonical(name)
+
+
 def _display(name: str, architecture: str) -> str:
     """A target name as this architecture's checkpoints spell it (for error messages)."""
     if architecture != "MixtralForCausalLM":
@@ -119,17 +124,19 @@ def _targets(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
                 t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
                 t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
         mlp = layer.mlp
-        if hasattr(mlp, "w13"):
+        if hasattr(mlp, "w13"):  # packed experts (models/quant/experts.py) load through set_part
             inter = mlp.w2.shape[2]
             t[p + "mlp.gate.weight"] = mlp.gate.weight
             if mlp.gate.bias is not None:
                 t[p + "mlp.gate.bias"] = mlp.gate.bias
             first = getattr(mlp, "expert_start", 0)
+            dense = isinstance(mlp.w13, torch.Tensor)
             for j in range(mlp.w13.shape[0]):  # this rank's experts (all without parallelism)
                 e = first + j
-                t[p + f"mlp.experts.{e}.gate_proj.weight"] = mlp.w13[j, :inter]
-                t[p + f"mlp.experts.{e}.up_proj.weight"] = mlp.w13[j, inter:]
-                t[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.w2[j]
+                if dense:
+                    t[p + f"mlp.experts.{e}.gate_proj.weight"] = mlp.w13[j, :inter]
+                    t[p + f"mlp.experts.{e}.up_proj.weight"] = mlp.w13[j, inter:]
+                    t[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.w2[j]
                 if getattr(mlp, "w13_bias", None) is not None:  # GPT-OSS
                     t[p + f"mlp.experts.{e}.gate_proj.bias"] = mlp.w13_bias[j, :inter]
                     t[p + f"mlp.experts.{e}.up_proj.bias"] = mlp.w13_bias[j, inter:]

@@ -190,6 +190,7 @@ def bench_engine(
 ) -> dict:
     import time
 
+    from tandem.models.quant.experts import PackedExperts
     from tandem.models.quant.linear import quant_modules, quantized_bytes
     from tandem.runtime import LLM, SamplingParams
 
@@ -202,13 +203,15 @@ def bench_engine(
     # layer's stacked experts (w13/w2) only top_k / num_experts
     embed = sum(m.table.nbytes for m in quant_modules(model) if hasattr(m, "table") and m.table)
     cfg = model.config
-    experts = sum(
+    dense_experts = sum(
         p.numel() * p.element_size()
         for n, p in model.named_parameters()
         if n.endswith((".w13", ".w2"))
     )
+    packed_experts = sum(m.nbytes for m in model.modules() if isinstance(m, PackedExperts))
+    experts = dense_experts + packed_experts
     active = experts * cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0
-    read_bytes = quantized_bytes(model) - embed + dense - experts + active
+    read_bytes = quantized_bytes(model) - embed + dense - dense_experts + active
 
     def run(n: int, prompts: list[list[int]]) -> float:
         p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -224,8 +227,12 @@ def bench_engine(
     run(1, long)
     prefill = 2048 / min(run(1, [[p[0] + r, *p[1:]] for p in long]) for r in range(1, 3))
     r = {"gguf": path, "load_s": load_s, "read_bytes": read_bytes,
-         "resident_bytes": quantized_bytes(model) + dense, "decode_tok_s": rate,
+         "resident_bytes": quantized_bytes(model) + dense + packed_experts,
+         "packed_expert_bytes": packed_experts, "decode_tok_s": rate,
          "floor_tok_s": bw / read_bytes, "prefill_2048_tok_s": prefill}  # fmt: skip
+    calls = getattr(getattr(model, "expert_backend", None), "calls", None)
+    if calls is not None:
+        r["expert_calls"] = dict(calls)  # which expert paths ran (decode steps replay graphs)
     if streams:
         many = [[11 + i, 2, 3, 4, 5, 6, 7, 8] for i in range(streams)]
         run(8, many)

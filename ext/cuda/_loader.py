@@ -8,6 +8,7 @@ machine without CuPy or CUDA; only a launch needs them.
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ import numpy as np
 import torch
 
 _SRC_DIR = Path(__file__).resolve().parent
-_COMMON = "common.cuh"
 _OPTIONS = ("-std=c++17", "--use_fast_math")
 
 _lock = threading.Lock()
@@ -45,13 +45,27 @@ def cupy_available() -> bool:
     return True
 
 
+_INCLUDE = re.compile(r'^#include "([\w.]+)"[^\n]*$', re.M)
+
+
+def _inline(filename: str, seen: set[str]) -> str:
+    """`filename`'s text with its local `#include "x"` lines replaced by x's text, each file
+    once (a source may include another kernel file for its device functions)."""
+    seen.add(filename)
+
+    def sub(m: re.Match) -> str:
+        name = m[1]
+        return "" if name in seen else _inline(name, seen)
+
+    return _INCLUDE.sub(sub, (_SRC_DIR / filename).read_text())
+
+
 def _source(filename: str) -> str:
-    """The source text with `#include "common.cuh"` inlined (so CuPy's cache key sees it)."""
+    """The source text with its local includes (common.cuh, ...) inlined, so CuPy's cache key
+    sees them."""
     src = _sources.get(filename)
     if src is None:
-        common = (_SRC_DIR / _COMMON).read_text()
-        body = (_SRC_DIR / filename).read_text()
-        src = body.replace(f'#include "{_COMMON}"', common)
+        src = _inline(filename, set())
         _sources[filename] = src
     return src
 

@@ -216,6 +216,8 @@ def load_model(
     config = config or read_model_config(path, load_format)
     packed: set[str] = set()
     kept = _packed_tensors(path, fmt, quantization)
+    if _experts_stay_packed(expert_backend, device, quantization) and get_tp().size == 1:
+        kept = {**kept, **_packed_expert_tensors(path, fmt, config)}  # TP: experts dequantized
     hf_quant = _hf_quant(path, fmt, quantization)
     if kept and quantization == "auto" and not _packed_kernels_serve(device, dtype):
         log.info("%s weights dequantized to %s at load: no packed kernel for it", device, dtype)
@@ -249,7 +251,7 @@ def load_model(
     if kept and len(packed) < len(kept):
         log.info(
             "%d quantized tensors without a packed layer (MoE experts: the cpu_pool converts "
-            "them to its own formats, the gpu/torch experts hold them in %s) dequantized at load",
+            "them to its own formats, the torch experts hold them in %s) dequantized at load",
             len(kept) - len(packed),
             dtype,
         )
@@ -364,6 +366,32 @@ def _init_dummy(
         init_dummy_weights(model, seed, select=lambda n: n in names)
 
     return read_experts
+
+
+def _experts_stay_packed(
+    expert_backend: str, device: torch.device | str, quantization: str
+) -> bool:
+    """Whether routed experts stay packed (`_packed_expert_tensors`): the gpu expert backend
+    on CUDA (its kernels read them; ext/cuda/moe_quant.py), or anywhere with `--quantization
+    gguf` (the torch reference dequantizes them every step)."""
+    if expert_backend != "gpu" or quantization == "none":
+        return False
+    return torch.device(device).type == "cuda" or quantization == "gguf"
+
+
+def _packed_expert_tensors(path: Path, fmt: str, config: ModelConfig) -> dict[str, str]:
+    """Per-expert HF name -> type of the routed experts a gpu-backend model keeps packed: a
+    GGUF's stacked expert tensors of the kept types, a GPT-OSS checkpoint's MXFP4 experts."""
+    if fmt == "gguf":
+        from tandem.models.loader.gguf import gguf_packed_tensors
+
+        return gguf_packed_tensors(path, experts=True)
+    if fmt == "safetensors" and config.architecture == "GptOssForCausalLM":
+        from tandem.models.gpt_oss import mxfp4_expert_names
+        from tandem.models.loader.safetensors import tensor_names
+
+        return mxfp4_expert_names(tensor_names(path), config)
+    return {}
 
 
 def _packed_kernels_serve(device: torch.device | str, dtype: torch.dtype) -> bool:

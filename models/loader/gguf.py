@@ -21,6 +21,7 @@ from tandem.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_t
 from tandem.models.gguf_reader import GGUFReader, GGUFTensorInfo, ggml_type_name
 from tandem.models.layers.parallel import Shard
 from tandem.models.loader import gguf_deepseek2, gguf_glm4moe
+from tandem.models.quant.experts import EXPERT_KEPT_TYPES
 from tandem.models.quant.shard import take_packed
 from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor
 
@@ -256,9 +257,11 @@ def _hf_name(
     return name.replace(".e_score_correction.bias", ".e_score_correction_bias"), None
 
 
-def gguf_packed_tensors(path: str | Path | GGUFReader) -> dict[str, str]:
-    """HF name -> ggml type of the 2-D, non-expert tensors that can stay packed. Raises
-    `UnsupportedModelError` naming a tensor whose type Tandem can neither keep nor decode."""
+def gguf_packed_tensors(path: str | Path | GGUFReader, experts: bool = False) -> dict[str, str]:
+    """HF name -> ggml type of the 2-D, non-expert tensors that can stay packed; with `experts`
+    also each expert's slice of the stacked expert tensors whose type the gpu expert backend
+    keeps (models/quant/experts.py). Raises `UnsupportedModelError` naming a tensor whose type
+    Tandem can neither keep nor decode."""
     reader = _open(path)
     config = gguf_model_config(reader)
     mlp = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
@@ -279,6 +282,8 @@ def gguf_packed_tensors(path: str | Path | GGUFReader) -> dict[str, str]:
         hf_name, stacked = _hf_name(info.name, mlp, table)
         if qtype in GGUF_KEPT_TYPES and stacked is None and len(info.torch_shape) == 2:
             kept[hf_name] = qtype
+        elif experts and stacked is not None and qtype in EXPERT_KEPT_TYPES:
+            kept.update({hf_name.format(e=e): qtype for e in range(info.torch_shape[0])})
     return kept
 
 
@@ -356,6 +361,13 @@ def _gguf_weights(
             continue
         hf_name, stacked = names[info.name]
         if select is not None and not select(hf_name):
+            continue
+        if stacked is not None and hf_name.format(e=0) in packed:  # experts kept packed
+            num, rows, cols = info.torch_shape
+            qtype = ggml_type_name(info.ggml_type)
+            whole = torch.from_numpy(reader.tensor_data(info.name)).reshape(num, rows, -1)
+            for e in range(num):  # views of the mapping; the experts' buffer copies each
+                yield hf_name.format(e=e), QuantizedTensor(qtype, whole[e], cols)
             continue
         if hf_name in packed:
             qt = _packed(reader, info)

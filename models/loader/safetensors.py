@@ -244,6 +244,11 @@ def iter_safetensors_weights(
         yield name, tensor
 
 
+def tensor_names(path: str | Path) -> list[str]:
+    """Every tensor name of a safetensors checkpoint, reading no tensor."""
+    return list(_Tensors(safetensors_files(path)).names())
+
+
 def packed_candidates(path: str | Path) -> dict[str, str]:
     """`<module>.weight` -> "int4" | "fp8" of the weights a safetensors checkpoint can keep
     packed (e4m3 only among the fp8 ones), reading no tensor."""

@@ -3,10 +3,11 @@ meta device before materialization, so the dense weights are never allocated.
 
 `quantize_modules(model, kept, device)` takes the HF names of the checkpoint tensors that stay
 packed (name -> type: a ggml type, or "int4" / "fp8" for GPTQ, AWQ and FP8 safetensors) and
-swaps every module whose source tensors are all among them. Under tensor parallelism
-(`shards`: this rank's slice of each tensor) a module is swapped only where every slice
-keeps whole quant blocks/groups; the others are left dense (dequantized at load, then
-sliced). The embedding and head keep this rank's vocabulary rows packed.
+swaps every module whose source tensors are all among them (a "gpu"-backend MoE block's routed
+experts too: models/quant/experts.py). Under tensor parallelism (`shards`: this rank's slice
+of each tensor) a module is swapped only where every slice keeps whole quant blocks/groups;
+the others are left dense (dequantized at load, then sliced); routed experts stay dense. The
+embedding and head keep this rank's vocabulary rows packed.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tandem.models.quant.experts import swap_experts
 from tandem.models.quant.hf_config import HfQuantConfig
 from tandem.models.quant.linear import QuantEmbedding, QuantLinear, QuantLogits, VocabSplit
 from tandem.models.quant.shard import split_error
+from tandem.models.weights import canonical_name
 
 if TYPE_CHECKING:
     from tandem.models.layers.parallel import Shard
@@ -82,6 +85,8 @@ def quantize_modules(
     cfg = model.config
     swapped: list[str] = []
     split = _Split(shards, hf_quant) if shards else None
+    raw = {canonical_name(n): n for n in kept}  # Mixtral's expert names differ in checkpoints
+    canon_kept = {c: kept[n] for c, n in raw.items()}
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn = layer.self_attn
@@ -118,6 +123,8 @@ def quantize_modules(
             swapped += _swap_linear(
                 mlp, "down_proj", [prefix + "down_proj"], [cfg.hidden_size], kept, device, split
             )
+        if split is None:
+            swapped += [raw[n] for n in swap_experts(layer.mlp, p + "mlp.", canon_kept)]
     if dense is not None and split is not None:
         dense.update(split.dense)
     embed_name = "model.embed_tokens.weight"

@@ -21,10 +21,17 @@ def pack(values: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    path: Path, qtype: str, *, moe: bool = False, seed: int = 0, head_type: str | None = None
+    path: Path,
+    qtype: str,
+    *,
+    moe: bool = False,
+    seed: int = 0,
+    head_type: str | None = None,
+    experts_type: str | None = None,
 ) -> Path:
     """A 2-layer "llama" (or "qwen3moe" with 4 experts) GGUF whose matrices are `qtype`;
-    `head_type` gives output.weight another type (and unties the head)."""
+    `head_type` gives output.weight another type (and unties the head), `experts_type` the
+    stacked experts."""
     rng = np.random.default_rng(seed)
 
     def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
@@ -74,9 +81,10 @@ def write_tiny_gguf(
             add(p + "attn_q_norm.weight", 1 + rand(HEAD_DIM), "F32")
             add(p + "attn_k_norm.weight", 1 + rand(HEAD_DIM), "F32")
             add(p + "ffn_gate_inp.weight", rand(4, HIDDEN), "F32")
-            add(p + "ffn_gate_exps.weight", rand(4, 256, HIDDEN))
-            add(p + "ffn_up_exps.weight", rand(4, 256, HIDDEN))
-            add(p + "ffn_down_exps.weight", rand(4, HIDDEN, 256))
+            et = experts_type or qtype
+            add(p + "ffn_gate_exps.weight", rand(4, 256, HIDDEN), et)
+            add(p + "ffn_up_exps.weight", rand(4, 256, HIDDEN), et)
+            add(p + "ffn_down_exps.weight", rand(4, HIDDEN, 256), et)
         else:
             add(p + "ffn_gate.weight", rand(INTER, HIDDEN))
             add(p + "ffn_up.weight", rand(INTER, HIDDEN))

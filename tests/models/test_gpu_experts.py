@@ -67,7 +67,8 @@ def test_backend_paths_off_cuda(monkeypatch, caplog) -> None:
     backend = get_expert_backend("gpu")
     assert isinstance(backend, GpuExpertBackend) and backend.supports_cuda_graphs
     assert _rel(backend.forward(0, *layer), ref) < 1e-6
-    assert backend.calls == {"decode": 0, "gemv": 0, "grouped": 1, "torch": 0}  # no kernels
+    no_packed = {"qdecode": 0, "qgemv": 0, "qgrouped": 0}
+    assert backend.calls == {"decode": 0, "gemv": 0, "grouped": 1, "torch": 0, **no_packed}
 
     def broken(*args, **kwargs):
         raise RuntimeError("no grouped GEMM here")
@@ -77,7 +78,7 @@ def test_backend_paths_off_cuda(monkeypatch, caplog) -> None:
         assert _rel(backend.forward(0, *layer), ref) < 1e-6  # said once, then the loop
     assert "grouped GEMMs unavailable" in caplog.text
     assert _rel(backend.forward(0, *layer), ref) < 1e-6
-    assert backend.calls == {"decode": 0, "gemv": 0, "grouped": 1, "torch": 2}
+    assert backend.calls == {"decode": 0, "gemv": 0, "grouped": 1, "torch": 2, **no_packed}
     monkeypatch.delattr(torch, "_grouped_mm")
     fresh = GpuExpertBackend()
     assert _rel(fresh.forward(0, *layer), ref) < 1e-6
@@ -326,7 +327,15 @@ def test_backend_paths_on_cuda() -> None:
         layer = _layer(t, 8, 32, 256, 64, torch.bfloat16, "cuda", seed=t)
         assert _rel(backend.forward(0, *layer), _reference(*layer)) < 1e-2
     grouped = 2 if hasattr(torch, "_grouped_mm") else 0
-    assert backend.calls == {"decode": 0, "gemv": 4 - grouped, "grouped": grouped, "torch": 0}
+    assert backend.calls == {
+        "decode": 0,
+        "gemv": 4 - grouped,
+        "grouped": grouped,
+        "torch": 0,
+        "qdecode": 0,
+        "qgemv": 0,
+        "qgrouped": 0,
+    }
     fp16 = _layer(300, 8, 32, 256, 64, torch.float16, "cuda")  # CUDA grouped GEMMs: bf16 only
     assert _rel(backend.forward(0, *fp16), _reference(*fp16)) < 1e-2
     assert backend.calls["gemv"] == 5 - grouped

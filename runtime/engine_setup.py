@@ -59,12 +59,6 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         if given
     ]
     pool_asked = spec.cpu_experts is not None or spec.gpu_experts is not None
-    if config.moe_bias and gpu_prefill:
-        raise ValueError(
-            f"--gpu-prefill does not apply to {config.architecture}: its experts' biases and "
-            "clamped SwiGLU are in the CPU pool's kernels only (docs/gpt-oss.md); the pool "
-            "computes prefills too"
-        )
     if pool_options and not config.is_moe:
         raise ValueError(
             f"{'/'.join(pool_options)} only apply to mixture-of-experts models; "

@@ -133,10 +133,10 @@ class PoolCudaPaths:
 
     def _use_gpu_prefill(self, layer_idx: int, tokens: int) -> bool:
         """Whether this CUDA call goes to the GPU from the pool's weights: enough tokens, not
-        inside a graph capture (decode graphs keep the pool), the path set up, and experts
-        without biases (its kernels compute SiLU experts only)."""
+        inside a graph capture (decode graphs keep the pool), and the path set up (it takes
+        the layers' expert biases, GPT-OSS, from the backend)."""
         n = self.gpu_prefill_tokens(layer_idx)
-        if not n or tokens < n or self._gpu_prefill_failed or layer_idx in self._biases:
+        if not n or tokens < n or self._gpu_prefill_failed:
             return False
         if torch.cuda.is_current_stream_capturing():
             return False
@@ -145,7 +145,9 @@ class PoolCudaPaths:
                 from tandem.models.layers.gpu_prefill import GpuExpertPrefill
 
                 device = self._layer_counts(layer_idx).device
-                self._gpu_prefill = GpuExpertPrefill(self.pool, sorted(self._counts), device)
+                self._gpu_prefill = GpuExpertPrefill(
+                    self.pool, sorted(self._counts), device, biases=self._biases
+                )
                 self._gpu_prefill.layer_bytes(layer_idx)  # the pool's layout is readable
             except Exception as e:  # noqa: BLE001 - fall back to the pool, loudly
                 self._gpu_prefill_failed = True

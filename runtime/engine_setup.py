@@ -297,8 +297,8 @@ def size_kv_cache(
     peak (`gpu_memory_utilization`), or from the CPU byte budget."""
     cfg, mc = config.cache, model_config
     tp = config.model.tensor_parallel_size
-    # the windowed layers' own pool; not under tensor parallelism (its steps carry one table)
-    window_blocks = window_pool_blocks(mc, cfg.block_size, config.scheduler) if tp == 1 else 0
+    # the windowed layers' own pool (the same count on every tensor-parallel rank)
+    window_blocks = window_pool_blocks(mc, cfg.block_size, config.scheduler)
     group = len(mc.window_group_layers) if window_blocks else 0
     per_block = KVCache.bytes_per_block_for(
         mc, cfg.block_size, dtype, tp, mc.num_hidden_layers - group

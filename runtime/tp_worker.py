@@ -36,7 +36,15 @@ def worker_main(rank: int, size: int, config: Any, model_config: Any, errors: An
         resolve_max_model_len,
         size_kv_cache,
     )
-    from tandem.runtime.tp import HEADER, STOP, agree, init_group, set_process_env, unpack_step
+    from tandem.runtime.tp import (
+        HEADER,
+        STOP,
+        agree,
+        init_group,
+        payload_size,
+        set_process_env,
+        unpack_step,
+    )
 
     set_process_env()
     spec = config.model
@@ -62,7 +70,10 @@ def worker_main(rank: int, size: int, config: Any, model_config: Any, errors: An
     all_ok, blocks = agree(ok, blocks, device)
     if not all_ok:
         return
-    kv_cache = KVCache.for_model(model_config, blocks, layout.block_size, dtype, device, size)
+    kv_cache = KVCache.for_model(
+        model_config, blocks, layout.block_size, dtype, device, size,
+        num_window_blocks=layout.num_window_blocks,
+    )  # fmt: skip
     with torch.inference_mode():
         while True:
             header = torch.empty(HEADER, dtype=torch.int64, device=device)
@@ -70,13 +81,10 @@ def worker_main(rank: int, size: int, config: Any, model_config: Any, errors: An
             head = header.tolist()
             if head[0] == STOP:
                 break
-            t, s, width, n = head[1:]
-            payload = torch.empty(
-                3 * t + 2 * s + 1 + s * width + n, dtype=torch.int64, device=device
-            )
+            payload = torch.empty(payload_size(head), dtype=torch.int64, device=device)
             dist.broadcast(payload, 0, group=steps)
             input_ids, positions, batch = unpack_step(head, payload, kv_cache)
             hidden = model(input_ids, positions, batch)
-            if n:
+            if head[4]:
                 model.compute_logits(hidden)
     dist.destroy_process_group()

@@ -21,8 +21,8 @@ largest call seen and only grow outside graph capture (a capture is preceded by 
 of the same size); a grown set leaves the old one alive for the graphs that point at it. A
 graph replays the row count it was captured with: the padding rows of a decode bucket are
 computed by the pool like real ones (inert inputs; their output is never read).
-Graphs need all experts on the pool: GPU-resident experts sync on the host (`.tolist()`), so a
-layer split between GPU and CPU keeps `supports_cuda_graphs` False and decodes eagerly.
+A layer split between GPU and CPU is captured too: its GPU-resident experts run without a host
+sync at graph sizes (models/layers/local_experts.py; tests/models/test_moe_families_cuda.py).
 
 `stream_ordered=False` keeps the older path: copy, wait on the host for the copy, submit, sync.
 """

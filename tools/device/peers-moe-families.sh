@@ -9,7 +9,7 @@
 # 3-15 while cores 0-2 build Tandem's CPU extension, write the GGUFs and run the families' GPU
 # tests (TESTS); every benchmark then runs with all cores.
 #   bash tools/peers/llama_cpp.sh fetch            # here, once: .peers/llama.cpp (carry it)
-#   bash tools/device_check.sh peers-moe-families  # GPU machine, about 7 minutes
+#   bash tools/device_check.sh peers-moe-families  # GPU machine, about 5-6 minutes
 # $OUT: summary.txt, glm_int4.json / oss_int4.json / oss_int8.json (Tandem), logs.tgz.
 # Env: GLM_LAYERS [6], OSS_LAYERS [4], THREADS [14,16] (llama-bench), TESTS [the gpu tests
 #   below], TESTS_UNTIL [240] (s: the tests stop by then), DEADLINE [420] (s: a stage that

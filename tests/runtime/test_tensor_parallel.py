@@ -146,6 +146,46 @@ def test_tp2_matches_tp1_more_own_families(name: str, tmp_path: Path) -> None:
     _compare(tmp_path / name)
 
 
+@pytest.mark.parametrize("window", [False, True])
+def test_step_packing_round_trips(window: bool) -> None:
+    """runtime/tp.py: what rank 0 broadcasts a step as is what a worker rebuilds, the window
+    pool's tables and slots included where the batch has them (and their size announced)."""
+    from tandem.models.batch import ForwardBatch
+    from tandem.runtime.tp import pack_step, payload_size, unpack_step
+
+    tables = torch.tensor([[3, 4, 0], [7, 1, 2]], dtype=torch.int32)
+    batch = ForwardBatch(
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 12], dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor([30, 31, 32, 45]),
+        logits_indices=torch.tensor([2, 3]),
+        query_lens_cpu=[3, 1],
+        seq_lens_cpu=[9, 12],
+        kv_cache=None,
+        max_query_len=3,
+        max_seq_len=12,
+    )
+    if window:
+        batch.window_block_tables = tables.flip(1).contiguous() + 20
+        batch.window_slot_mapping = torch.tensor([5, 6, 7, 90])
+    ids, pos = torch.tensor([11, 12, 13, 14]), torch.tensor([6, 7, 8, 11])
+    header, payload = pack_step(ids, pos, batch)
+    head = header.tolist()
+    assert head[5] == int(window) and payload.numel() == payload_size(head)
+    ids2, pos2, got = unpack_step(head, payload, None)
+    assert torch.equal(ids2, ids) and torch.equal(pos2, pos)
+    assert got.query_lens_cpu == [3, 1] and got.seq_lens_cpu == [9, 12]
+    assert torch.equal(got.block_tables, tables)
+    assert torch.equal(got.slot_mapping, batch.slot_mapping)
+    if window:
+        assert torch.equal(got.window_block_tables, batch.window_block_tables)
+        assert torch.equal(got.window_slot_mapping, batch.window_slot_mapping)
+        assert torch.equal(got.kv_tables(8)[0], batch.window_block_tables)
+    else:
+        assert got.window_block_tables is None and got.window_slot_mapping is None
+
+
 def _recording(compute: Callable, seen: list[torch.Tensor]) -> Callable:
     def spy(hidden: torch.Tensor) -> torch.Tensor:
         seen.append(compute(hidden).clone())

@@ -59,12 +59,6 @@ def check_expert_options(spec: ModelSpec, device: torch.device, config: ModelCon
         if given
     ]
     pool_asked = spec.cpu_experts is not None or spec.gpu_experts is not None
-    if config.moe_bias and gpu_prefill:
-        raise ValueError(
-            f"--gpu-prefill does not apply to {config.architecture}: its experts' biases and "
-            "clamped SwiGLU are in the CPU pool's kernels only (docs/gpt-oss.md); the pool "
-            "computes prefills too"
-        )
     if pool_options and not config.is_moe:
         raise ValueError(
             f"{'/'.join(pool_options)} only apply to mixture-of-experts models; "
@@ -312,8 +306,8 @@ def size_kv_cache(
     peak (`gpu_memory_utilization`), or from the CPU byte budget."""
     cfg, mc = config.cache, model_config
     tp = config.model.tensor_parallel_size
-    # the windowed layers' own pool; not under tensor parallelism (its steps carry one table)
-    window_blocks = window_pool_blocks(mc, cfg.block_size, config.scheduler) if tp == 1 else 0
+    # the windowed layers' own pool (the same count on every tensor-parallel rank)
+    window_blocks = window_pool_blocks(mc, cfg.block_size, config.scheduler)
     group = len(mc.window_group_layers) if window_blocks else 0
     per_block = KVCache.bytes_per_block_for(
         mc, cfg.block_size, dtype, tp, mc.num_hidden_layers - group

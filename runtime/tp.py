@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT = timedelta(seconds=300)  # rendezvous and start-up collectives
 STEP_TIMEOUT = timedelta(days=365)  # workers wait for the next step as long as the server idles
 STEP, STOP = 1, 0
-HEADER = 5  # cmd, tokens, seqs, block-table width, logits rows
+HEADER = 6  # cmd, tokens, seqs, block-table width, logits rows, window tables (0/1)
 
 
 def set_process_env() -> None:
@@ -71,35 +71,47 @@ def agree(ok: bool, num_blocks: int, device: torch.device) -> tuple[bool, int]:
 
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
-    """(header, payload) int64 tensors describing one forward."""
+    """(header, payload) int64 tensors describing one forward; with a window pool (GPT-OSS)
+    the windowed layers' block tables (as wide as the main ones) and slots follow."""
     tables = batch.block_tables
+    window = batch.window_block_tables is not None
     header = [
         STEP,
         input_ids.numel(),
         batch.num_seqs,
         tables.shape[1],
         batch.logits_indices.numel(),
+        int(window),
     ]
-    payload = torch.cat(
-        [
-            input_ids.long(),
-            positions.long(),
-            batch.query_start_loc.long(),
-            batch.seq_lens.long(),
-            tables.long().reshape(-1),
-            batch.slot_mapping.long(),
-            batch.logits_indices.long(),
-        ]
-    )
+    parts = [
+        input_ids.long(),
+        positions.long(),
+        batch.query_start_loc.long(),
+        batch.seq_lens.long(),
+        tables.long().reshape(-1),
+        batch.slot_mapping.long(),
+        batch.logits_indices.long(),
+    ]
+    if window:
+        assert batch.window_slot_mapping is not None
+        assert batch.window_block_tables.shape == tables.shape
+        parts += [batch.window_block_tables.long().reshape(-1), batch.window_slot_mapping.long()]
+    payload = torch.cat(parts)
     return torch.tensor(header, dtype=torch.int64, device=payload.device), payload
+
+
+def payload_size(header: list[int]) -> int:
+    """int64 elements of the payload `header` announces."""
+    _, t, s, width, n, window = header
+    return 3 * t + 2 * s + 1 + s * width + n + (s * width + t if window else 0)
 
 
 def unpack_step(
     header: list[int], payload: torch.Tensor, kv_cache: KVCache
 ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-    _, t, s, width, n = header
-    parts = payload.split([t, t, s + 1, s, s * width, t, n])
-    ids, pos, qsl, seq_lens, tables, slots, logits = parts
+    _, t, s, width, n, window = header
+    sizes = [t, t, s + 1, s, s * width, t, n] + ([s * width, t] if window else [])
+    ids, pos, qsl, seq_lens, tables, slots, logits, *window_parts = payload.split(sizes)
     qsl_cpu = qsl.tolist()
     query_lens = [b - a for a, b in zip(qsl_cpu, qsl_cpu[1:], strict=False)]
     seq_lens_cpu = seq_lens.tolist()
@@ -115,6 +127,10 @@ def unpack_step(
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens_cpu),
     )
+    if window_parts:
+        window_tables, window_slots = window_parts
+        batch.window_block_tables = window_tables.int().reshape(s, width)
+        batch.window_slot_mapping = window_slots.contiguous()
     return ids.contiguous(), pos.contiguous(), batch
 
 
@@ -243,7 +259,9 @@ class TensorParallelGroup:
                 if self._mirror is not None:  # a CUDA runner's workers read its header
                     stop = self._mirror.stop_header()
                 else:
-                    stop = torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
+                    stop = torch.tensor(
+                        [STOP] + [0] * (HEADER - 1), dtype=torch.int64, device=self.device
+                    )
                 dist.broadcast(stop, 0, group=self.steps)
             except Exception:  # a worker is gone: the kill below ends the rest
                 pass

@@ -66,7 +66,10 @@ def worker_main(
     all_ok, blocks = agree(ok, blocks, device)
     if not all_ok:
         return
-    kv_cache = KVCache.for_model(model_config, blocks, layout.block_size, dtype, device, size)
+    kv_cache = KVCache.for_model(
+        model_config, blocks, layout.block_size, dtype, device, size,
+        num_window_blocks=layout.num_window_blocks,
+    )  # fmt: skip
     if device.type == "cuda":
         max_model_len = served_model_len(requested, max_model_len, blocks, layout.block_size)
         _follow_cuda(
@@ -79,7 +82,7 @@ def worker_main(
 
 def _follow_cpu(model: Any, kv_cache: Any, device: torch.device, steps: Any) -> None:
     """Eager forwards of the steps rank 0's `ModelRunner` broadcasts (runtime/tp.py)."""
-    from tandem.runtime.tp import HEADER, STOP, unpack_step
+    from tandem.runtime.tp import HEADER, STOP, payload_size, unpack_step
 
     with torch.inference_mode():
         while True:
@@ -88,14 +91,11 @@ def _follow_cpu(model: Any, kv_cache: Any, device: torch.device, steps: Any) -> 
             head = header.tolist()
             if head[0] == STOP:
                 break
-            t, s, width, n = head[1:]
-            payload = torch.empty(
-                3 * t + 2 * s + 1 + s * width + n, dtype=torch.int64, device=device
-            )
+            payload = torch.empty(payload_size(head), dtype=torch.int64, device=device)
             dist.broadcast(payload, 0, group=steps)
             input_ids, positions, batch = unpack_step(head, payload, kv_cache)
             hidden = model(input_ids, positions, batch)
-            if n:
+            if head[4]:
                 model.compute_logits(hidden)
 
 

@@ -6,7 +6,8 @@ model with every expert on the GPU ("gpu" expert backend: routed kernels, decode
 --gpu-all-backend torch, the per-expert loop), and with --hf the peer, HF transformers'
 Qwen3-MoE of the same shape on the GPU, in the same process. `--config config.json` takes the
 shape and architecture from an HF config instead (Qwen3-MoE, Qwen2-MoE with its shared expert
-and dense layers, Mixtral; `--layers N` cuts it to N layers).
+and dense layers, Mixtral, GLM-4.5, GPT-OSS with its expert biases; `--layers N` cuts it to N
+layers).
 
 The GPU side runs with the cupy attention backend by default (--attention-backend torch: the
 reference backend, as in the first recorded figures) and its decode steps through CUDA graphs
@@ -699,6 +700,8 @@ def run_hybrid(cfg, fmt, shared, a, dtype, sync: str | None = None, full=None) -
                         expert_backend="cpu_pool",
                         expert_options=opts)  # fmt: skip
     backend = model.expert_backend
+    # GPT-OSS: the pool takes a block's expert biases when it takes its experts
+    init_dummy_weights(model, select=lambda name: name.endswith(("w13_bias", "w2_bias")))
     for block in model.modules():
         if hasattr(block, "w13") and getattr(block, "backend", None) is backend:
             block.w13 = nn.Parameter(shared[0], requires_grad=False)

@@ -28,6 +28,7 @@ pool-cpu        CPU pool start-up (fill and convert) and its idle spin with the 
 amx-tile        AMX int8 tiles: pool tests on AMX, VNNI crossover, layer A/Bs (STAGES)
 peers-kt        one MoE layer per shape: the CPU pool against kt-kernel (KTransformers), bench_cpu_moe --peer-kt
 peers-llama     llama.cpp (CUDA build on the machine) vs Tandem: hybrid MoE decode, 8B Q4_0/Q4_K/bf16, MoE all on the GPU
+peers-moe-families  GLM-4.5-Air / gpt-oss-120b cuts: experts on the pool vs llama.cpp -ot exps=CPU on GGUFs of the same shape
 quant-hf        GPTQ/AWQ/FP8 CUDA linears: GPU tests, then tools/bench_hf_quant_gpu.py (8B-shaped stack)
 packed-experts  MoE experts packed on the GPU (GGUF, MXFP4): tests, layer stacks vs bf16, Q4_0 30B-A3B GGUF via the engine
 LIST

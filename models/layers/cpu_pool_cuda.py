@@ -21,8 +21,8 @@ largest call seen and only grow outside graph capture (a capture is preceded by 
 of the same size); a grown set leaves the old one alive for the graphs that point at it. A
 graph replays the row count it was captured with: the padding rows of a decode bucket are
 computed by the pool like real ones (inert inputs; their output is never read).
-Graphs need all experts on the pool: GPU-resident experts sync on the host (`.tolist()`), so a
-layer split between GPU and CPU keeps `supports_cuda_graphs` False and decodes eagerly.
+A layer split between GPU and CPU is captured too: its GPU-resident experts run without a host
+sync at graph sizes (models/layers/local_experts.py; tests/models/test_moe_families_cuda.py).
 
 `stream_ordered=False` keeps the older path: copy, wait on the host for the copy, submit, sync.
 """
@@ -133,10 +133,10 @@ class PoolCudaPaths:
 
     def _use_gpu_prefill(self, layer_idx: int, tokens: int) -> bool:
         """Whether this CUDA call goes to the GPU from the pool's weights: enough tokens, not
-        inside a graph capture (decode graphs keep the pool), the path set up, and experts
-        without biases (its kernels compute SiLU experts only)."""
+        inside a graph capture (decode graphs keep the pool), and the path set up (it takes
+        the layers' expert biases, GPT-OSS, from the backend)."""
         n = self.gpu_prefill_tokens(layer_idx)
-        if not n or tokens < n or self._gpu_prefill_failed or layer_idx in self._biases:
+        if not n or tokens < n or self._gpu_prefill_failed:
             return False
         if torch.cuda.is_current_stream_capturing():
             return False
@@ -145,7 +145,9 @@ class PoolCudaPaths:
                 from tandem.models.layers.gpu_prefill import GpuExpertPrefill
 
                 device = self._layer_counts(layer_idx).device
-                self._gpu_prefill = GpuExpertPrefill(self.pool, sorted(self._counts), device)
+                self._gpu_prefill = GpuExpertPrefill(
+                    self.pool, sorted(self._counts), device, biases=self._biases
+                )
                 self._gpu_prefill.layer_bytes(layer_idx)  # the pool's layout is readable
             except Exception as e:  # noqa: BLE001 - fall back to the pool, loudly
                 self._gpu_prefill_failed = True

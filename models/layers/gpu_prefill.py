@@ -11,20 +11,23 @@ to the GPU the same way.
 
 Owns: page-locking the pool's shard regions (cudaHostRegister, once per layer), two device
 staging slots for the raw bytes, a copy stream that fetches the next layer while the current one
-computes, the widening buffers, and the grouped expert computation. Knows nothing about
-requests; the backend decides when a step goes this way (`CpuPoolExpertBackend`).
+computes, the widening buffers, and the grouped expert computation, with GPT-OSS's expert
+biases and clamped SwiGLU where a layer has them. Knows nothing about requests; the backend
+decides when a step goes this way (`CpuPoolExpertBackend`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tandem.ext.cpu.layout import ShardLayout, split_shard
+from tandem.models.layers.experts import ExpertBias
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,41 @@ def _grouped_mm(
     return out
 
 
+@dataclass(frozen=True)
+class ShardBias:
+    """A layer's expert biases laid out like its shards: `b13` per shard [E, 2Is] f32 in the
+    blocked row order (zero past the real columns), `b2` [E, H] f32 (added once, not per
+    shard), and the activation taking (gate, up)."""
+
+    b13: tuple[torch.Tensor, ...]
+    b2: torch.Tensor
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def blocked_bias(b13: torch.Tensor, s: ShardLayout) -> torch.Tensor:
+    """The gate/up biases [E, 2I] (gate then up) of shard `s`'s columns [i0, i0 + Iv), padded
+    with zeros to Is and interleaved in blocks of 32 gate + 32 up as its w13 rows are:
+    [E, 2Is] f32 on b13's device."""
+    E, inter = b13.shape[0], b13.shape[1] // 2
+    out = torch.zeros(E, s.Is // 32, 2, 32, dtype=torch.float32, device=b13.device)
+    for half in range(2):
+        cols = b13[:, half * inter + s.i0 : half * inter + s.i0 + s.Iv].float()
+        flat = torch.zeros(E, s.Is, dtype=torch.float32, device=b13.device)
+        flat[:, : s.Iv] = cols
+        out[:, :, half] = flat.view(E, s.Is // 32, 32)
+    return out.view(E, 2 * s.Is)
+
+
+def shard_bias(bias: ExpertBias, shards: Sequence[ShardLayout], device: torch.device) -> ShardBias:
+    """`bias` for the non-empty shards of a layer (the ones `experts_from_shards` gets)."""
+    b13 = bias.b13.detach().to(device)
+    return ShardBias(
+        b13=tuple(blocked_bias(b13, s) for s in shards if s.Is),
+        b2=bias.b2.detach().to(device, torch.float32),
+        activation=bias.activation,
+    )
+
+
 def experts_from_shards(
     hidden: torch.Tensor,  # [T, H] model dtype
     topk_ids: torch.Tensor,  # [T, k] int64, -1 = skipped slot
@@ -69,11 +107,14 @@ def experts_from_shards(
         tuple[torch.Tensor, torch.Tensor]
     ],  # per shard (w13 [E, 2Is, Hp], w2 [E, Hp, Is])
     state: dict | None = None,
+    bias: ShardBias | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] float32 from shard matrices in the pool's
     blocked row order (ext/cpu/layout.py): gate/up rows come in blocks of 32 + 32, so the
     gate_up product is split by a view, not a copy; the shards' partial outputs add up. No
-    host sync where torch._grouped_mm runs."""
+    host sync where torch._grouped_mm runs. `bias` (GPT-OSS): each shard's gate/up biases
+    are added before its activation (padding columns stay zero: act(0, 0) = 0 for SiLU and
+    the clamped SwiGLU), the down bias once per routed slot, all before the routing weight."""
     state = {} if state is None else state
     T, H = hidden.shape
     k = topk_ids.shape[1]
@@ -89,14 +130,23 @@ def experts_from_shards(
     xs = hidden.to(dtype).index_select(0, tok)  # [P, H]
     if Hp > H:
         xs = F.pad(xs, (0, Hp - H))
+    pair_ids = ids.index_select(0, order) if bias is not None else None  # [P]
     y = None
-    for w13, w2 in shards:
+    for i, (w13, w2) in enumerate(shards):
         Is = w2.shape[2]
-        gu = _grouped_mm(xs, w13.transpose(1, 2), offs, state)  # [P, 2Is]
-        g = gu.view(-1, Is // 32, 2, 32).float()
-        act = (F.silu(g[:, :, 0]) * g[:, :, 1]).reshape(-1, Is).to(dtype)  # [P, Is]
+        gu = _grouped_mm(xs, w13.transpose(1, 2), offs, state).float()  # [P, 2Is]
+        if bias is not None:
+            gu = gu + bias.b13[i].index_select(0, pair_ids)
+        g = gu.view(-1, Is // 32, 2, 32)
+        if bias is None:
+            act = F.silu(g[:, :, 0]) * g[:, :, 1]
+        else:
+            act = bias.activation(g[:, :, 0], g[:, :, 1])
+        act = act.reshape(-1, Is).to(dtype)  # [P, Is]
         part = _grouped_mm(act, w2.transpose(1, 2), offs, state)[:, :H].float()  # [P, H]
         y = part if y is None else y + part
+    if bias is not None:
+        y = y + bias.b2.index_select(0, pair_ids)
     out = torch.zeros(T, H, dtype=torch.float32, device=hidden.device)
     out.index_add_(0, tok, y * wts.index_select(0, order).float()[:, None])
     return out
@@ -107,8 +157,18 @@ class GpuExpertPrefill:
     docstring. `run` is enqueued on the current stream and never waits on the host (apart
     from page-locking a layer's memory the first time it is used)."""
 
-    def __init__(self, pool, layers: Sequence[int], device: torch.device) -> None:
+    def __init__(
+        self,
+        pool,
+        layers: Sequence[int],
+        device: torch.device,
+        biases: dict[int, ExpertBias] | None = None,
+    ) -> None:
+        """`biases`: the layers whose experts carry biases and the clamped SwiGLU (GPT-OSS),
+        as the pool took them (`CpuExpertPool.set_expert_act`)."""
         self.pool = pool
+        self.biases = biases if biases is not None else {}  # the backend's own: kept current
+        self._shard_bias: dict[int, ShardBias] = {}  # layer -> its biases on the device
         self.layers = sorted(layers)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -262,12 +322,23 @@ class GpuExpertPrefill:
             if s.Is:
                 shards.append(self._widen(raw[at : at + s.nbytes], s, index, hidden.dtype))
             at += s.nbytes
-        y = experts_from_shards(hidden, topk_ids, topk_weights, shards, self._mm_state)
+        bias = self._bias(layer)
+        y = experts_from_shards(hidden, topk_ids, topk_weights, shards, self._mm_state, bias)
         if self.cuda:
             self._freed[slot].record(stream)
         self.calls += 1
         self.h2d_bytes += self.layer_bytes(layer)
         return y
+
+    def _bias(self, layer: int) -> ShardBias | None:
+        if layer not in self.biases:
+            return None
+        sb = self._shard_bias.get(layer)
+        if sb is None:
+            sb = self._shard_bias[layer] = shard_bias(
+                self.biases[layer], self._layout(layer), self.device
+            )
+        return sb
 
     def release(self) -> None:
         """Waits for the copies in flight and unpins the pool's memory; views, layouts and
@@ -285,6 +356,7 @@ class GpuExpertPrefill:
         self._registered = []
         self._host.clear()
         self._shards.clear()
+        self._shard_bias.clear()
         self._slot_of.clear()
 
     def close(self) -> None:

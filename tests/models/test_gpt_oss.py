@@ -425,8 +425,9 @@ def test_gguf_gpt_oss_matches_hf(
     "spec", [dict(cpu_experts="all"), dict(gpu_experts=2), dict(expert_backend="cpu_pool")]
 )
 def test_engine_takes_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
-    """The pool has GPT-OSS's biases and clamped SwiGLU (tests/models/test_gpt_oss_pool.py);
-    only --gpu-prefill, whose GPU kernels compute SiLU experts, is refused by name."""
+    """The pool has GPT-OSS's biases and clamped SwiGLU (tests/models/test_gpt_oss_pool.py),
+    and so has the GPU prefill from the pool's weights (tests/models/test_gpu_prefill_bias.py):
+    --gpu-prefill is taken on CUDA and refused by name on the CPU, as for every family."""
     from tandem.runtime.config import ModelSpec
     from tandem.runtime.engine_setup import check_expert_options
 
@@ -434,8 +435,9 @@ def test_engine_takes_the_cpu_pool_for_gpt_oss(spec: dict) -> None:
     d["architectures"] = ["GptOssForCausalLM"]
     cfg = ModelConfig.from_hf_dict(d)
     check_expert_options(ModelSpec(**spec), torch.device("cuda"), cfg)
-    with pytest.raises(ValueError, match="--gpu-prefill does not apply to GptOssForCausalLM"):
-        check_expert_options(ModelSpec(**spec, gpu_prefill="64"), torch.device("cuda"), cfg)
+    check_expert_options(ModelSpec(**spec, gpu_prefill="64"), torch.device("cuda"), cfg)
+    with pytest.raises(ValueError, match="--gpu-prefill 64 computes the pool's layers on the GPU"):
+        check_expert_options(ModelSpec(**spec, gpu_prefill="64"), torch.device("cpu"), cfg)
     check_expert_options(ModelSpec(), torch.device("cpu"), cfg)
 
 

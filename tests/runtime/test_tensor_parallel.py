@@ -146,6 +146,89 @@ def test_tp2_matches_tp1_more_own_families(name: str, tmp_path: Path) -> None:
     _compare(tmp_path / name)
 
 
+@pytest.mark.parametrize("window", [False, True])
+def test_step_packing_round_trips(window: bool) -> None:
+    """runtime/tp.py: what rank 0 broadcasts a step as is what a worker rebuilds, the window
+    pool's tables and slots included where the batch has them (and their size announced)."""
+    from tandem.models.batch import ForwardBatch
+    from tandem.runtime.tp import pack_step, payload_size, unpack_step
+
+    tables = torch.tensor([[3, 4, 0], [7, 1, 2]], dtype=torch.int32)
+    batch = ForwardBatch(
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 12], dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor([30, 31, 32, 45]),
+        logits_indices=torch.tensor([2, 3]),
+        query_lens_cpu=[3, 1],
+        seq_lens_cpu=[9, 12],
+        kv_cache=None,
+        max_query_len=3,
+        max_seq_len=12,
+    )
+    if window:
+        batch.window_block_tables = tables.flip(1).contiguous() + 20
+        batch.window_slot_mapping = torch.tensor([5, 6, 7, 90])
+    ids, pos = torch.tensor([11, 12, 13, 14]), torch.tensor([6, 7, 8, 11])
+    header, payload = pack_step(ids, pos, batch)
+    head = header.tolist()
+    assert head[5] == int(window) and payload.numel() == payload_size(head)
+    ids2, pos2, got = unpack_step(head, payload, None)
+    assert torch.equal(ids2, ids) and torch.equal(pos2, pos)
+    assert got.query_lens_cpu == [3, 1] and got.seq_lens_cpu == [9, 12]
+    assert torch.equal(got.block_tables, tables)
+    assert torch.equal(got.slot_mapping, batch.slot_mapping)
+    if window:
+        assert torch.equal(got.window_block_tables, batch.window_block_tables)
+        assert torch.equal(got.window_slot_mapping, batch.window_slot_mapping)
+        assert torch.equal(got.kv_tables(8)[0], batch.window_block_tables)
+    else:
+        assert got.window_block_tables is None and got.window_slot_mapping is None
+
+
+def _recording(compute: Callable, seen: list[torch.Tensor]) -> Callable:
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(compute(hidden).clone())
+        return seen[-1]
+
+    return spy
+
+
+def test_tp2_gpt_oss_window_pool_matches_tp1(tmp_path: Path) -> None:
+    """GPT-OSS at TP=2 keeps its windowed layers' own KV pool on both ranks (the worker's
+    steps carry the window tables and slots): over sequences several windows long, with
+    blocks behind the window released and the window pool's ids unlike the main pool's, every
+    logit row and greedy token equals TP=1's."""
+    path = tmp_path / "gpt_oss"
+    save_gpt_oss(hf.GptOssConfig(**GPT_OSS), path)  # window 8 on layers 0 and 2
+    prompts = [[5, 9, 11, 3, 70, 2, 8] * 3, [100, 4, 4, 6], [7] * 30]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        # 2 sequences at a time: a window pool of 13 blocks, far fewer than the main pool's
+        # ids (a worker that read its windowed layers through the main table would overrun)
+        llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=96,
+                  max_model_len=96, max_num_seqs=2, max_num_batched_tokens=16,
+                  tensor_parallel_size=tp)  # fmt: skip
+        try:
+            eng = llm.engine
+            assert eng.kv_cache.window_layers == (0, 2) and eng.layout.num_window_blocks == 13
+            model, seen = eng.runner.model, []
+            model.compute_logits = _recording(model.compute_logits, seen)
+            outs = llm.generate(prompts, params)
+            wp = eng.scheduler.window_pool
+            wp.check_invariants()
+            assert wp.num_free_blocks == wp.num_usable_blocks
+            results[tp] = ([list(o.outputs[0].token_ids) for o in outs], seen)
+        finally:
+            llm.engine.close()
+    assert multiprocessing.active_children() == []
+    (ids1, logits1), (ids2, logits2) = results[1], results[2]
+    assert ids2 == ids1 and len(logits2) == len(logits1)
+    for a, b in zip(logits1, logits2, strict=True):
+        assert (b - a).abs().max() / a.abs().max() < 1e-5
+
+
 def _config(**kw) -> ModelConfig:
     return ModelConfig.from_hf_dict(
         {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **COMMON, **kw}

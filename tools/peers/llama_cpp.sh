@@ -19,7 +19,8 @@
 #   dense-q4_0-gpu, dense-q4_k-gpu  the same shape in Q4_0 / Q4_K: pp2048 + tg128
 # Env: LLAMA_CPP_PY_VERSION [0.3.36], GGUF_DIR [/root/gguf, else /dev/shm/gguf], THREADS [14,16],
 # REPS [3], OUT [./peer-out], CUDA_ARCH [90], TARGETS ["llama-bench llama-server"],
-# CPU_BUILD [/work/peer-build/llama.cpp-cpu, outside the repo], CPU_CFLAGS [AMX off], JOBS [nproc].
+# CPU_BUILD [/work/peer-build/llama.cpp-cpu, outside the repo], CPU_CFLAGS [AMX off], JOBS [nproc],
+# LLAMA_CMAKE_ARGS [none; e.g. -DGGML_CUDA_FA=OFF: a shorter CUDA build without FlashAttention].
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TREE=.peers/llama.cpp
@@ -50,7 +51,7 @@ build() {
   cmake -S "$TREE" -B "$TREE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-    -DGGML_NATIVE=ON > "$OUT/llama_configure.log" 2>&1 \
+    -DGGML_NATIVE=ON ${LLAMA_CMAKE_ARGS:-} > "$OUT/llama_configure.log" 2>&1 \
     && cmake --build "$TREE/build" --target ${TARGETS:-llama-bench llama-server} -j"$(nproc)" \
       > "$OUT/llama_build.log" 2>&1
   local rc=$?

@@ -102,7 +102,7 @@ def test_parity_with_quantized_activation_reference(isa, fmt, group, layer_seed)
             # Every active expert took the integer path (one node here), none the float one.
             assert stats["int_experts"] == int(ids[ids >= 0].unique().numel()), stats
             assert stats["float_experts"] == 0 and stats["int_items"] > 0, stats
-            acts = int_path_activations(fmt, pool.int_tiles_from)
+            acts = int_path_activations(fmt, pool.int_tiles_from, group=group)
             ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=acts)
             ref = moe_reference(hidden, dq13, dq2, ids, weights)
             assert torch.isfinite(out).all()
@@ -138,7 +138,7 @@ def test_every_token_block_shape_matches_the_reference(isa, fmt, group, H, inter
         pool.add_layer(0, w13, w2, fmt, group)
         out = pool.forward(0, hidden, ids, weights)
         assert pool.phase_stats()["int_experts"] == E
-        acts = int_path_activations(fmt, pool.int_tiles_from)
+        acts = int_path_activations(fmt, pool.int_tiles_from, group=group)
     ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=acts)
     for e, c in enumerate(TOKEN_BLOCK_COUNTS):  # per expert, so one bad layout cannot hide
         rows = (ids[:, 0] == e).nonzero().flatten()

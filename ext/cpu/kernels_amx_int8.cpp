@@ -553,9 +553,13 @@ void row16_tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, flo
   const int chunks = K / kKB, ntb = (n + 15) / 16;
   const size_t tbb = row16_block_bytes(K), ldw = w.row_bytes;
   configure_tiles();
-  for (int r0 = 0; r0 < R; r0 += 32) {
-    const int8_t* A = (const int8_t*)(w.data + (size_t)r0 * ldw);
-    for (int tb = 0; tb < ntb; ++tb) {
+  // Token blocks outside the row pairs: a token block's activations (2 K bytes a token) are read
+  // from memory once per work item and reused from L2 by the other row pair, and the item's rows
+  // (R x K bytes) stay in L2 across token blocks (row pairs outside re-read all of the expert's
+  // activations per 32 rows, from L3 once they outgrow L2).
+  for (int tb = 0; tb < ntb; ++tb) {
+    for (int r0 = 0; r0 < R; r0 += 32) {
+      const int8_t* A = (const int8_t*)(w.data + (size_t)r0 * ldw);
       const int nt = std::min(16, n - tb * 16);
       const uint8_t* xb = X + (size_t)tb * tbb;
       _tile_zero(0);

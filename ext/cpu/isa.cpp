@@ -116,12 +116,13 @@ KernelSet select_kernels(const std::string& want) {
   return kernels_scalar();
 }
 
-KernelSet select_int_kernels(const std::string& isa, int fmt) {
+KernelSet select_int_kernels(const std::string& isa, int fmt, int group) {
   const CpuCaps& c = cpu_caps();
   (void)c;
   (void)fmt;
+  (void)group;
 #ifdef TANDEM_HAVE_AMX_INT8
-  if (isa == "amx" && c.amx && c.vnni) return kernels_amx_int8(fmt);
+  if (isa == "amx" && c.amx && c.vnni) return kernels_amx_int8(fmt, group);
 #endif
 #ifdef TANDEM_HAVE_VNNI
   if ((isa == "amx" || isa == "avx512") && c.vnni) return kernels_vnni();

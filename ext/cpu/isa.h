@@ -24,7 +24,8 @@ KernelSet select_kernels(const std::string& want);
 // supported_isas()): "amx-int8" with "amx", "vnni" with "avx512" (the CPU has VNNI), else none
 // (name null): the scalar and AVX2 sets keep widening int8/int4 weights to floats. fmt: the
 // weights' format; FMT_INT8 gives the set for packed int8 rows (AMX: 16-bit activations),
-// anything else the set for int4 and natural int8 rows.
-KernelSet select_int_kernels(const std::string& isa, int fmt);
+// anything else the set for int4 and natural int8 rows; FMT_INT4 with group kTileQBlock4 the
+// set for int4 in groups of 64 (AMX: activations in blocks of 64 on the tiles).
+KernelSet select_int_kernels(const std::string& isa, int fmt, int group = 0);
 
 }  // namespace tandem_cpu

@@ -28,12 +28,15 @@ constexpr int kAmxMinTokens = 1;
 // Tokens of one expert from which the AMX int8 path multiplies in tiles (below: VNNI; env
 // TANDEM_AMX_TILE_MIN_TOKENS overrides): on the device's Xeon the tiles win from 6-8 tokens an
 // expert (8 experts of the Qwen3-30B-A3B shape, top-8; BENCHMARKS, session 9), VNNI below.
-// For int4 weights the tiles quantize activations per 32-element block as VNNI does, so the
-// choice is speed only. For packed int8 rows they take 16-bit activations with one scale per
-// token (kRow16Levels): 60x more accurate than the blocks on SmolLM2's activations
-// (tools/act_quant_error.py) and free of per-block rescaling; such an expert's output then
-// changes across this threshold by the blocks' error.
+// For int4 weights in groups of 32 the tiles quantize activations per 32-element block as VNNI
+// does, so the choice is speed only; in groups of kTileQBlock4 per block of that size (one
+// block a weight group: a tile product needs one store and one rescale, not two). For packed
+// int8 rows they take 16-bit activations with one scale per token (kRow16Levels): 60x more
+// accurate than the blocks on SmolLM2's activations (tools/act_quant_error.py) and free of
+// per-block rescaling. Such an expert's output then changes across this threshold by the
+// difference of the two quantizations' errors.
 constexpr int kAmxTileMinTokens = 8;
+constexpr int kTileQBlock4 = 64;
 // The tiles' int8-weight activations: scale = absmax of the token's row / kRow16Levels, q =
 // round-half-even(x / scale) in [-kRow16Levels, kRow16Levels], as hi * 256 + lo with hi, lo in
 // [-127, 127] / [-128, 127] (ext/cpu/reference.py: quantize_activations(levels=kRow16Levels)).
@@ -242,8 +245,9 @@ void vnni_unpack_rows(const WeightView& w, int R, int K, uint8_t* dst);
 void vnni_unpack_int4_s8(const WeightView& w, int R, int K, int8_t* dst);
 #endif
 #ifdef TANDEM_HAVE_AMX_INT8
-// tdpbssd from kAmxTileMinTokens tokens, VNNI below; fmt: the weights' (FMT_INT8 or FMT_INT4).
-KernelSet kernels_amx_int8(int fmt);
+// tdpbssd from kAmxTileMinTokens tokens, VNNI below; fmt: the weights' (FMT_INT8 or FMT_INT4),
+// group: int4's group size (kTileQBlock4: activations in blocks of 64 on the tiles).
+KernelSet kernels_amx_int8(int fmt, int group = 0);
 #endif
 
 }  // namespace tandem_cpu

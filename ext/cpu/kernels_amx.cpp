@@ -11,6 +11,8 @@
 // reports AMX and the kernel granted XTILEDATA through arch_prctl.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "amx_tiles.h"
 #include "kernels.h"
 
@@ -60,13 +62,23 @@ void prep(const float* const* x, int Kv, int K, int n, void* dst) {
   }
 }
 
-void store_tile(float* tmp, float* C, int ldc, int r0, int t0, int n, const float* rowscale) {
+// add: C += the tile (a later K segment's share), else C = the tile.
+void store_tile(float* tmp, float* C, int ldc, int r0, int t0, int n, const float* rowscale,
+                bool add) {
   // tmp[m][j]: weight row r0 + m, token t0 + j.
   for (int j = 0; j < 16 && t0 + j < n; ++j) {
     float* c = C + (size_t)(t0 + j) * ldc + r0;
-    for (int m = 0; m < 16; ++m) c[m] = tmp[m * 16 + j] * (rowscale ? rowscale[r0 + m] : 1.f);
+    for (int m = 0; m < 16; ++m) {
+      const float v = tmp[m * 16 + j] * (rowscale ? rowscale[r0 + m] : 1.f);
+      c[m] = add ? c[m] + v : v;
+    }
   }
 }
+
+// Chunks of 32 K a segment: with several token blocks, K is cut so that a segment of the item's
+// rows (R x 2 x 32 x this bytes: 512 KB for 64 rows) stays in L2 while every token block passes
+// over it; the segments' shares are summed in C.
+constexpr int kSegChunks = 128;
 
 void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
           uint8_t* scratch) {
@@ -97,57 +109,70 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
     cw0 = w0;
     cw1 = w1;
   };
-  for (int r0 = 0; r0 < R; r0 += 32) {
-    const uint8_t* a0 = W + (size_t)r0 * ldw;
-    const uint8_t* a1 = a0 + 16 * ldw;
+  // Token-block pairs outside the row pairs: a pair's activations (64 K bytes) are read from
+  // memory once per work item and reused from L2 by every row pair, and the item's rows stay in
+  // L2 across token blocks (row pairs outside re-read all of the expert's activations per 32
+  // rows, from L3 once they outgrow L2).
+  const int seg = nb > 1 ? kSegChunks : kcs;
+  for (int c0 = 0; c0 < kcs; c0 += seg) {
+    const int c1 = std::min(kcs, c0 + seg);
+    const bool add = c0 > 0;
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
       const int w1 = block_width(n, b + 1);  // block b is full (a block follows it)
       widths(16, w1);
       const uint8_t* x0 = X + (size_t)b * xblock;
       const uint8_t* x1 = x0 + xblock;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int c = 0; c < kcs; ++c) {
-        prefetch_rows_l1(a0, ldw, c + 1, kcs);
-        _tile_loadd(4, a0 + c * 64, ldw);
-        _tile_loadd(5, a1 + c * 64, ldw);
-        _tile_loadd(6, x0 + (size_t)c * 1024, 64);
-        _tile_loadd(7, x1 + (size_t)c * 64 * w1, 4 * w1);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+      for (int r0 = 0; r0 < R; r0 += 32) {
+        const uint8_t* a0 = W + (size_t)r0 * ldw;
+        const uint8_t* a1 = a0 + 16 * ldw;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int c = c0; c < c1; ++c) {
+          prefetch_rows_l1(a0, ldw, c + 1, c1);
+          _tile_loadd(4, a0 + c * 64, ldw);
+          _tile_loadd(5, a1 + c * 64, ldw);
+          _tile_loadd(6, x0 + (size_t)c * 1024, 64);
+          _tile_loadd(7, x1 + (size_t)c * 64 * w1, 4 * w1);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, tmp, 64);
+        _tile_stored(1, tmp + 256, 64);
+        _tile_stored(2, tmp + 512, 64);
+        _tile_stored(3, tmp + 768, 64);
+        store_tile(tmp, C, ldc, r0, b * 16, n, rowscale, add);
+        store_tile(tmp + 256, C, ldc, r0, b * 16 + 16, n, rowscale, add);
+        store_tile(tmp + 512, C, ldc, r0 + 16, b * 16, n, rowscale, add);
+        store_tile(tmp + 768, C, ldc, r0 + 16, b * 16 + 16, n, rowscale, add);
       }
-      _tile_stored(0, tmp, 64);
-      _tile_stored(1, tmp + 256, 64);
-      _tile_stored(2, tmp + 512, 64);
-      _tile_stored(3, tmp + 768, 64);
-      store_tile(tmp, C, ldc, r0, b * 16, n, rowscale);
-      store_tile(tmp + 256, C, ldc, r0, b * 16 + 16, n, rowscale);
-      store_tile(tmp + 512, C, ldc, r0 + 16, b * 16, n, rowscale);
-      store_tile(tmp + 768, C, ldc, r0 + 16, b * 16 + 16, n, rowscale);
     }
     if (b < nb) {
       const int w0 = block_width(n, b);
       widths(w0, cw1 ? cw1 : 16);  // tiles 1, 3 and 7 unused here: keep their width
       const uint8_t* x0 = X + (size_t)b * xblock;
-      _tile_zero(0);
-      _tile_zero(2);
-      for (int c = 0; c < kcs; ++c) {
-        prefetch_rows_l1(a0, ldw, c + 1, kcs);
-        _tile_loadd(4, a0 + c * 64, ldw);
-        _tile_loadd(5, a1 + c * 64, ldw);
-        _tile_loadd(6, x0 + (size_t)c * 64 * w0, 4 * w0);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
+      for (int r0 = 0; r0 < R; r0 += 32) {
+        const uint8_t* a0 = W + (size_t)r0 * ldw;
+        const uint8_t* a1 = a0 + 16 * ldw;
+        _tile_zero(0);
+        _tile_zero(2);
+        for (int c = c0; c < c1; ++c) {
+          prefetch_rows_l1(a0, ldw, c + 1, c1);
+          _tile_loadd(4, a0 + c * 64, ldw);
+          _tile_loadd(5, a1 + c * 64, ldw);
+          _tile_loadd(6, x0 + (size_t)c * 64 * w0, 4 * w0);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+        }
+        _tile_stored(0, tmp, 64);
+        _tile_stored(2, tmp + 512, 64);
+        store_tile(tmp, C, ldc, r0, b * 16, n, rowscale, add);
+        store_tile(tmp + 512, C, ldc, r0 + 16, b * 16, n, rowscale, add);
       }
-      _tile_stored(0, tmp, 64);
-      _tile_stored(2, tmp + 512, 64);
-      store_tile(tmp, C, ldc, r0, b * 16, n, rowscale);
-      store_tile(tmp + 512, C, ldc, r0 + 16, b * 16, n, rowscale);
     }
   }
   _tile_release();

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 
 #include "amx_tiles.h"
 #include "kernels.h"
@@ -109,15 +110,17 @@ void unpack_int4(const WeightView& w, int R, int K, int8_t* dst) {
   }
 }
 
-// Staging buffers between a tile's store and its scaling: the C tile of step s is stored to
-// ring[s % kRing] and scaled kLag steps later, so the vector loads do not wait on a tile store
-// just issued.
-constexpr int kRing = 4, kLag = 3;
+// Staging buffers between a tile's store and its scaling. Token blocks of 1-15 tokens (P > 1, or
+// a partial P = 1 block of few steps): the C tile of step s is stored to ring[s % kRing] and
+// scaled kLag steps later, so the vector loads do not wait on a tile store just issued. Full
+// P = 1 blocks: groups of 4 steps into C tiles 0-3, stored to one half of the ring and scaled
+// after the next group's products are issued (kGroup below).
+constexpr int kRing = 8, kLag = 3, kGroup = 4;
 
 size_t scratch_bytes(int R, int K) {
-  // 16 s8 rows, the staging ring of 16 x 16 int32 tiles (row16_tiles: 4 C tiles) and one fp32
-  // block, alignment
-  return (size_t)16 * K + (kRing + 1) * 1024 + 128 + vnni_scratch_bytes(R, K);
+  // R s8 rows (several token blocks: every row of the item unpacked once), the staging ring of
+  // 16 x 16 int32 tiles (row16_tiles: 4 C tiles) and one fp32 block, alignment
+  return (size_t)R * K + (kRing + 1) * 1024 + 128 + vnni_scratch_bytes(R, K);
 }
 
 // C[token][row] for the 16 rows r0.. and the nt tokens of token block tb: v[m * 16 + j] is
@@ -147,12 +150,12 @@ inline void write_block(const float* v, float* C, int ldc, int r0, int tb, int n
     _tile_stored(c, ring + ((s) % kRing) * 256, 64);                                       \
   } while (0)
 
-// acc[m] += ring tile of step s, row m (int32) x its 16 lanes' activation scales x (int4) the
+// acc[m] += the int32 tile at t (step s), row m, x its 16 lanes' activation scales x (int4) the
 // row's weight-group scale of each lane's block. A macro, not a function or lambda: acc must
 // stay in registers (the tile asm clobbers memory).
-#define TANDEM_SCALE_STEP(s)                                                                \
+#define TANDEM_SCALE_TILE(t, s)                                                             \
   do {                                                                                     \
-    const int32_t* t_ = ring + ((s) % kRing) * 256;                                        \
+    const int32_t* t_ = (t);                                                               \
     const __m512 xs_ = _mm512_loadu_ps(xs + (size_t)(s) * 16);                             \
     const float* wsb_ = ws + (INT4 ? (size_t)(s) * P * kQBlock / w.group : 0);             \
     _Pragma("GCC unroll 16") for (int m = 0; m < 16; ++m) {                                \
@@ -166,79 +169,307 @@ inline void write_block(const float* v, float* C, int ldc, int r0, int tb, int n
       acc[m] = _mm512_fmadd_ps(v_, s_, acc[m]);                                            \
     }                                                                                      \
   } while (0)
+#define TANDEM_SCALE_STEP(s) TANDEM_SCALE_TILE(ring + ((s) % kRing) * 256, s)
 
-// Rows [r0, r0 + 16) of w as natural s8 rows [16][K] in dst (int8 natural rows: in place).
-inline const int8_t* rows16(const WeightView& w, int r0, int K, int8_t* dst) {
+// Rows [r0, r0 + R) of w as natural s8 rows [R][K] in dst (int8 natural rows: in place).
+inline const int8_t* rows_s8(const WeightView& w, int r0, int R, int K, int8_t* dst) {
   WeightView v = w;
   v.data = w.data + (size_t)r0 * w.row_bytes;
   if (w.fmt == FMT_INT4) {
-    if (w.packed) vnni_unpack_int4_s8(v, 16, K, dst);
-    else unpack_int4(v, 16, K, dst);
+    if (w.packed) vnni_unpack_int4_s8(v, R, K, dst);
+    else unpack_int4(v, R, K, dst);
     return dst;
   }
   if (!w.packed) return (const int8_t*)v.data;
-  vnni_unpack_rows(v, 16, K, (uint8_t*)dst);
+  vnni_unpack_rows(v, R, K, (uint8_t*)dst);
   return dst;
+}
+
+// Rows [r0, r0 + 16) (natural s8 at A, K apart or ldw for natural int8 rows) times token block tb
+// into C, while pf_lines source lines of the next rows (16 rows from pf) are prefetched to L2.
+template <bool INT4>
+inline void tile_block(const WeightView& w, int K, const int8_t* A, size_t ldw, int r0,
+                       const uint8_t* X, int n, int tb, float* C, int ldc, int32_t* ring,
+                       float* out, const uint8_t* pf, size_t pf_lines) {
+  const int groups = INT4 ? K / w.group : 1, nb = K / kQBlock;
+  const float* ws = w.scales + (size_t)r0 * groups;
+  const int nt = std::min(16, n - tb * 16), P = blocks_per_tile(nt, nb), T = 16 / P;
+  const int steps = nb / P;
+  const uint8_t* xb = X + (size_t)tb * token_block_bytes(K, 1);
+  const float* xs = (const float*)(xb + (size_t)(P == 1 ? nb : K / kKB) * kTileB);
+  // int4, P > 1: lane l takes the weight group of block l / T of the step, loaded from the
+  // step's first group (P * 32 / group of them).
+  alignas(64) int32_t gi[16];
+  for (int l = 0; l < 16; ++l) gi[l] = INT4 ? (l / T) * kQBlock / w.group : 0;
+  const __m512i gidx = _mm512_load_si512((const void*)gi);
+  const __mmask16 gmask = (__mmask16)((1u << std::max(1, INT4 ? P * kQBlock / w.group : 1)) - 1);
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+  const size_t pf_per_step = (pf_lines + steps - 1) / steps;
+  auto prefetch_for = [&](int s, int count) {  // the next rows' lines of steps [s, s + count)
+    for (size_t i = s * pf_per_step; i < std::min(pf_lines, (s + count) * pf_per_step); ++i)
+      _mm_prefetch((const char*)(pf + (i % 16) * w.row_bytes + (i / 16) * 64), _MM_HINT_T1);
+  };
+  if (P == 1) {
+    // Groups of kGroup blocks (two 64-chunks: A tiles 4 and 5) into C tiles 0-3; steps (K / 32)
+    // is even, so the last group may hold 2. Group q's tiles go to ring half q % 2 and are scaled
+    // once group q + 1's products are issued, which hides the products' latency behind the
+    // scaling (one C tile stored right after its product waited for it: BENCHMARKS, session 16).
+    for (int s = 0; s < steps; s += kGroup) {
+      const bool four = s + 2 < steps;
+      prefetch_for(s, kGroup);
+      int32_t* rg = ring + ((s / kGroup) % 2) * kGroup * 256;
+      _tile_loadd(4, A + (size_t)(s / 2) * kKB, ldw);
+      _tile_loadd(6, xb + (size_t)s * kTileB, 64);
+      _tile_zero(0);
+      _tile_dpbssd(0, 4, 6);
+      _tile_loadd(7, xb + (size_t)(s + 1) * kTileB, 64);
+      _tile_zero(1);
+      _tile_dpbssd(1, 4, 7);
+      if (four) {
+        _tile_loadd(5, A + (size_t)(s / 2 + 1) * kKB, ldw);
+        _tile_loadd(6, xb + (size_t)(s + 2) * kTileB, 64);
+        _tile_zero(2);
+        _tile_dpbssd(2, 5, 6);
+        _tile_loadd(7, xb + (size_t)(s + 3) * kTileB, 64);
+        _tile_zero(3);
+        _tile_dpbssd(3, 5, 7);
+      }
+      if (s >= kGroup) {  // the previous group: always 4 steps
+        const int32_t* pg = ring + ((s / kGroup + 1) % 2) * kGroup * 256;
+        for (int i = 0; i < kGroup; ++i) TANDEM_SCALE_TILE(pg + i * 256, s - kGroup + i);
+      }
+      _tile_stored(0, rg, 64);
+      _tile_stored(1, rg + 256, 64);
+      if (four) {
+        _tile_stored(2, rg + 512, 64);
+        _tile_stored(3, rg + 768, 64);
+      }
+    }
+    const int last = (steps - 1) / kGroup * kGroup;
+    const int32_t* lg = ring + ((last / kGroup) % 2) * kGroup * 256;
+    for (int i = 0; last + i < steps; ++i) TANDEM_SCALE_TILE(lg + i * 256, last + i);
+  } else {
+    for (int s = 0; s < steps; s += 2) {
+      prefetch_for(s, 2);
+      TANDEM_TILE_STEP(0, 6, 7, s);
+      if (s >= kLag) TANDEM_SCALE_STEP(s - kLag);
+      if (s + 1 < steps) {
+        TANDEM_TILE_STEP(1, 7, 6, s + 1);
+        if (s + 1 >= kLag) TANDEM_SCALE_STEP(s + 1 - kLag);
+      }
+    }
+    for (int s = std::max(0, steps - kLag); s < steps; ++s) TANDEM_SCALE_STEP(s);
+  }
+  // Lane (i * T + j) holds block i's share of token j: sum the P shares into lanes 0..T-1.
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) {
+    __m512 v = acc[m];
+    if (P >= 2) v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+    if (P == 4) v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+    _mm512_store_ps(out + m * 16, INT4 ? v : _mm512_mul_ps(v, _mm512_set1_ps(ws[m])));
+  }
+  write_block(out, C, ldc, r0, tb, nt);
 }
 
 template <bool INT4>
 void tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, float* C, int ldc,
            int8_t* rows, int32_t* ring, float* out) {
-  const int groups = INT4 ? K / w.group : 1, nb = K / kQBlock, ntb = (n + 15) / 16;
-  const size_t tbb = token_block_bytes(K, 1);
+  const int ntb = (n + 15) / 16;
   const bool natural = !INT4 && !w.packed;
   const size_t ldw = natural ? w.row_bytes : (size_t)K;
   configure_tiles();
-  for (int r0 = 0; r0 < R; r0 += 16) {
-    // This r-tile's rows, unpacked once for all token blocks; while its tiles run, the next
-    // r-tile's source lines are prefetched to L2 (spread over the first token block's steps), so
-    // the unpack that follows reads from cache instead of waiting on memory.
-    const int8_t* A = rows16(w, r0, K, rows);
-    asm volatile("" ::: "memory");  // the tile loads' asm names no memory: keep the rows' stores first
-    const float* ws = w.scales + (size_t)r0 * groups;
-    const uint8_t* pf = r0 + 16 < R ? w.data + (size_t)(r0 + 16) * w.row_bytes : nullptr;
-    const size_t pf_lines = pf ? 16 * w.row_bytes / 64 : 0;
-    for (int tb = 0; tb < ntb; ++tb) {
-      const int nt = std::min(16, n - tb * 16), P = blocks_per_tile(nt, nb), T = 16 / P;
-      const int steps = nb / P;
-      const uint8_t* xb = X + (size_t)tb * tbb;
-      const float* xs = (const float*)(xb + (size_t)(P == 1 ? nb : K / kKB) * kTileB);
-      // int4, P > 1: lane l takes the weight group of block l / T of the step, loaded from the
-      // step's first group (P * 32 / group of them).
-      alignas(64) int32_t gi[16];
-      for (int l = 0; l < 16; ++l) gi[l] = INT4 ? (l / T) * kQBlock / w.group : 0;
-      const __m512i gidx = _mm512_load_si512((const void*)gi);
-      const __mmask16 gmask = (__mmask16)((1u << std::max(1, INT4 ? P * kQBlock / w.group : 1)) - 1);
-      const size_t pf_per_step = tb == 0 ? (pf_lines + steps - 1) / steps : 0;
-      __m512 acc[16];
-#pragma GCC unroll 16
-      for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
-      for (int s = 0; s < steps; s += 2) {
-        for (size_t i = s * pf_per_step; i < std::min(pf_lines, (s + 2) * pf_per_step); ++i)
-          _mm_prefetch((const char*)(pf + (i % 16) * w.row_bytes + (i / 16) * 64), _MM_HINT_T1);
-        TANDEM_TILE_STEP(0, 6, 7, s);
-        if (s >= kLag) TANDEM_SCALE_STEP(s - kLag);
-        if (s + 1 < steps) {
-          TANDEM_TILE_STEP(1, 7, 6, s + 1);
-          if (s + 1 >= kLag) TANDEM_SCALE_STEP(s + 1 - kLag);
-        }
-      }
-      for (int s = std::max(0, steps - kLag); s < steps; ++s) TANDEM_SCALE_STEP(s);
-      // Lane (i * T + j) holds block i's share of token j: sum the P shares into lanes 0..T-1.
-#pragma GCC unroll 16
-      for (int m = 0; m < 16; ++m) {
-        __m512 v = acc[m];
-        if (P >= 2) v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
-        if (P == 4) v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-        _mm512_store_ps(out + m * 16, INT4 ? v : _mm512_mul_ps(v, _mm512_set1_ps(ws[m])));
-      }
-      write_block(out, C, ldc, r0, tb, nt);
+  if (ntb == 1) {
+    // One token block: r-tile by r-tile, each one's rows unpacked just before its tiles run
+    // while the next r-tile's source lines are prefetched to L2 (spread over its steps), so
+    // that unpack reads from cache instead of waiting on memory.
+    for (int r0 = 0; r0 < R; r0 += 16) {
+      const int8_t* A = rows_s8(w, r0, 16, K, rows);
+      asm volatile("" ::: "memory");  // the tile loads' asm names no memory: keep the rows' stores first
+      const uint8_t* pf = r0 + 16 < R ? w.data + (size_t)(r0 + 16) * w.row_bytes : nullptr;
+      tile_block<INT4>(w, K, A, ldw, r0, X, n, 0, C, ldc, ring, out, pf,
+                       pf ? 16 * w.row_bytes / 64 : 0);
     }
+  } else {
+    // Several token blocks: every row unpacked once, then token block by token block, all R
+    // rows each, so a token block's activations are read from memory once per work item and
+    // reused from L2 by every r-tile (r-tiles outside re-read all of the expert's activations
+    // per 16 rows, from L3 once they outgrow L2).
+    const int8_t* A = rows_s8(w, 0, R, K, rows);
+    asm volatile("" ::: "memory");
+    for (int tb = 0; tb < ntb; ++tb)
+      for (int r0 = 0; r0 < R; r0 += 16)
+        tile_block<INT4>(w, K, A + r0 * ldw, ldw, r0, X, n, tb, C, ldc, ring, out, nullptr, 0);
   }
   _tile_release();
 }
 #undef TANDEM_TILE_STEP
 #undef TANDEM_SCALE_STEP
+#undef TANDEM_SCALE_TILE
+
+// ---- int4 weights in groups of 64: activations per token and 64-element block ----
+// The block is the weight group, so each tdpbssd (one 64-chunk of K) yields sums that share both
+// scales: one tile store and one rescale per chunk, and every product used (32-element blocks
+// use half of each tdpbssd and need a store and a rescale per half; kernels.h: kTileQBlock4).
+//   A (weights): natural s8 rows (nibble - 8), K apart.
+//   B (activations): per 16-token block, per 64-chunk one 1 KB tile [16 rows of 4 elements][16
+//     tokens][4] s8, then the scales [chunk][16 tokens] fp32 (0: an all-zero block or a padded
+//     token; its q are zero).
+size_t b64_block_bytes(int K) { return (size_t)(K / kKB) * (kTileB + 16 * sizeof(float)); }
+
+size_t b64_prep_bytes(int K, int n) {
+  if (n < tile_min_tokens) return vnni_prep_bytes(K, n);
+  return (size_t)((n + 15) / 16) * b64_block_bytes(K);
+}
+
+// The 64 floats src[0, 64) (those at or past `valid` read as zero) as s8 q[64]: scale = absmax /
+// 127, q = round-half-even(x / scale) (ext/cpu/reference.py: quantize_activations(block=64)).
+// Returns false (q, scale untouched) when the block is all zero (or its scale underflows).
+inline bool q8_block64(const float* src, int valid, int8_t* q, float* scale) {
+  __m512 v[4];
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm512_maskz_loadu_ps(q8_first_n(valid - 16 * i), src + 16 * i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+  }
+  const float s = _mm512_reduce_max_ps(amax) / 127.f;
+  if (!(s > 0.f)) return false;
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int i = 0; i < 4; ++i)  // division, as the reference; MXCSR default: half to even
+    _mm_storeu_si128((__m128i*)(q + 16 * i),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(v[i], sv))));
+  *scale = s;
+  return true;
+}
+
+void b64_prep(const float* const* x, int Kv, int K, int n, void* dst) {
+  if (n < tile_min_tokens) {
+    vnni_prep(x, Kv, K, n, dst);
+    return;
+  }
+  std::memset(dst, 0, b64_prep_bytes(K, n));
+  const int chunks = K / kKB;
+  for (int tb = 0; tb * 16 < n; ++tb) {
+    const int nt = std::min(16, n - tb * 16);
+    uint8_t* blk = (uint8_t*)dst + (size_t)tb * b64_block_bytes(K);
+    float* scales = (float*)(blk + (size_t)chunks * kTileB);
+    // Chunk-major, so each chunk's 4-byte stores land in one 1 KB tile (in L1).
+    for (int c = 0; c < chunks && c * kKB < Kv; ++c) {
+      uint8_t* tile = blk + (size_t)c * kTileB;
+      for (int j = 0; j < nt; ++j) {
+        alignas(16) int8_t q[kKB];
+        if (!q8_block64(x[tb * 16 + j] + c * kKB, Kv - c * kKB, q, &scales[c * 16 + j])) continue;
+        for (int g = 0; g < kKB / 4; ++g) std::memcpy(tile + g * 64 + j * 4, q + 4 * g, 4);
+      }
+    }
+  }
+}
+
+// acc[m] += the int32 tile at t (chunk c), row m, x its 16 tokens' scales x the row's group
+// scale. A macro for the reason of TANDEM_SCALE_TILE's.
+#define TANDEM_SCALE64(t, c)                                                                \
+  do {                                                                                     \
+    const int32_t* t_ = (t);                                                               \
+    const __m512 xs_ = _mm512_loadu_ps(xs + (size_t)(c) * 16);                             \
+    _Pragma("GCC unroll 16") for (int m = 0; m < 16; ++m) {                                \
+      const __m512 v_ = _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(t_ + m * 16))); \
+      const __m512 s_ = _mm512_mul_ps(xs_, _mm512_set1_ps(ws[(size_t)m * chunks + (c)]));  \
+      acc[m] = _mm512_fmadd_ps(v_, s_, acc[m]);                                            \
+    }                                                                                      \
+  } while (0)
+
+// Rows [r0, r0 + 16) (s8 at A, K apart) times token block tb into C, while pf_lines source lines
+// of the next rows (16 rows from pf) are prefetched to L2. Chunks go in groups of 4 into C tiles
+// 0-3 (A tiles 4, 5 and B tiles 6, 7 alternating); group q's tiles are stored to ring half q % 2
+// and scaled once group q + 1's products are issued, so the stores do not wait on products just
+// issued and the scaling overlaps the tiles' work.
+inline void b64_block(const WeightView& w, int K, const int8_t* A, int r0, const uint8_t* X,
+                      int n, int tb, float* C, int ldc, int32_t* ring, float* out,
+                      const uint8_t* pf, size_t pf_lines) {
+  const int chunks = K / kKB, nt = std::min(16, n - tb * 16);
+  const size_t ldw = (size_t)K;
+  const float* ws = w.scales + (size_t)r0 * chunks;
+  const uint8_t* xb = X + (size_t)tb * b64_block_bytes(K);
+  const float* xs = (const float*)(xb + (size_t)chunks * kTileB);
+  const size_t pf_per_chunk = (pf_lines + chunks - 1) / chunks;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+  for (int c = 0; c < chunks; c += 4) {
+    const int cnt = std::min(4, chunks - c);
+    for (size_t i = c * pf_per_chunk; i < std::min(pf_lines, (c + 4) * pf_per_chunk); ++i)
+      _mm_prefetch((const char*)(pf + (i % 16) * w.row_bytes + (i / 16) * 64), _MM_HINT_T1);
+    int32_t* rg = ring + ((c / 4) % 2) * 1024;
+    _tile_loadd(4, A + (size_t)c * kKB, ldw);
+    _tile_loadd(6, xb + (size_t)c * kTileB, 64);
+    _tile_zero(0);
+    _tile_dpbssd(0, 4, 6);
+    if (cnt > 1) {
+      _tile_loadd(5, A + (size_t)(c + 1) * kKB, ldw);
+      _tile_loadd(7, xb + (size_t)(c + 1) * kTileB, 64);
+      _tile_zero(1);
+      _tile_dpbssd(1, 5, 7);
+    }
+    if (cnt > 2) {
+      _tile_loadd(4, A + (size_t)(c + 2) * kKB, ldw);
+      _tile_loadd(6, xb + (size_t)(c + 2) * kTileB, 64);
+      _tile_zero(2);
+      _tile_dpbssd(2, 4, 6);
+    }
+    if (cnt > 3) {
+      _tile_loadd(5, A + (size_t)(c + 3) * kKB, ldw);
+      _tile_loadd(7, xb + (size_t)(c + 3) * kTileB, 64);
+      _tile_zero(3);
+      _tile_dpbssd(3, 5, 7);
+    }
+    if (c >= 4) {  // the previous group: always 4 chunks
+      const int32_t* pg = ring + ((c / 4 + 1) % 2) * 1024;
+      for (int i = 0; i < 4; ++i) TANDEM_SCALE64(pg + i * 256, c - 4 + i);
+    }
+    _tile_stored(0, rg, 64);
+    if (cnt > 1) _tile_stored(1, rg + 256, 64);
+    if (cnt > 2) _tile_stored(2, rg + 512, 64);
+    if (cnt > 3) _tile_stored(3, rg + 768, 64);
+  }
+  const int last = (chunks - 1) / 4 * 4;
+  const int32_t* lg = ring + ((last / 4) % 2) * 1024;
+  for (int i = 0; last + i < chunks; ++i) TANDEM_SCALE64(lg + i * 256, last + i);
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) _mm512_store_ps(out + m * 16, acc[m]);
+  write_block(out, C, ldc, r0, tb, nt);
+}
+#undef TANDEM_SCALE64
+
+void b64_gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, int ldc,
+              uint8_t* scratch) {
+  if (n < tile_min_tokens) {
+    vnni_gemm(w, R, K, xp, n, C, ldc, scratch);
+    return;
+  }
+  uint8_t* free_scratch = (uint8_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+  int8_t* rows = (int8_t*)free_scratch;                                 // [R][K] s8
+  int32_t* ring = (int32_t*)(free_scratch + (((size_t)R * K + 63) & ~(size_t)63));
+  float* out = (float*)((uint8_t*)ring + kRing * 1024);                 // [16][16] fp32
+  const uint8_t* X = (const uint8_t*)xp;
+  const int ntb = (n + 15) / 16;
+  configure_tiles();
+  if (ntb == 1) {  // as tiles<>: r-tile by r-tile, the next one's source prefetched
+    for (int r0 = 0; r0 < R; r0 += 16) {
+      const int8_t* A = rows_s8(w, r0, 16, K, rows);
+      asm volatile("" ::: "memory");
+      const uint8_t* pf = r0 + 16 < R ? w.data + (size_t)(r0 + 16) * w.row_bytes : nullptr;
+      b64_block(w, K, A, r0, X, n, 0, C, ldc, ring, out, pf, pf ? 16 * w.row_bytes / 64 : 0);
+    }
+  } else {  // as tiles<>: every row unpacked once, then token block by token block
+    const int8_t* A = rows_s8(w, 0, R, K, rows);
+    asm volatile("" ::: "memory");
+    for (int tb = 0; tb < ntb; ++tb)
+      for (int r0 = 0; r0 < R; r0 += 16)
+        b64_block(w, K, A + (size_t)r0 * K, r0, X, n, tb, C, ldc, ring, out, nullptr, 0);
+  }
+  _tile_release();
+}
 
 // ---- packed int8 weights: 16-bit activations, one scale per token (kernels.h: kRow16Levels) ----
 // A token's q = hi * 256 + lo goes into two B tiles per 64-chunk, hi then lo, so the int32 C
@@ -322,9 +553,13 @@ void row16_tiles(const WeightView& w, int R, int K, const uint8_t* X, int n, flo
   const int chunks = K / kKB, ntb = (n + 15) / 16;
   const size_t tbb = row16_block_bytes(K), ldw = w.row_bytes;
   configure_tiles();
-  for (int r0 = 0; r0 < R; r0 += 32) {
-    const int8_t* A = (const int8_t*)(w.data + (size_t)r0 * ldw);
-    for (int tb = 0; tb < ntb; ++tb) {
+  // Token blocks outside the row pairs: a token block's activations (2 K bytes a token) are read
+  // from memory once per work item and reused from L2 by the other row pair, and the item's rows
+  // (R x K bytes) stay in L2 across token blocks (row pairs outside re-read all of the expert's
+  // activations per 32 rows, from L3 once they outgrow L2).
+  for (int tb = 0; tb < ntb; ++tb) {
+    for (int r0 = 0; r0 < R; r0 += 32) {
+      const int8_t* A = (const int8_t*)(w.data + (size_t)r0 * ldw);
       const int nt = std::min(16, n - tb * 16);
       const uint8_t* xb = X + (size_t)tb * tbb;
       _tile_zero(0);
@@ -383,8 +618,8 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
     return;
   }
   uint8_t* free_scratch = (uint8_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-  int8_t* rows = (int8_t*)free_scratch;                                 // [16][K] s8
-  int32_t* ring = (int32_t*)(free_scratch + (((size_t)16 * K + 63) & ~(size_t)63));
+  int8_t* rows = (int8_t*)free_scratch;                                 // [R][K] s8
+  int32_t* ring = (int32_t*)(free_scratch + (((size_t)R * K + 63) & ~(size_t)63));
   float* out = (float*)((uint8_t*)ring + kRing * 1024);                 // [16][16] fp32
   if (w.fmt == FMT_INT4) tiles<true>(w, R, K, (const uint8_t*)xp, n, C, ldc, rows, ring, out);
   else tiles<false>(w, R, K, (const uint8_t*)xp, n, C, ldc, rows, ring, out);
@@ -392,12 +627,15 @@ void gemm(const WeightView& w, int R, int K, const void* xp, int n, float* C, in
 
 }  // namespace
 
-KernelSet kernels_amx_int8(int fmt) {
+KernelSet kernels_amx_int8(int fmt, int group) {
   static const int min_tokens =
       min_tokens_from_env("TANDEM_AMX_TILE_MIN_TOKENS", kAmxTileMinTokens);
   tile_min_tokens = min_tokens;
   if (fmt == FMT_INT8)  // packed int8 rows only (ExpertPool::kernels_for)
     return {"amx-int8", row16_prep_bytes, row16_prep, row16_gemm, scratch_bytes, nullptr, true,
+            min_tokens};
+  if (group == kTileQBlock4)
+    return {"amx-int8", b64_prep_bytes, b64_prep, b64_gemm, scratch_bytes, nullptr, true,
             min_tokens};
   return {"amx-int8", prep_bytes, prep, gemm, scratch_bytes, nullptr, true, min_tokens};
 }

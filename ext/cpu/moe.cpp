@@ -29,7 +29,8 @@ size_t Layer::weight_bytes() const {
 ExpertPool::ExpertPool(int num_threads, const std::string& isa, int split_nodes)
     : kernels_(select_kernels(isa)),
       ikernels_(select_int_kernels(kernels_.name, FMT_INT4)),
-      ikernels8_(select_int_kernels(kernels_.name, FMT_INT8)) {
+      ikernels8_(select_int_kernels(kernels_.name, FMT_INT8)),
+      ikernels4g_(select_int_kernels(kernels_.name, FMT_INT4, kTileQBlock4)) {
   int_min_tokens_ = !ikernels_.name                              ? 0
                    : std::string(ikernels_.name) == "amx-int8" ? kAmxIntMinTokens
                                                                 : kVnniMinTokens;

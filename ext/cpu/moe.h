@@ -244,14 +244,16 @@ class ExpertPool {
   std::vector<char> use_int_;     // per active expert: the integer path
   KernelSet ikernels_{};          // the integer path; name null: none
   KernelSet ikernels8_{};         // and for packed int8 rows (AMX: 16-bit activations)
+  KernelSet ikernels4g_{};        // and for int4 in groups of kTileQBlock4 (AMX: 64-blocks)
   int int_min_tokens_ = 0;
   bool pack_rows_ = false;
   // Packed rows [0, R) -> natural rows (vnni_unpack_rows where the CPU has it).
   void (*unpack_rows_)(const WeightView& w, int R, int K, uint8_t* dst) = nullptr;
   const KernelSet& kernels_for(int a) const {
-    return !use_int_[a]                           ? kernels_
-           : L_->fmt == FMT_INT8 && L_->packed ? ikernels8_
-                                                : ikernels_;
+    return !use_int_[a]                                ? kernels_
+           : L_->fmt == FMT_INT8 && L_->packed      ? ikernels8_
+           : L_->fmt == FMT_INT4 && L_->group == kTileQBlock4 ? ikernels4g_
+                                                     : ikernels_;
   }
   int64_t t_start_ns_ = 0;        // submit's start (job_ns)
   std::atomic<int> workers_done_{0};

@@ -167,7 +167,7 @@ void ExpertPool::run_step(int worker) {
   const size_t ctile = round_up((size_t)max_count_ * kRowBlock * sizeof(float), 64);
   const int Kmax = std::max(Hp, Is);
   size_t kbytes = kernel_scratch_bytes(kernels_, kRowBlock, Kmax);
-  for (const KernelSet* ks : {&ikernels_, &ikernels8_})
+  for (const KernelSet* ks : {&ikernels_, &ikernels8_, &ikernels4g_})
     if (ks->name) kbytes = std::max(kbytes, kernel_scratch_bytes(*ks, kRowBlock, Kmax));
   // A work item's rows, natural, for a kernel that does not read packed ones.
   const size_t ubytes = L.packed ? round_up((size_t)kRowBlock * row_bytes(fmt, Kmax), 64) : 0;

@@ -15,6 +15,8 @@ FORMATS = ("bf16", "int8", "int4")
 QBLOCK = 32  # activation elements per scale on the integer path (ext/cpu/kernels.h: kQBlock)
 # Levels of the AMX tiles' 16-bit activations for int8 weights (ext/cpu/kernels.h: kRow16Levels).
 ROW16_LEVELS = 32639
+# The int4 group size whose AMX tiles quantize activations per block of it (kTileQBlock4).
+TILE_QBLOCK4 = 64
 
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
@@ -71,17 +73,30 @@ def quantize_activations_row16(x: torch.Tensor) -> torch.Tensor:
     return quantize_activations(x, block=x.shape[-1], levels=ROW16_LEVELS)
 
 
+def quantize_activations_b64(x: torch.Tensor) -> torch.Tensor:
+    """The AMX tiles' activations for int4 weights in groups of 64: blocks of 64, 127 levels."""
+    return quantize_activations(x, block=TILE_QBLOCK4)
+
+
 def int_path_activations(
-    fmt: str, tiles_from: int, packed: bool = True
+    fmt: str, tiles_from: int, packed: bool = True, group: int = 0
 ) -> Callable[[int], Quantizer]:
     """The activation quantizer of a pool's integer path for an expert of n tokens, as a function
     of n (moe_reference's quantize_acts): per 32-element block (VNNI, and the AMX tiles on int4
-    or natural int8 rows), or per row (quantize_activations_row16) on packed int8 rows (the
-    default: the pool's pack_rows) from tiles_from tokens, the pool's int_tiles_from (0: none)."""
+    in groups of 32 or natural int8 rows); from tiles_from tokens (the pool's int_tiles_from; 0:
+    none) per row (quantize_activations_row16) on packed int8 rows (the default: the pool's
+    pack_rows) and per 64-element block on int4 in groups of TILE_QBLOCK4. group: int4's group
+    size (required for int4)."""
+    if fmt == "int4" and group not in (32, 64):
+        raise ValueError(f"int4 needs its group size (32 or 64), got {group}")
 
     def pick(n: int) -> Quantizer:
-        if fmt == "int8" and packed and tiles_from and n >= tiles_from:
+        if not tiles_from or n < tiles_from:
+            return quantize_activations
+        if fmt == "int8" and packed:
             return quantize_activations_row16
+        if fmt == "int4" and group == TILE_QBLOCK4:
+            return quantize_activations_b64
         return quantize_activations
 
     return pick

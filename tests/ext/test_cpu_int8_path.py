@@ -6,8 +6,9 @@ really run where it is selected and stay off where it is not.
 Tolerances (relative L2 error of the layer output):
   * against moe_reference(quantize_acts=int_path_activations(...)), which quantizes both
     projections' inputs exactly as the kernels do (ext/cpu/reference.py: per 32-element block on
-    VNNI and on the AMX tiles with int4 weights, per row with 16 bits on the tiles with int8
-    weights): INT_EXACT_TOL = 2e-3. Only
+    VNNI and on the AMX tiles with int4 weights in groups of 32, per 64-element block on the tiles
+    with int4 in groups of 64, per row with 16 bits on the tiles with int8 weights):
+    INT_EXACT_TOL = 2e-3. Only
     the order of fp32 sums differs, and through it, rarely, an intermediate element rounds to
     the neighbouring int8 level (one step, absmax / 127 of its block); observed <= 3e-4.
   * against the fp32 reference on the same dequantized weights: INT_FP32_TOL = 3e-2. The
@@ -26,7 +27,11 @@ import torch
 
 from tandem.ext.cpu import CpuExpertPool, moe_reference, quantize, supported_isas
 from tandem.ext.cpu import pool as pool_mod
-from tandem.ext.cpu.reference import int_path_activations
+from tandem.ext.cpu.reference import (
+    int_path_activations,
+    quantize_activations,
+    quantize_activations_row16,
+)
 
 INT_PATHS = {"avx512": "vnni", "amx": "amx-int8"}  # kernel set -> its integer path
 INT_ISAS = [isa for isa in supported_isas() if isa in INT_PATHS]
@@ -102,7 +107,7 @@ def test_parity_with_quantized_activation_reference(isa, fmt, group, layer_seed)
             # Every active expert took the integer path (one node here), none the float one.
             assert stats["int_experts"] == int(ids[ids >= 0].unique().numel()), stats
             assert stats["float_experts"] == 0 and stats["int_items"] > 0, stats
-            acts = int_path_activations(fmt, pool.int_tiles_from)
+            acts = int_path_activations(fmt, pool.int_tiles_from, group=group)
             ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=acts)
             ref = moe_reference(hidden, dq13, dq2, ids, weights)
             assert torch.isfinite(out).all()
@@ -138,7 +143,7 @@ def test_every_token_block_shape_matches_the_reference(isa, fmt, group, H, inter
         pool.add_layer(0, w13, w2, fmt, group)
         out = pool.forward(0, hidden, ids, weights)
         assert pool.phase_stats()["int_experts"] == E
-        acts = int_path_activations(fmt, pool.int_tiles_from)
+        acts = int_path_activations(fmt, pool.int_tiles_from, group=group)
     ref_q = moe_reference(hidden, dq13, dq2, ids, weights, quantize_acts=acts)
     for e, c in enumerate(TOKEN_BLOCK_COUNTS):  # per expert, so one bad layout cannot hide
         rows = (ids[:, 0] == e).nonzero().flatten()
@@ -261,3 +266,27 @@ def test_env_var(monkeypatch):
         monkeypatch.setenv(pool_mod.INT_PATH_ENV, "5")
         with CpuExpertPool(num_threads=1, isa=INT_ISAS[-1]) as pool:
             assert pool.int_min_tokens == 5
+
+
+def test_int_path_activations_follow_the_tiles_per_format():
+    """The reference's quantizer per expert token count: VNNI's 32-blocks below the tiles; on
+    them 16-bit rows for packed int8, 64-blocks for int4 in groups of 64, 32-blocks otherwise;
+    int4 without its group size is refused (its tiles depend on it)."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)) * torch.linspace(
+        0.1, 4, 256
+    )
+    below, b32, b64 = quantize_activations(x), quantize_activations(x), quantize_activations(x, 64)
+    assert not torch.equal(b32, b64)
+    cases = [  # (fmt, packed, group, tokens) -> expected
+        ("int4", True, 64, 7, below),
+        ("int4", True, 64, 8, b64),
+        ("int4", True, 32, 8, b32),
+        ("int8", True, 0, 8, quantize_activations_row16(x)),
+        ("int8", False, 0, 8, b32),
+    ]
+    for fmt, packed, group, n, want in cases:
+        got = int_path_activations(fmt, 8, packed=packed, group=group)(n)(x)
+        assert torch.equal(got, want), (fmt, packed, group, n)
+    assert torch.equal(int_path_activations("int4", 0, group=64)(100)(x), b32)  # no tiles
+    with pytest.raises(ValueError, match="group size"):
+        int_path_activations("int4", 8)

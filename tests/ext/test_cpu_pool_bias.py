@@ -64,7 +64,9 @@ def test_biased_clamped_swiglu_matches_the_reference(isa, fmt, int_min_tokens):
             assert torch.isfinite(out).all() and err < tol(isa, fmt), (layer, err)
             if pool.int_isa and fmt != "bf16" and int_min_tokens == 1:
                 # the integer path quantizes both projections' inputs: its own reference
-                acts = int_path_activations(fmt, pool.int_tiles_from, pool.layer_packed(layer))
+                acts = int_path_activations(
+                    fmt, pool.int_tiles_from, pool.layer_packed(layer), group=group
+                )
                 ref_q = reference(hidden, ids, weights, w13, w2, b13, b2, fmt, group, acts)
                 assert rel_err(out, ref_q) < INT_EXACT_TOL, (layer, rel_err(out, ref_q))
 

@@ -92,7 +92,7 @@ def test_packed_pool_equals_natural_pool(isa, fmt, group, E, inter, H, split) ->
                     # AMX tiles on packed int8 rows take 16-bit activations, on natural ones
                     # 8-bit blocks: each matches its own reference
                     for out, is_packed in ((a, True), (b, False)):
-                        acts = int_path_activations(fmt, tiles_from, packed=is_packed)
+                        acts = int_path_activations(fmt, tiles_from, packed=is_packed, group=group)
                         ref = moe_reference(x, d13, d2, ids, wts, quantize_acts=acts)
                         assert rel_err(out, ref) < 2e-3, (is_packed, T)
                 else:

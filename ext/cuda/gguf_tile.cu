@@ -111,10 +111,9 @@ struct ChunkLoads {
   V16 xb[2][MT];
 };
 
-template <int QT, int M, int MT, int R>
-__device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w, i64 tbytes,
-                                           int chunks, const u16* x, i64 ldx, int c, int lane,
-                                           int g, int t) {
+template <int QT, int MT, int R>
+__device__ __forceinline__ void load_weights(ChunkLoads<QT, MT, R>& L, const u8* w, i64 tbytes,
+                                             int chunks, int c, int lane, int g) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const u8* codes = w + r * tbytes;
@@ -122,6 +121,11 @@ __device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w
     L.q[r] = ldg16(codes + (i64)c * 512 + lane * 16);
     L.sc[r] = load_scales<QT>(meta, meta + (i64)chunks * TileFmt<QT>::META, c, g);
   }
+}
+
+template <int QT, int M, int MT, int R>
+__device__ __forceinline__ void load_x(ChunkLoads<QT, MT, R>& L, const u16* x, i64 ldx, int c,
+                                       int g, int t) {
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
@@ -133,6 +137,14 @@ __device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w
         L.xb[b][j].x = L.xb[b][j].y = L.xb[b][j].z = L.xb[b][j].w = 0u;
       }
     }
+}
+
+template <int QT, int M, int MT, int R>
+__device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w, i64 tbytes,
+                                           int chunks, const u16* x, i64 ldx, int c, int lane,
+                                           int g, int t) {
+  load_weights<QT, MT, R>(L, w, tbytes, chunks, c, lane, g);
+  load_x<QT, M, MT, R>(L, x, ldx, c, g, t);
 }
 
 template <int QT, int DT, int MT, int R>
@@ -192,14 +204,15 @@ __device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float 
 // SW = 1: each tile holds 8 gate rows then the 8 up rows of the same intermediate indices, so a
 // lane's rows g and g + 8 meet in its registers; out [M][N / 2] = silu(gate) * up, each step
 // rounded to the 16-bit type as the torch expression does.
-// W warps per CTA (8, or 16 for matrices with too few tiles to fill the SMs otherwise).
-template <int QT, int M, int DT, int R, int SW = 0, int W = 8>
+// W warps per CTA (8, or 16 for matrices with too few tiles to fill the SMs otherwise), D
+// chunks in flight per warp. Launched with programmatic dependent launch, the first chunks'
+// weights load while the previous kernel finishes; x is read (and out written) after pdl_wait.
+template <int QT, int M, int DT, int R, int SW = 0, int W = 8, int D = 2>
 __global__ void __launch_bounds__(W * 32, 2) gguf_tile_gemv_kernel(const u16* __restrict__ x,
                                                                const u8* __restrict__ w,
                                                                u16* __restrict__ out, int K,
                                                                i64 ldx, i64 ldo) {
   constexpr int MT = (M + 7) / 8;
-  constexpr int D = 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int chunks = K >> 6;
   const i64 tbytes = tile_bytes<QT>(K);
@@ -214,7 +227,12 @@ __global__ void __launch_bounds__(W * 32, 2) gguf_tile_gemv_kernel(const u16* __
 #pragma unroll
   for (int i = 0; i < D; ++i)
     if (warp + W * i < chunks)
-      load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, warp + W * i, lane, g, t);
+      load_weights<QT, MT, R>(L[i], tiles, tbytes, chunks, warp + W * i, lane, g);
+  pdl_wait();
+  pdl_trigger();
+#pragma unroll
+  for (int i = 0; i < D; ++i)
+    if (warp + W * i < chunks) load_x<QT, M, MT, R>(L[i], x, ldx, warp + W * i, g, t);
   for (int c0 = warp; c0 < chunks; c0 += W * D) {
 #pragma unroll
     for (int i = 0; i < D; ++i) {

@@ -210,10 +210,20 @@ def _check(tiles_data: torch.Tensor, type_id: int, k: int, device: torch.device)
 
 
 def launch_gemv(
-    x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, out: torch.Tensor, swiglu: bool = False
+    x: torch.Tensor,
+    tiles_data: torch.Tensor,
+    type_id: int,
+    out: torch.Tensor,
+    swiglu: bool = False,
+    warps: int | None = None,
+    depth: int = 2,
 ) -> None:
     """out[M, N] = x[M, K] @ W^T, 1 <= M <= MAX_ROWS, x/out fp16 or bf16, 16-byte rows.
-    `swiglu`: W's rows are paired (`pair_rows`) and out[M, N / 2] = silu(gate) * up."""
+    `swiglu`: W's rows are paired (`pair_rows`) and out[M, N / 2] = silu(gate) * up.
+    `warps` (8 or 16; default `warps_per_cta`) and `depth` (chunks in flight per warp, 2 or 4)
+    are for benchmarks. Launched with programmatic dependent launch where the device has it."""
+    if warps not in (None, 8, 16) or depth not in (2, 4):
+        raise ValueError("warps must be 8 or 16, depth 2 or 4")
     m, k = x.shape
     n = _check(tiles_data, type_id, k, x.device)
     if not 1 <= m <= MAX_ROWS or x.dtype not in _DT or out.dtype != x.dtype:
@@ -224,14 +234,15 @@ def launch_gemv(
     if x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("x rows must be 16-byte aligned")
     r = tiles_per_cta(type_id, n)
-    w = warps_per_cta(type_id, n, m, x.device)
+    w = warps or warps_per_cta(type_id, n, m, x.device)
     launch(
         "gguf_tile.cu",
-        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r},{int(swiglu)},{w}>",
+        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r},{int(swiglu)},{w},{depth}>",
         x.device,
         (n // (16 * r), 1, 1),
         (32 * w, 1, 1),
         (ptr(x), ptr(tiles_data), ptr(out), i32(k), i64(x.stride(0)), i64(out.stride(0))),
+        pdl=True,
     )
 
 

@@ -127,7 +127,7 @@ def launch(
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_kernel(filename, name, index)
-    if pdl and _pdl_ok(index):
+    if pdl and shared_mem == 0 and _pdl_ok(index):
         try:
             _launch_pdl(fn, index, grid, block, args)
             return

@@ -66,6 +66,7 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, ep
         (256, 1, 1),
         (ptr(x), ptr(weight), ptr(out), i32(rows), i32(d), i64(x.stride(0)), i64(out.stride(0)),
          f32(eps)),
+        pdl=True,
     )  # fmt: skip
 
 
@@ -144,6 +145,7 @@ def launch_add_rms_norm(
         (256, 1, 1),
         (ptr(x), ptr(delta), ptr(weight), ptr(s), ptr(out), i32(rows), i32(d), i64(x.stride(0)),
          i64(delta.stride(0)), i64(s.stride(0)), i64(out.stride(0)), f32(eps)),
+        pdl=True,
     )  # fmt: skip
 
 

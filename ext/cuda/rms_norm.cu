@@ -22,6 +22,7 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const u16* __restrict__ x
   const bool live = row < rows;
   const u16* xr = x + (i64)row * ldx;
   const int steps = cols / 8;
+  pdl_wait();  // launched with programmatic dependent launch: x is the previous kernel's
   pdl_trigger();  // a GEMV launched after this norm may start streaming its weights
   float ss = 0.f;
   if (live) {
@@ -70,6 +71,7 @@ __global__ void __launch_bounds__(256) add_rms_norm_kernel(
   const u16* xr = x + (i64)row * ldx;
   const u16* dr = d + (i64)row * ldd;
   const int steps = cols / 8;
+  pdl_wait();
   pdl_trigger();
   float ss = 0.f;
   if (live) {

@@ -129,16 +129,18 @@ def crossover(fmt: str, rows_list: list[int], reps: int, bf16=None) -> list[dict
 
         row = {"format": fmt, "rows": rows}
         fid = hf_linear.INT4 if fmt.startswith("gptq") else hf_linear.FP8
-        default, mma_default = hf_linear.GEMV_MAX_ROWS[fid], hf_linear.MMA_MAX_ROWS
-        paths = [("mma_s", 0, 64), ("dequant_cublas_s", 0, 0)]
+        saved = hf_linear.GEMV_MAX_ROWS[fid], hf_linear.MMA_MIN_ROWS[fid], hf_linear.MMA_MAX_ROWS
+        paths = [("mma_s", 0, 1, 64), ("dequant_cublas_s", 0, 1, 0)]
         if rows <= hf_linear.MAX_ROWS:
-            paths.insert(0, ("gemv_s", 16, 0))
+            paths.insert(0, ("gemv_s", 16, 1, 0))
         try:
-            for path, limit, mma in paths:
-                hf_linear.GEMV_MAX_ROWS[fid], hf_linear.MMA_MAX_ROWS = limit, mma
+            for path, limit, mma_min, mma_max in paths:
+                hf_linear.GEMV_MAX_ROWS[fid] = limit
+                hf_linear.MMA_MIN_ROWS[fid], hf_linear.MMA_MAX_ROWS = mma_min, mma_max
                 row[path] = timed(graph_of(step), reps)
         finally:
-            hf_linear.GEMV_MAX_ROWS[fid], hf_linear.MMA_MAX_ROWS = default, mma_default
+            hf_linear.GEMV_MAX_ROWS[fid], hf_linear.MMA_MIN_ROWS[fid] = saved[:2]
+            hf_linear.MMA_MAX_ROWS = saved[2]
         if bf16 is not None:
             row["bf16_s"] = bf16(rows)
         out.append(row)

@@ -189,7 +189,8 @@ def _launch_pdl(fn: Any, index: int, grid: tuple[int, int, int], block: tuple[in
     cfg.attrs = ctypes.pointer(attr)
     cfg.num_attrs = 1
     with cupy_module().cuda.Device(index):
-        rc = _libcuda[0].cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.ptr), params, None)
+        handle = fn.kernel.ptr  # RawKernel -> its CUfunction on this device (compiled once)
+        rc = _libcuda[0].cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
     if rc != 0:
         raise RuntimeError(f"cuLaunchKernelEx returned CUresult {rc}")
 

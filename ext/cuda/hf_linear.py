@@ -23,6 +23,10 @@ INT4, FP8 = 0, 1
 # tools/bench_hf_quant_gpu.py --crossover; docs/BENCHMARKS.md): its cost grows with every row of
 # x (each lane re-reads x per weight row), the scratch path's does not.
 GEMV_MAX_ROWS = {INT4: 8, FP8: 6}
+# Where the tensor-core kernel takes a weight it serves MMA_MIN_ROWS..MMA_MAX_ROWS rows: from 2
+# (int4; level with the GEMV at 1) or 1 (fp8) rows up to 64, where it is still below
+# dequantize + cuBLAS (docs/BENCHMARKS.md, `--crossover`).
+MMA_MIN_ROWS = {INT4: 2, FP8: 1}
 MMA_MAX_ROWS = 64
 _MMA_PASS = 32  # rows of x per pass of the MMA kernel (8 per MMA column tile, 4 tiles)
 _SMS: dict[int, int] = {}
@@ -127,10 +131,10 @@ def dequantize_into(fmt: int, sdt: int, bufs, geo, out: torch.Tensor) -> None:
 
 def _run(fmt, sdt, x, bufs, geo, n) -> torch.Tensor:
     m = x.shape[0]
+    if MMA_MIN_ROWS[fmt] <= m <= MMA_MAX_ROWS and mma_supported(fmt, geo, x.shape[1]):
+        return _mma(fmt, sdt, x, bufs, geo, n)
     if 1 <= m <= min(GEMV_MAX_ROWS[fmt], MAX_ROWS):
         return _gemv(fmt, sdt, x, bufs, geo, n)
-    if 1 <= m <= MMA_MAX_ROWS and mma_supported(fmt, geo, x.shape[1]):
-        return _mma(fmt, sdt, x, bufs, geo, n)
     w = torch.empty(n, x.shape[1], device=x.device, dtype=x.dtype)  # scratch, torch's cache
     dequantize_into(fmt, sdt, bufs, geo, w)
     return torch.nn.functional.linear(x, w)

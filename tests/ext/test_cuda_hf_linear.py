@@ -84,7 +84,7 @@ def test_decode_ops_capture_in_a_cuda_graph() -> None:
         torch.testing.assert_close(y, op(), rtol=0, atol=0)
 
 
-MMA_ROWS = [9, 16, 17, 32, 33, 64]
+MMA_ROWS = [1, 2, 8, 9, 16, 17, 32, 33, 64]
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
@@ -92,8 +92,8 @@ MMA_ROWS = [9, 16, 17, 32, 33, 64]
 @pytest.mark.parametrize(("n", "k", "group", "sdt"), [(48, 384, 128, torch.float16),
                                                       (100, 512, 512, torch.bfloat16)])  # fmt: skip
 def test_int4_mma_rows_match_dequantize_then_matmul(dt, rows, n, k, group, sdt) -> None:
-    """Rows past the GEMV's limit go through the tensor-core kernel (any N, x rows in passes
-    of 32), within the GEMV's tolerance of the reference."""
+    """From 2 rows the tensor-core kernel serves (any N, x rows in passes of 32), within the
+    GEMV's tolerance of the reference."""
     w = _int4(n, k, group, sdt, rows)
     assert hf_linear.mma_supported(hf_linear.INT4, (group, 0, 0), k)
     x = torch.randn(rows, k, device="cuda").to(dt)

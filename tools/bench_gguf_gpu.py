@@ -136,11 +136,15 @@ def bench_type(qtype: str, bw: float, reps: int, layout: str = "rows", sweep: bo
             linear(xs[w.cols], w)
 
     step = timed(graph_of(decode), reps)
-    step_no_pdl = None
+    step_no_pdl = step_fold_flipped = None
     if layout == "tile16":
         _loader.PDL["on"] = False
         step_no_pdl = timed(graph_of(decode), reps)
         _loader.PDL["on"] = True
+        tid, saved = weights[0].type_id, set(gguf_tile.FOLD_TYPES)
+        gguf_tile.FOLD_TYPES ^= {tid}
+        step_fold_flipped = timed(graph_of(decode), reps)
+        gguf_tile.FOLD_TYPES = saved
     per_shape = []  # one linear of each shape alone, in a graph of 20 distinct layers' copies
     for i, (n, k) in enumerate(SHAPES + [(VOCAB, HIDDEN)]):
         ws = weights[i::4][:20] if i < 4 else weights[-1:]
@@ -169,6 +173,7 @@ def bench_type(qtype: str, bw: float, reps: int, layout: str = "rows", sweep: bo
         "rel_err_vs_dequant": rel,
         "decode_step_s": step,
         "decode_step_no_pdl_s": step_no_pdl,
+        "decode_step_fold_flipped_s": step_fold_flipped,
         "decode_floor_s": floor_s,
         "decode_tok_s": 1 / step,
         "decode_floor_tok_s": 1 / floor_s,
@@ -454,7 +459,11 @@ def main() -> None:
                 )
             )
             if r["decode_step_no_pdl_s"]:
-                print(f"  decode step without PDL: {r['decode_step_no_pdl_s'] * 1e3:.2f} ms")
+                print(
+                    f"  decode step without PDL: {r['decode_step_no_pdl_s'] * 1e3:.2f} ms; with"
+                    f" the offset fold {'off' if qtype != 'Q4_0' else 'on'}:"
+                    f" {r['decode_step_fold_flipped_s'] * 1e3:.2f} ms"
+                )
             for p in r["per_shape"]:
                 if "variants" in p:
                     print(f"  {p['n']}x{p['k']} us: " + ", ".join(

@@ -115,11 +115,12 @@ def test_swiglu_pairs_match_torch(qtype: str, rows: int) -> None:
     assert err.max() < 2e-2
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_settings_agree(qtype: str, rows: int) -> None:
-    """Every (warps, chunks in flight) setting against the reference; with the same warps
-    the sums run in the same order, so depth and programmatic launch change no bit."""
+    """Every (warps, chunks in flight, offset fold) setting against the reference; with the
+    same warps and fold the sums run in the same order, so depth and programmatic launch change
+    no bit."""
     from tandem.ext.cuda import _loader, gguf_tile
 
     n, k = 2048, 4096
@@ -127,17 +128,20 @@ def test_settings_agree(qtype: str, rows: int) -> None:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ t.dequantize().double().T
     for warps in (8, 16):
-        outs = []
-        for depth, pdl in [(2, True), (4, True), (2, False)]:
-            _loader.PDL["on"] = pdl
-            try:
-                out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                gguf_tile.launch_gemv(x, t.data, t.type_id, out, warps=warps, depth=depth)
-            finally:
-                _loader.PDL["on"] = True
-            outs.append(out)
-        assert all(torch.equal(o, outs[0]) for o in outs[1:])
-        assert ((outs[0].double() - ref).norm(dim=1) / ref.norm(dim=1)).max() < 5e-3
+        for fold in (False, True):
+            outs = []
+            for depth, pdl in [(2, True), (4, True), (2, False)]:
+                _loader.PDL["on"] = pdl
+                try:
+                    out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    gguf_tile.launch_gemv(
+                        x, t.data, t.type_id, out, warps=warps, depth=depth, fold=fold
+                    )
+                finally:
+                    _loader.PDL["on"] = True
+                outs.append(out)
+            assert all(torch.equal(o, outs[0]) for o in outs[1:])
+            assert ((outs[0].double() - ref).norm(dim=1) / ref.norm(dim=1)).max() < 5e-3
     with pytest.raises(ValueError, match="warps"):
         gguf_tile.launch_gemv(x, t.data, t.type_id, out, warps=4)
 

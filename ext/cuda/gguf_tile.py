@@ -22,6 +22,11 @@ MAX_ROWS = 16
 # their mins need anyway): fewer instructions a chunk. Q4_0 keeps one fma per code pair: the
 # fold would add the block-sum MMAs and registers past its 4 CTAs an SM. (Benchmarks edit it.)
 FOLD_TYPES = {3, 12}
+# Types whose GEMV is launched with programmatic dependent launch. Q4_0 gained (8B linears
+# alone 2.06 -> 2.02 ms, engine graph 2.58 -> 2.42 ms with the other kernels'); Q4_K lost (2.74
+# -> 2.89 ms: its CTAs, up to 3 an SM, launched early pile onto the SMs that free first), so
+# Q4_1 and Q4_K launch plainly (docs/BENCHMARKS.md).
+PDL_TYPES = {2}
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 # ggml type id -> (name, GGUF bytes per 32/256-value block, values per block, meta bytes per
 # 64-column chunk of a tile, bytes per 256-column superblock of a tile)
@@ -227,8 +232,8 @@ def launch_gemv(
     `swiglu`: W's rows are paired (`pair_rows`) and out[M, N / 2] = silu(gate) * up.
     `warps` (8 or 16; default `warps_per_cta`) and `depth` (chunks in flight per warp, 2 or 4)
     are for benchmarks, and `fold` (default: type in `FOLD_TYPES`): the codes' offset subtracted
-    through x's block sums instead of one fma per code pair. Launched with programmatic dependent launch
-    where the device has it."""
+    through x's block sums instead of one fma per code pair. Types in `PDL_TYPES` launch with
+    programmatic dependent launch where the device has it."""
     if warps not in (None, 8, 16) or depth not in (2, 4):
         raise ValueError("warps must be 8 or 16, depth 2 or 4")
     m, k = x.shape
@@ -250,7 +255,7 @@ def launch_gemv(
         (n // (16 * r), 1, 1),
         (32 * w, 1, 1),
         (ptr(x), ptr(tiles_data), ptr(out), i32(k), i64(x.stride(0)), i64(out.stride(0))),
-        pdl=True,
+        pdl=type_id in PDL_TYPES,
     )
 
 

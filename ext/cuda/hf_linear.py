@@ -111,7 +111,6 @@ def _mma(fmt: int, sdt: int, x: torch.Tensor, bufs, geo, n: int) -> torch.Tensor
             (256, 1, 1),
             (ptr(xs), *bufs, ptr(os_), i32(rows), i32(n), i32(k), *(i32(g) for g in geo),
              i64(x.stride(0)), i64(out.stride(0))),
-            pdl=True,
         )  # fmt: skip
     return out
 

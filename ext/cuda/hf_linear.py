@@ -1,11 +1,11 @@
 """GPTQ/AWQ int4 and FP8 e4m3 linears on CUDA (`hf_linear.cu`): `torch.ops.tandem.int4_linear`
 and `torch.ops.tandem.fp8_linear`, in the serving layouts of models/quant/int4.py and fp8.py.
 
-Up to `GEMV_MAX_ROWS` rows of x: one pass over the packed weight, dequantized in registers (the
-decode path, inside CUDA graphs like any op on torch's current stream). Up to `MMA_MAX_ROWS`:
-tensor-core MMAs over weight fragments decoded in registers (32 rows of x a pass; needs K %
-128 == 0 and one scale per row per 128 columns). More rows: the weight dequantized into a
-scratch buffer, then cuBLAS (prefill). `fp8_scaled_mm` is the FP8 tensor-core
+Decode sizes (inside CUDA graphs like any op on torch's current stream): `MMA_MIN_ROWS` to
+`MMA_MAX_ROWS` rows of x through tensor-core MMAs over weight fragments decoded in registers
+(32 rows of x a pass; needs K % 128 == 0 and one scale per row per 128 columns); otherwise up
+to `GEMV_MAX_ROWS` rows the row-per-warp GEMV, one pass over the packed weight. More rows: the
+weight dequantized into a scratch buffer, then cuBLAS (prefill). `fp8_scaled_mm` is the FP8 tensor-core
 alternative for per-row-scaled weights (activations quantized per row). Reference: the tensors'
 `dequantize()` + F.linear. Knows nothing about models.
 """

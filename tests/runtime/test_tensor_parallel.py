@@ -346,7 +346,7 @@ def test_overlapped_steps_under_tp_and_a_launch_failure_stops_every_rank(tmp_pat
         def broken(*args, **kwargs):
             raise RuntimeError("fault between collectives")
 
-        layer.forward = broken
+        layer.forward = layer.forward_residual = broken  # the model calls forward_residual
         with pytest.raises(EngineStepError, match="tensor-parallel forward failed"):
             llm.generate(PROMPTS, params)
         for p in procs:

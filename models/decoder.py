@@ -66,8 +66,23 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         # x: [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, delta = self.forward_residual(x, None, cos, sin, batch)
+        return x + delta
+
+    def forward_residual(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream x + delta (delta: the previous layer's MLP output,
+        not yet added, or None) -> (stream, this MLP's output): each add is folded into the
+        norm after it (one kernel on CUDA), with the values of `forward`'s adds."""
+        x, h = self.input_layernorm.add_norm(x, delta)  # [T, hidden] each
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, cos, sin, batch))
+        return x, self.mlp(h)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -121,10 +136,14 @@ class DecoderForCausalLM(nn.Module):
             self.attn_backend.prepare(batch)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, 1, rotary_dim] each
+        delta = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch)
+            x, delta = layer.forward_residual(x, delta, cos, sin, batch)
         # RMSNorm is row-wise, so selecting rows first only saves work.
-        return self.norm(x.index_select(0, batch.logits_indices))
+        rows = batch.logits_indices
+        if delta is None:
+            return self.norm(x.index_select(0, rows))
+        return self.norm.add_norm(x.index_select(0, rows), delta.index_select(0, rows))[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden `[N, hidden]` -> logits `[N, vocab]` float32 (under tensor parallelism

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.ext.cuda import gguf_linear, gguf_tile  # noqa: E402, F401  (register the ops)
+from tandem.ext.cuda import _loader, gguf_linear, gguf_tile  # noqa: E402, F401  (register ops)
 from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor, ggml_block  # noqa: E402
 
 HIDDEN, INTER, Q, KV, LAYERS, VOCAB = 4096, 14336, 4096, 1024, 32, 128256
@@ -96,7 +96,26 @@ def linear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     return torch.ops.tandem.gguf_linear(x, w.data, w.type_id, w.cols)
 
 
-def bench_type(qtype: str, bw: float, reps: int, layout: str = "rows") -> dict:
+def sweep_variants(ws: list[QuantizedTensor], x: torch.Tensor, reps: int) -> dict:
+    """Seconds per linear of the tile GEMV at each (warps, chunks in flight, PDL) setting."""
+    out = torch.empty(1, ws[0].rows, device="cuda", dtype=x.dtype)
+    r = {}
+    for warps in (8, 16):
+        for depth in (2, 4):
+            for pdl in (True, False):
+                _loader.PDL["on"] = pdl
+
+                def fn(warps=warps, depth=depth) -> None:
+                    for w in ws:
+                        gguf_tile.launch_gemv(x, w.data, w.type_id, out, warps=warps, depth=depth)
+
+                key = f"w{warps}d{depth}{'' if pdl else '-nopdl'}"
+                r[key] = timed(graph_of(fn), reps) / len(ws)
+    _loader.PDL["on"] = True
+    return r
+
+
+def bench_type(qtype: str, bw: float, reps: int, layout: str = "rows", sweep: bool = False) -> dict:
     before = torch.cuda.memory_allocated()
     weights = []
     for n, k in [s for _ in range(LAYERS) for s in SHAPES] + [(VOCAB, HIDDEN)]:
@@ -117,11 +136,23 @@ def bench_type(qtype: str, bw: float, reps: int, layout: str = "rows") -> dict:
             linear(xs[w.cols], w)
 
     step = timed(graph_of(decode), reps)
+    step_no_pdl = step_fold_flipped = None
+    if layout == "tile16":
+        _loader.PDL["on"] = False
+        step_no_pdl = timed(graph_of(decode), reps)
+        _loader.PDL["on"] = True
+        tid, saved = weights[0].type_id, set(gguf_tile.FOLD_TYPES)
+        gguf_tile.FOLD_TYPES ^= {tid}
+        step_fold_flipped = timed(graph_of(decode), reps)
+        gguf_tile.FOLD_TYPES = saved
     per_shape = []  # one linear of each shape alone, in a graph of 20 distinct layers' copies
     for i, (n, k) in enumerate(SHAPES + [(VOCAB, HIDDEN)]):
         ws = weights[i::4][:20] if i < 4 else weights[-1:]
         t = timed(graph_of(lambda ws=ws: [linear(xs[w.cols], w) for w in ws]), reps) / len(ws)
-        per_shape.append({"n": n, "k": k, "s": t, "floor_s": ws[0].nbytes / bw})
+        row = {"n": n, "k": k, "s": t, "floor_s": ws[0].nbytes / bw}
+        if sweep and layout == "tile16":
+            row["variants"] = sweep_variants(ws, xs[k], reps)
+        per_shape.append(row)
     xp = {k: torch.randn(2048, k, device="cuda", dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
 
     def prefill() -> None:
@@ -141,6 +172,8 @@ def bench_type(qtype: str, bw: float, reps: int, layout: str = "rows") -> dict:
         "resident_bytes": resident,
         "rel_err_vs_dequant": rel,
         "decode_step_s": step,
+        "decode_step_no_pdl_s": step_no_pdl,
+        "decode_step_fold_flipped_s": step_fold_flipped,
         "decode_floor_s": floor_s,
         "decode_tok_s": 1 / step,
         "decode_floor_tok_s": 1 / floor_s,
@@ -185,8 +218,108 @@ def bench_bf16(bw: float, reps: int) -> dict:
     }
 
 
+def _graph_step_s(llm) -> float:
+    """GPU time of one replay of the batch-1 decode graph alone (no host work between)."""
+    runner = llm.engine.runner
+    g = runner._graphs[1].graph
+    with torch.cuda.stream(runner.stream):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.replay()
+        a.record()
+        for _ in range(50):
+            g.replay()
+        b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 50 / 1e3
+
+
+_KINDS = [("gemv", "gguf_tile_gemv"), ("norm", "rms_norm"), ("rope_kv", "rope"),
+          ("attention", "paged"), ("attention", "decode"), ("add", "add"), ("add", "Add")]  # fmt: skip
+
+
+def step_breakdown(llm, run) -> dict:
+    """Per decode step: kernel time by kind from an eager profile (graphs set aside: a profile
+    of a graph replay shows one opaque launch), the batch-1 graph's replay time and the
+    engine's own step (1 / rate): replay minus kernel time = the graph's gaps between kernels;
+    engine step minus replay = host work not hidden."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = llm.engine.runner
+    replay_s = _graph_step_s(llm)
+    saved = dict(runner.graphs.graphs)
+    runner.graphs.graphs.clear()
+
+    def kernels(n: int) -> dict:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(n, [[1, 2, 3, 4, 5, 6, 7, 8]])
+        acc: dict = {}
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+            if t <= 0:
+                continue
+            kind = next((k for k, sub in _KINDS if sub in e.key), "other")
+            s, c = acc.get(kind, (0.0, 0))
+            acc[kind] = (s + t / 1e6, c + e.count)
+        return acc
+
+    try:
+        run(9, [[1, 2, 3, 4, 5, 6, 7, 8]])
+        long, short = kernels(33), kernels(1)
+    finally:
+        runner.graphs.graphs.update(saved)
+    steps = 32
+    per = {
+        k: {"s": (v[0] - short.get(k, (0.0, 0))[0]) / steps,
+            "kernels": (v[1] - short.get(k, (0.0, 0))[1]) / steps}
+        for k, v in long.items()
+    }  # fmt: skip
+    total = sum(v["s"] for v in per.values())
+    return {"per_step": per, "kernel_s": total, "graph_replay_s": replay_s,
+            "graph_gaps_s": replay_s - total}  # fmt: skip
+
+
+def fusion_ab(llm, run, new: int) -> dict:
+    """Batch-1 graph replay and engine decode with programmatic dependent launch and the
+    add+norm fusion each on and off (only the batch-1 graph recaptured per setting)."""
+    from tandem.models.layers.norm import RMSNorm
+
+    runner = llm.engine.runner
+    fused = RMSNorm.add_norm
+
+    def unfused(self, x, delta):
+        if delta is None:
+            return x, self(x)
+        s = x + delta
+        return s, self(s)
+
+    out = {}
+    runner.graphs.sizes = (1,)
+    one = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    try:
+        for name, pdl, add_norm in [("pdl+addnorm", True, fused), ("addnorm", False, fused),
+                                    ("pdl", True, unfused), ("neither", False, unfused)]:  # fmt: skip
+            _loader.PDL["on"] = pdl
+            RMSNorm.add_norm = add_norm
+            runner.graphs.graphs.clear()
+            runner._capture_graphs()
+            run(8, one)
+            rate = new / (run(new + 1, one) - run(1, one))
+            out[name] = {"graph_replay_s": _graph_step_s(llm), "decode_tok_s": rate}
+    finally:
+        _loader.PDL["on"] = True
+        RMSNorm.add_norm = fused
+    return out
+
+
 def bench_engine(
-    path: str, bw: float, new: int = 128, streams: int = 0, profile: str | None = None
+    path: str,
+    bw: float,
+    new: int = 128,
+    streams: int = 0,
+    profile: str | None = None,
+    breakdown: bool = False,
 ) -> dict:
     import time
 
@@ -238,6 +371,9 @@ def bench_engine(
         run(8, many)
         r["streams"] = streams
         r["streams_decode_tok_s"] = streams * new / (run(new + 1, many) - run(1, many))
+    if breakdown:
+        r["breakdown"] = step_breakdown(llm, run)
+        r["ab"] = fusion_ab(llm, run, new)
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -259,11 +395,16 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--streams", type=int, default=0, help="with --gguf: N concurrent streams")
     ap.add_argument("--profile", default=None, help="with --gguf: write the kernel table here")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="with --gguf: where a decode step goes, and the fusions on/off")  # fmt: skip
+    ap.add_argument("--sweep", action="store_true", help="tile GEMV settings per shape")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     if args.gguf:
-        r = bench_engine(args.gguf, bw, streams=args.streams, profile=args.profile)
+        r = bench_engine(
+            args.gguf, bw, streams=args.streams, profile=args.profile, breakdown=args.breakdown
+        )
         print(
             f"{Path(args.gguf).name}: resident {r['resident_bytes'] / 1e9:.2f} GB, read per token"
             f" {r['read_bytes'] / 1e9:.2f} GB, load {r['load_s']:.0f} s, batch-1 decode"
@@ -276,6 +417,24 @@ def main() -> None:
                 else ""
             )
         )
+        if args.breakdown:
+            b = r["breakdown"]
+            print(
+                f"step breakdown: graph replay {b['graph_replay_s'] * 1e3:.3f} ms, engine step"
+                f" {1e3 / r['decode_tok_s']:.3f} ms, kernels {b['kernel_s'] * 1e3:.3f} ms, gaps"
+                f" {b['graph_gaps_s'] * 1e3:.3f} ms | "
+                + ", ".join(
+                    f"{k}: {v['s'] * 1e3:.3f} ms / {v['kernels']:.0f} kernels"
+                    for k, v in sorted(b["per_step"].items(), key=lambda kv: -kv[1]["s"])
+                )
+            )
+            print(
+                "A/B (batch-1 graph replay ms, engine tok/s): "
+                + ", ".join(
+                    f"{k}: {v['graph_replay_s'] * 1e3:.3f} ms, {v['decode_tok_s']:.1f}"
+                    for k, v in r["ab"].items()
+                )
+            )
         if args.json:
             Path(args.json).write_text(json.dumps({"copy_bw": bw, "engine": r}, indent=2))
         return
@@ -285,7 +444,7 @@ def main() -> None:
             raise SystemExit(f"unknown type {qtype}")
         layouts = ["tile16", "rows"] if gguf_tile.type_id_of(qtype) is not None else ["rows"]
         for layout in layouts:
-            r = bench_type(qtype, bw, args.reps, layout)
+            r = bench_type(qtype, bw, args.reps, layout, sweep=args.sweep)
             runs.append(r)
             print(
                 f"{qtype} {layout}: packed {r['packed_bytes'] / 1e9:.2f} GB (resident"
@@ -299,6 +458,16 @@ def main() -> None:
                     for p in r["per_shape"]
                 )
             )
+            if r["decode_step_no_pdl_s"]:
+                print(
+                    f"  decode step without PDL: {r['decode_step_no_pdl_s'] * 1e3:.2f} ms; with"
+                    f" the offset fold {'off' if qtype != 'Q4_0' else 'on'}:"
+                    f" {r['decode_step_fold_flipped_s'] * 1e3:.2f} ms"
+                )
+            for p in r["per_shape"]:
+                if "variants" in p:
+                    print(f"  {p['n']}x{p['k']} us: " + ", ".join(
+                        f"{k} {v * 1e6:.1f}" for k, v in p["variants"].items()))  # fmt: skip
     r = bench_bf16(bw, args.reps)
     runs.append(r)
     print(

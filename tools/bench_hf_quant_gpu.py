@@ -7,7 +7,7 @@ torch._scaled_mm), next to the floor (packed bytes at the device-to-device copy 
 measured in the same run) and to the same shapes in bf16 through cuBLAS. Linears only.
 
     python tools/bench_hf_quant_gpu.py [--json out.json]
-    python tools/bench_hf_quant_gpu.py --crossover 1,2,4,6,8,16   # GEMV vs dequantize + cuBLAS
+    python tools/bench_hf_quant_gpu.py --crossover 1,8,16,32,64   # GEMV / MMA / scratch / bf16
 """
 
 from __future__ import annotations
@@ -96,8 +96,27 @@ def bench_format(fmt: str, bw: float, reps: int) -> dict:
     return out
 
 
-def crossover(fmt: str, rows_list: list[int], reps: int) -> list[dict]:
-    """The decode step at each row count through the GEMV and through dequantize + cuBLAS."""
+def bf16_step(reps: int):
+    """rows -> seconds of the same linear stack in bf16 through cuBLAS (one layer's weights
+    reused: the bytes of 32 layers would not fit beside the packed ones)."""
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES]
+
+    def run(rows: int) -> float:
+        xs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
+
+        def step() -> None:
+            for _ in range(LAYERS):
+                for w in ws:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+
+        return timed(graph_of(step), reps)
+
+    return run
+
+
+def crossover(fmt: str, rows_list: list[int], reps: int, bf16=None) -> list[dict]:
+    """The decode step at each row count through the GEMV (up to 16 rows), the tensor-core
+    kernel and dequantize + cuBLAS (and bf16 cuBLAS on the same shapes, if given)."""
     weights = [random_weight(fmt, n, k) for _ in range(LAYERS) for n, k in SHAPES]
     kernel = CudaQuantKernel()
     out = []
@@ -110,14 +129,23 @@ def crossover(fmt: str, rows_list: list[int], reps: int) -> list[dict]:
 
         row = {"format": fmt, "rows": rows}
         fid = hf_linear.INT4 if fmt.startswith("gptq") else hf_linear.FP8
-        default = hf_linear.GEMV_MAX_ROWS[fid]
-        for path, limit in (("gemv_s", 16), ("dequant_cublas_s", 0)):
-            hf_linear.GEMV_MAX_ROWS[fid] = limit
-            row[path] = timed(graph_of(step), reps)
-        hf_linear.GEMV_MAX_ROWS[fid] = default
+        saved = hf_linear.GEMV_MAX_ROWS[fid], hf_linear.MMA_MIN_ROWS[fid], hf_linear.MMA_MAX_ROWS
+        paths = [("mma_s", 0, 1, 64), ("dequant_cublas_s", 0, 1, 0)]
+        if rows <= hf_linear.MAX_ROWS:
+            paths.insert(0, ("gemv_s", 16, 1, 0))
+        try:
+            for path, limit, mma_min, mma_max in paths:
+                hf_linear.GEMV_MAX_ROWS[fid] = limit
+                hf_linear.MMA_MIN_ROWS[fid], hf_linear.MMA_MAX_ROWS = mma_min, mma_max
+                row[path] = timed(graph_of(step), reps)
+        finally:
+            hf_linear.GEMV_MAX_ROWS[fid], hf_linear.MMA_MIN_ROWS[fid] = saved[:2]
+            hf_linear.MMA_MAX_ROWS = saved[2]
+        if bf16 is not None:
+            row["bf16_s"] = bf16(rows)
         out.append(row)
-        print(f"{fmt} M={rows}: GEMV {row['gemv_s'] * 1e3:.2f} ms, dequantize + cuBLAS "
-              f"{row['dequant_cublas_s'] * 1e3:.2f} ms")  # fmt: skip
+        print(f"{fmt} M={rows}: " + ", ".join(f"{k[:-2]} {v * 1e3:.2f} ms" for k, v in row.items()
+                                               if k.endswith("_s")))  # fmt: skip
     weights.clear()
     torch.cuda.empty_cache()
     return out
@@ -146,13 +174,23 @@ def main() -> None:
     ap.add_argument("--formats", default="gptq,gptq-actorder,fp8-block,fp8-channel")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--crossover", default=None, help="row counts: GEMV vs dequantize + cuBLAS")
+    ap.add_argument(
+        "--crossover", default=None, help="row counts: GEMV / MMA / dequantize + cuBLAS / bf16"
+    )
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     if args.crossover:
         rows = [int(r) for r in args.crossover.split(",")]
-        runs = [r for fmt in args.formats.split(",") for r in crossover(fmt, rows, args.reps)]
+        bf16_run, bf16_by_rows = bf16_step(args.reps), {}
+
+        def bf16(m: int) -> float:
+            if m not in bf16_by_rows:
+                bf16_by_rows[m] = bf16_run(m)
+            return bf16_by_rows[m]
+
+        formats = args.formats.split(",")
+        runs = [r for fmt in formats for r in crossover(fmt, rows, args.reps, bf16)]
         if args.json:
             Path(args.json).write_text(json.dumps({"copy_bw": bw, "crossover": runs}, indent=2))
         return

@@ -1,5 +1,6 @@
 """Compiles the `.cu` sources beside this file with CuPy (NVRTC) and launches their kernels
-on torch's current CUDA stream.
+on torch's current CUDA stream (`pdl=True`: with programmatic dependent launch, through the
+driver's cuLaunchKernelEx, on sm_90 and newer).
 
 Each (source, template instantiation, device) is compiled once per process and cached; CuPy
 also caches the binary on disk. CuPy is imported lazily, so importing `ext.cuda` works on a
@@ -8,6 +9,8 @@ machine without CuPy or CUDA; only a launch needs them.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import re
 import threading
 from pathlib import Path
@@ -24,6 +27,7 @@ _kernels: dict[tuple[str, str, int], Any] = {}
 _streams: dict[tuple[int, int], Any] = {}
 _sources: dict[str, str] = {}
 _smem_limits: dict[tuple[str, str, int], int] = {}
+log = logging.getLogger(__name__)
 
 
 def cupy_module() -> Any:
@@ -111,16 +115,84 @@ def launch(
     block: tuple[int, int, int],
     args: tuple,
     shared_mem: int = 0,
+    pdl: bool = False,
 ) -> None:
     """Launch kernel `name` of `filename` on torch's current stream of `device`.
 
     `args` are numpy scalars (np.uint64 for pointers, np.int32, np.int64, np.float32) in the
     kernel's parameter order; `shared_mem` is the dynamic shared memory in bytes (above 48 KiB
-    the kernel's limit is raised once).
+    the kernel's limit is raised once). `pdl`: the kernel may start before the previous one in
+    the stream has finished; it must call `pdl_wait()` (common.cuh) before it reads anything
+    an earlier kernel wrote and before its first write.
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    _launch(get_kernel(filename, name, index), (filename, name, index), index, grid, block,
-            args, shared_mem)  # fmt: skip
+    fn = get_kernel(filename, name, index)
+    if pdl and shared_mem == 0 and _pdl_ok(index):
+        try:
+            _launch_pdl(fn, index, grid, block, args)
+            return
+        except (OSError, AttributeError, RuntimeError) as e:  # then launch as usual from now on
+            log.warning("programmatic dependent launch unavailable (%s); plain launches", e)
+            PDL["on"] = False
+    _launch(fn, (filename, name, index), index, grid, block, args, shared_mem)
+
+
+# Programmatic dependent launch: "on" is the switch (benchmarks turn it off for an A/B).
+PDL = {"on": True}
+_pdl_devices: dict[int, bool] = {}
+_libcuda: list = []
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32,
+           np.float32: ctypes.c_float}  # fmt: skip
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+def _pdl_ok(index: int) -> bool:
+    if not PDL["on"]:
+        return False
+    ok = _pdl_devices.get(index)
+    if ok is None:
+        ok = _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
+
+
+def _launch_pdl(fn: Any, index: int, grid: tuple[int, int, int], block: tuple[int, int, int],
+                args: tuple) -> None:  # fmt: skip
+    if not _libcuda:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        _libcuda.append(lib)
+    values = [_CTYPES[type(a)](a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attr = _LaunchAttribute()
+    attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value = (1).to_bytes(4, "little")  # programmaticStreamSerializationAllowed = 1
+    cfg = _LaunchConfig()
+    cfg.grid[:] = grid
+    cfg.block[:] = block
+    cfg.shared_mem = 0
+    cfg.stream = torch.cuda.current_stream(torch.device("cuda", index)).cuda_stream
+    cfg.attrs = ctypes.pointer(attr)
+    cfg.num_attrs = 1
+    with cupy_module().cuda.Device(index):
+        handle = fn.kernel.ptr  # RawKernel -> its CUfunction on this device (compiled once)
+        rc = _libcuda[0].cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx returned CUresult {rc}")
 
 
 def get_cubin_kernel(path: str, name: str, device_index: int) -> Any:

@@ -29,6 +29,20 @@ __device__ __forceinline__ void stg16(void* p, const V16& v) {
                : "memory");
 }
 
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and for a kernel launched without
+// the attribute): `pdl_wait` blocks until the grids this one depends on have finished and their
+// writes are visible; `pdl_trigger` lets the next grid, if launched with the attribute, start.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Two packed 16-bit values -> two floats (lo = element at the lower address).
 template <int DT>
 __device__ __forceinline__ void unpack2(u32 w, float& lo, float& hi) {

@@ -42,6 +42,13 @@ __device__ __forceinline__ u32 code_pair(u32 w, int shift) {
   return r;
 }
 
+// Codes p and p + 4 of word w -> the 16-bit pair (magic + q) exactly, magic = 128 (bf16) /
+// 1024 (fp16): the GEMV with FOLD = 1 subtracts magic (and Q4_0's 8) through x's block sums.
+template <int DT>
+__device__ __forceinline__ u32 code_raw(u32 w, int shift) {
+  return ((w >> shift) & 0x000F000Fu) | (DT == 1 ? 0x43004300u : 0x64006400u);
+}
+
 // Byte i of w as a float: its bits under 2^23's exponent, minus 2^23 (no conversion unit).
 __device__ __forceinline__ float byte_f(u32 w, int i) {
   return __uint_as_float(0x4B000000u | ((w >> (8 * i)) & 255u)) - 8388608.f;
@@ -111,10 +118,9 @@ struct ChunkLoads {
   V16 xb[2][MT];
 };
 
-template <int QT, int M, int MT, int R>
-__device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w, i64 tbytes,
-                                           int chunks, const u16* x, i64 ldx, int c, int lane,
-                                           int g, int t) {
+template <int QT, int MT, int R>
+__device__ __forceinline__ void load_weights(ChunkLoads<QT, MT, R>& L, const u8* w, i64 tbytes,
+                                             int chunks, int c, int lane, int g) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const u8* codes = w + r * tbytes;
@@ -122,6 +128,11 @@ __device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w
     L.q[r] = ldg16(codes + (i64)c * 512 + lane * 16);
     L.sc[r] = load_scales<QT>(meta, meta + (i64)chunks * TileFmt<QT>::META, c, g);
   }
+}
+
+template <int QT, int M, int MT, int R>
+__device__ __forceinline__ void load_x(ChunkLoads<QT, MT, R>& L, const u16* x, i64 ldx, int c,
+                                       int g, int t) {
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
@@ -135,10 +146,21 @@ __device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w
     }
 }
 
-template <int QT, int DT, int MT, int R>
+template <int QT, int M, int MT, int R>
+__device__ __forceinline__ void load_chunk(ChunkLoads<QT, MT, R>& L, const u8* w, i64 tbytes,
+                                           int chunks, const u16* x, i64 ldx, int c, int lane,
+                                           int g, int t) {
+  load_weights<QT, MT, R>(L, w, tbytes, chunks, c, lane, g);
+  load_x<QT, M, MT, R>(L, x, ldx, c, g, t);
+}
+
+// FOLD = 0: codes become exact (q - OFF) pairs (one fma each); FOLD = 1: raw (magic + q) pairs,
+// and d * (magic + OFF) joins the block's min term, sum(x) * (m - d * (magic + OFF)).
+template <int QT, int DT, int MT, int R, int FOLD>
 __device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float (*acc)[MT][4]) {
-  constexpr bool MIN = QT != 2;
+  constexpr bool MIN = QT != 2 || FOLD;
   constexpr int OFF = TileFmt<QT>::OFF;
+  constexpr float BIAS = FOLD ? (DT == 1 ? 128.f : 1024.f) + OFF : 0.f;
   const u32 ones = DT == 1 ? 0x3F803F80u : 0x3C003C00u;
   const u32 ones4[4] = {ones, ones, ones, ones};
 #pragma unroll
@@ -157,6 +179,10 @@ __device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float 
     for (int r = 0; r < R; ++r) {
       float d[4], m[4];
       scales_of<QT>(L.sc[r], d, m);
+      if constexpr (FOLD) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) m[k] = fmaf(-BIAS, d[k], m[k]);
+      }
       const u32 qw[4] = {L.q[r].x, L.q[r].y, L.q[r].z, L.q[r].w};
       float part[MT][4];
 #pragma unroll
@@ -168,7 +194,8 @@ __device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float 
         const u32 word = qw[2 * b + s];
         u32 a[4];
 #pragma unroll
-        for (int p = 0; p < 4; ++p) a[p] = code_pair<DT, OFF>(word, 4 * p);
+        for (int p = 0; p < 4; ++p)
+          a[p] = FOLD ? code_raw<DT>(word, 4 * p) : code_pair<DT, OFF>(word, 4 * p);
 #pragma unroll
         for (int j = 0; j < MT; ++j) {
           const u32 b0 = s ? L.xb[b][j].z : L.xb[b][j].x, b1 = s ? L.xb[b][j].w : L.xb[b][j].y;
@@ -192,14 +219,15 @@ __device__ __forceinline__ void mma_chunk(const ChunkLoads<QT, MT, R>& L, float 
 // SW = 1: each tile holds 8 gate rows then the 8 up rows of the same intermediate indices, so a
 // lane's rows g and g + 8 meet in its registers; out [M][N / 2] = silu(gate) * up, each step
 // rounded to the 16-bit type as the torch expression does.
-// W warps per CTA (8, or 16 for matrices with too few tiles to fill the SMs otherwise).
-template <int QT, int M, int DT, int R, int SW = 0, int W = 8>
+// W warps per CTA (8, or 16 for matrices with too few tiles to fill the SMs otherwise), D
+// chunks in flight per warp, FOLD as in mma_chunk. Launched with programmatic dependent launch, the first chunks'
+// weights load while the previous kernel finishes; x is read (and out written) after pdl_wait.
+template <int QT, int M, int DT, int R, int SW = 0, int W = 8, int D = 2, int FOLD = 0>
 __global__ void __launch_bounds__(W * 32, 2) gguf_tile_gemv_kernel(const u16* __restrict__ x,
                                                                const u8* __restrict__ w,
                                                                u16* __restrict__ out, int K,
                                                                i64 ldx, i64 ldo) {
   constexpr int MT = (M + 7) / 8;
-  constexpr int D = 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int chunks = K >> 6;
   const i64 tbytes = tile_bytes<QT>(K);
@@ -214,13 +242,18 @@ __global__ void __launch_bounds__(W * 32, 2) gguf_tile_gemv_kernel(const u16* __
 #pragma unroll
   for (int i = 0; i < D; ++i)
     if (warp + W * i < chunks)
-      load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, warp + W * i, lane, g, t);
+      load_weights<QT, MT, R>(L[i], tiles, tbytes, chunks, warp + W * i, lane, g);
+  pdl_wait();
+  pdl_trigger();
+#pragma unroll
+  for (int i = 0; i < D; ++i)
+    if (warp + W * i < chunks) load_x<QT, M, MT, R>(L[i], x, ldx, warp + W * i, g, t);
   for (int c0 = warp; c0 < chunks; c0 += W * D) {
 #pragma unroll
     for (int i = 0; i < D; ++i) {
       const int c = c0 + W * i;
       if (c < chunks) {
-        mma_chunk<QT, DT, MT, R>(L[i], acc);
+        mma_chunk<QT, DT, MT, R, FOLD>(L[i], acc);
         if (c + W * D < chunks)
           load_chunk<QT, M, MT, R>(L[i], tiles, tbytes, chunks, x, ldx, c + W * D, lane, g, t);
       }

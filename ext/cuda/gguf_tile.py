@@ -18,6 +18,15 @@ import torch
 from tandem.ext.cuda._loader import i32, i64, launch, ptr
 
 MAX_ROWS = 16
+# Types whose GEMV turns codes into (magic + q) and removes magic through x's block sums (which
+# their mins need anyway): fewer instructions a chunk. Q4_0 keeps one fma per code pair: the
+# fold would add the block-sum MMAs and registers past its 4 CTAs an SM. (Benchmarks edit it.)
+FOLD_TYPES = {3, 12}
+# Types whose GEMV is launched with programmatic dependent launch. Q4_0 gained (8B linears
+# alone 2.06 -> 2.02 ms, engine graph 2.58 -> 2.42 ms with the other kernels'); Q4_K lost (2.74
+# -> 2.89 ms: its CTAs, up to 3 an SM, launched early pile onto the SMs that free first), so
+# Q4_1 and Q4_K launch plainly (docs/BENCHMARKS.md).
+PDL_TYPES = {2}
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 # ggml type id -> (name, GGUF bytes per 32/256-value block, values per block, meta bytes per
 # 64-column chunk of a tile, bytes per 256-column superblock of a tile)
@@ -210,10 +219,23 @@ def _check(tiles_data: torch.Tensor, type_id: int, k: int, device: torch.device)
 
 
 def launch_gemv(
-    x: torch.Tensor, tiles_data: torch.Tensor, type_id: int, out: torch.Tensor, swiglu: bool = False
+    x: torch.Tensor,
+    tiles_data: torch.Tensor,
+    type_id: int,
+    out: torch.Tensor,
+    swiglu: bool = False,
+    warps: int | None = None,
+    depth: int = 2,
+    fold: bool | None = None,
 ) -> None:
     """out[M, N] = x[M, K] @ W^T, 1 <= M <= MAX_ROWS, x/out fp16 or bf16, 16-byte rows.
-    `swiglu`: W's rows are paired (`pair_rows`) and out[M, N / 2] = silu(gate) * up."""
+    `swiglu`: W's rows are paired (`pair_rows`) and out[M, N / 2] = silu(gate) * up.
+    `warps` (8 or 16; default `warps_per_cta`) and `depth` (chunks in flight per warp, 2 or 4)
+    are for benchmarks, and `fold` (default: type in `FOLD_TYPES`): the codes' offset subtracted
+    through x's block sums instead of one fma per code pair. Types in `PDL_TYPES` launch with
+    programmatic dependent launch where the device has it."""
+    if warps not in (None, 8, 16) or depth not in (2, 4):
+        raise ValueError("warps must be 8 or 16, depth 2 or 4")
     m, k = x.shape
     n = _check(tiles_data, type_id, k, x.device)
     if not 1 <= m <= MAX_ROWS or x.dtype not in _DT or out.dtype != x.dtype:
@@ -224,14 +246,16 @@ def launch_gemv(
     if x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("x rows must be 16-byte aligned")
     r = tiles_per_cta(type_id, n)
-    w = warps_per_cta(type_id, n, m, x.device)
+    w = warps or warps_per_cta(type_id, n, m, x.device)
     launch(
         "gguf_tile.cu",
-        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r},{int(swiglu)},{w}>",
+        f"gguf_tile_gemv_kernel<{type_id},{m},{_DT[x.dtype]},{r},{int(swiglu)},{w},{depth},"
+        f"{int(type_id in FOLD_TYPES if fold is None else fold)}>",
         x.device,
         (n // (16 * r), 1, 1),
         (32 * w, 1, 1),
         (ptr(x), ptr(tiles_data), ptr(out), i32(k), i64(x.stride(0)), i64(out.stride(0))),
+        pdl=type_id in PDL_TYPES,
     )
 
 

@@ -1,9 +1,11 @@
 """GPTQ/AWQ int4 and FP8 e4m3 linears on CUDA (`hf_linear.cu`): `torch.ops.tandem.int4_linear`
 and `torch.ops.tandem.fp8_linear`, in the serving layouts of models/quant/int4.py and fp8.py.
 
-Up to `GEMV_MAX_ROWS` rows of x: one pass over the packed weight, dequantized in registers (the
-decode path, inside CUDA graphs like any op on torch's current stream). More rows: the weight
-dequantized into a scratch buffer, then cuBLAS (prefill). `fp8_scaled_mm` is the FP8 tensor-core
+Decode sizes (inside CUDA graphs like any op on torch's current stream): `MMA_MIN_ROWS` to
+`MMA_MAX_ROWS` rows of x through tensor-core MMAs over weight fragments decoded in registers
+(32 rows of x a pass; needs K % 128 == 0 and one scale per row per 128 columns); otherwise up
+to `GEMV_MAX_ROWS` rows the row-per-warp GEMV, one pass over the packed weight. More rows: the
+weight dequantized into a scratch buffer, then cuBLAS (prefill). `fp8_scaled_mm` is the FP8 tensor-core
 alternative for per-row-scaled weights (activations quantized per row). Reference: the tensors'
 `dequantize()` + F.linear. Knows nothing about models.
 """
@@ -21,6 +23,13 @@ INT4, FP8 = 0, 1
 # tools/bench_hf_quant_gpu.py --crossover; docs/BENCHMARKS.md): its cost grows with every row of
 # x (each lane re-reads x per weight row), the scratch path's does not.
 GEMV_MAX_ROWS = {INT4: 8, FP8: 6}
+# Where the tensor-core kernel takes a weight it serves MMA_MIN_ROWS..MMA_MAX_ROWS rows: from 2
+# (int4; level with the GEMV at 1) or 1 (fp8) rows up to 64, where it is still below
+# dequantize + cuBLAS (docs/BENCHMARKS.md, `--crossover`).
+MMA_MIN_ROWS = {INT4: 2, FP8: 1}
+MMA_MAX_ROWS = 64
+_MMA_PASS = 32  # rows of x per pass of the MMA kernel (8 per MMA column tile, 4 tiles)
+_SMS: dict[int, int] = {}
 
 
 def _check_common(x: torch.Tensor, wq: torch.Tensor, k: int) -> None:
@@ -72,6 +81,40 @@ def _gemv(fmt: int, sdt: int, x: torch.Tensor, bufs, geo, n: int) -> torch.Tenso
     return out
 
 
+def mma_supported(fmt: int, geo, k: int) -> bool:
+    """Whether the tensor-core kernel takes this weight (one scale per row per 128 columns)."""
+    if k % 128:
+        return False
+    return geo[0] % 128 == 0 if fmt == INT4 else geo[1] % 128 == 0
+
+
+def _mma(fmt: int, sdt: int, x: torch.Tensor, bufs, geo, n: int) -> torch.Tensor:
+    m, k = x.shape
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    for m0 in range(0, m, _MMA_PASS):
+        rows = min(_MMA_PASS, m - m0)
+        mt = -(-rows // 8)
+        mt = 4 if mt > 2 else mt
+        r = 2 if mt <= 2 and n >= 64 * sms else 1  # two tiles a CTA only where CTAs abound
+        xs, os_ = x[m0 : m0 + rows], out[m0 : m0 + rows]
+        launch(
+            "hf_linear.cu",
+            f"hf_mma_kernel<{fmt},{sdt},{mt},{_DT[x.dtype]},{r},8>",
+            x.device,
+            (-(-n // (16 * r)), 1, 1),
+            (256, 1, 1),
+            (ptr(xs), *bufs, ptr(os_), i32(rows), i32(n), i32(k), *(i32(g) for g in geo),
+             i64(x.stride(0)), i64(out.stride(0))),
+        )  # fmt: skip
+    return out
+
+
 def dequantize_into(fmt: int, sdt: int, bufs, geo, out: torch.Tensor) -> None:
     """out [N, K] (fp16/bf16, contiguous) = the packed weight's values."""
     n, k = out.shape
@@ -86,7 +129,10 @@ def dequantize_into(fmt: int, sdt: int, bufs, geo, out: torch.Tensor) -> None:
 
 
 def _run(fmt, sdt, x, bufs, geo, n) -> torch.Tensor:
-    if 1 <= x.shape[0] <= min(GEMV_MAX_ROWS[fmt], MAX_ROWS):
+    m = x.shape[0]
+    if MMA_MIN_ROWS[fmt] <= m <= MMA_MAX_ROWS and mma_supported(fmt, geo, x.shape[1]):
+        return _mma(fmt, sdt, x, bufs, geo, n)
+    if 1 <= m <= min(GEMV_MAX_ROWS[fmt], MAX_ROWS):
         return _gemv(fmt, sdt, x, bufs, geo, n)
     w = torch.empty(n, x.shape[1], device=x.device, dtype=x.dtype)  # scratch, torch's cache
     dequantize_into(fmt, sdt, bufs, geo, w)

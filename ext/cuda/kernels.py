@@ -266,6 +266,7 @@ def launch_paged_decode(
             i32(window),
             f32(scale * _LOG2E),
         ),
+        pdl=True,
     )
     if num_parts > 1:
         launch(
@@ -285,6 +286,7 @@ def launch_paged_decode(
                 i32(num_parts),
                 i32(window),
             ),
+            pdl=True,
         )
 
 

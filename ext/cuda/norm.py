@@ -1,4 +1,5 @@
-"""RMSNorm in one CUDA kernel (`rms_norm.cu`), as the torch custom op `torch.ops.tandem.rms_norm`.
+"""RMSNorm in one CUDA kernel (`rms_norm.cu`), as the torch custom op `torch.ops.tandem.rms_norm`;
+a residual add and the norm after it in one (`torch.ops.tandem.add_rms_norm`).
 
 `rms_norm_ref` is the torch expression models used before (HF transformers' LlamaRMSNorm: the
 mean of squares in float32, the normalized value rounded to the input dtype, then times the
@@ -33,17 +34,14 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.numel() > 0
 
 
-def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    """out[R, D] = rms_norm(x[R, D]) * weight[D] (2-D, inner dimension contiguous, rows 16-byte
-    aligned, D % 8 == 0; fp16/bf16, all one dtype and device)."""
+def _check_rows(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     if x.dim() != 2 or out.shape != x.shape or weight.shape != (x.shape[1],):
         raise ValueError(f"shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"out {tuple(out.shape)}")  # fmt: skip
     if not (x.dtype == weight.dtype == out.dtype and x.dtype in _DT):
         raise ValueError(f"dtypes must be fp16/bf16 and equal, got {x.dtype}, {weight.dtype}, "
                          f"{out.dtype}")  # fmt: skip
-    rows, d = x.shape
-    if d % 8 or x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
+    if x.shape[1] % 8 or x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("D must be a multiple of 8 and the inner dimensions contiguous")
     if (
         x.stride(0) % 8
@@ -51,6 +49,13 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, ep
         or (x.data_ptr() | out.data_ptr() | weight.data_ptr()) % 16
     ):
         raise ValueError("x, out and weight rows must be 16-byte aligned")
+
+
+def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    """out[R, D] = rms_norm(x[R, D]) * weight[D] (2-D, inner dimension contiguous, rows 16-byte
+    aligned, D % 8 == 0; fp16/bf16, all one dtype and device)."""
+    _check_rows(x, weight, out)
+    rows, d = x.shape
     tpr = 32 if d <= 1024 else 256
     per_block = 256 // tpr
     launch(
@@ -61,6 +66,7 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, ep
         (256, 1, 1),
         (ptr(x), ptr(weight), ptr(out), i32(rows), i32(d), i64(x.stride(0)), i64(out.stride(0)),
          f32(eps)),
+        pdl=True,
     )  # fmt: skip
 
 
@@ -102,3 +108,67 @@ def _backward(ctx, grad):
 
 
 rms_norm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual stream and its norm, as torch computes them."""
+    s = x + delta
+    return s, rms_norm_ref(s, weight, eps)
+
+
+def launch_add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    s: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+) -> None:
+    """s[R, D] = x + delta (rounded to the dtype), out[R, D] = rms_norm(s) * weight; the same
+    layout rules as `launch_rms_norm` for every operand."""
+    if delta.shape != x.shape or s.shape != x.shape or delta.dtype != x.dtype or s.dtype != x.dtype:
+        raise ValueError(f"delta and s must match x {tuple(x.shape)} {x.dtype}")
+    if delta.dim() != 2 or delta.stride(1) != 1 or s.stride(1) != 1:
+        raise ValueError("the inner dimensions must be contiguous")
+    if delta.stride(0) % 8 or s.stride(0) % 8 or (delta.data_ptr() | s.data_ptr()) % 16:
+        raise ValueError("delta and s rows must be 16-byte aligned")
+    _check_rows(x, weight, out)
+    rows, d = x.shape
+    tpr = 32 if d <= 1024 else 256
+    launch(
+        "rms_norm.cu",
+        f"add_rms_norm_kernel<{tpr},{_DT[x.dtype]}>",
+        x.device,
+        (-(-rows // (256 // tpr)), 1, 1),
+        (256, 1, 1),
+        (ptr(x), ptr(delta), ptr(weight), ptr(s), ptr(out), i32(rows), i32(d), i64(x.stride(0)),
+         i64(delta.stride(0)), i64(s.stride(0)), i64(out.stride(0)), f32(eps)),
+        pdl=True,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("tandem::add_rms_norm", mutates_args=())
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm with weight[D]): one kernel when it applies, else torch's."""
+    if delta.shape != x.shape or delta.dtype != x.dtype or not delta.is_cuda:
+        return add_rms_norm_ref(x, delta, weight, eps)
+    if not supported(x, weight):
+        return add_rms_norm_ref(x, delta, weight, eps)
+    x2, d2 = x.reshape(-1, x.shape[-1]), delta.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    if d2.stride(1) != 1 or d2.stride(0) % 8 or d2.data_ptr() % 16:
+        d2 = d2.contiguous()
+    s = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    out = torch.empty_like(s)
+    launch_add_rms_norm(x2, d2, weight, s, out, eps)
+    return s.reshape(x.shape), out.reshape(x.shape)
+
+
+@add_rms_norm.register_fake
+def _(x, delta, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)

@@ -29,6 +29,8 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(
   constexpr int TPT = D / 8;     // threads per token
   constexpr int NG = NT / TPT;   // token groups per CTA
   constexpr int U = GP >= 8 ? 2 : 4;  // tokens in flight per group
+  pdl_wait();  // launched with programmatic dependent launch
+  pdl_trigger();
 
   const int tid = threadIdx.x;
   const int grp = tid / TPT;
@@ -206,6 +208,8 @@ __global__ void __launch_bounds__(D) paged_decode_reduce_kernel(
     u16* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_lse,
     const int* __restrict__ seq_lens, const float* __restrict__ sinks, int num_heads,
     int part_len, int num_parts, int window) {
+  pdl_wait();
+  pdl_trigger();
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int seq_len = seq_lens[seq];

@@ -22,6 +22,8 @@ __global__ void __launch_bounds__(256) qk_norm_rope_kernel(
     i64 ldc, u16* __restrict__ q_out, u16* __restrict__ k_cache, u16* __restrict__ v_cache,
     const long long* __restrict__ slot_mapping, int T, int H, int KVH, float eps) {
   constexpr int M = D / 32;  // elements per lane
+  pdl_wait();  // launched with programmatic dependent launch
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int heads = H + 2 * KVH;

@@ -93,6 +93,7 @@ def qk_norm_rope(
         (ptr(qkv), i64(qkv.stride(0)), ptr(q_w), ptr(k_w), ptr(c), ptr(s), i64(c.stride(0)),
          ptr(q), ptr(k_cache), ptr(v_cache), ptr(slot_mapping.contiguous()), i32(T),
          i32(num_heads), i32(num_kv_heads), f32(eps)),
+        pdl=True,
     )  # fmt: skip
     return q
 
@@ -146,6 +147,7 @@ def rope_kv(
         (ptr(qkv), i64(qkv.stride(0)), ptr(None), ptr(None), ptr(c), ptr(s), i64(c.stride(0)),
          ptr(q), ptr(k_cache), ptr(v_cache), ptr(slot_mapping.contiguous()), i32(T),
          i32(num_heads), i32(num_kv_heads), f32(0.0)),
+        pdl=True,
     )  # fmt: skip
     return q
 

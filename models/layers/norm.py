@@ -4,7 +4,8 @@ On CUDA (fp16/bf16) outside torch.compile the norm is one fused kernel
 (`torch.ops.tandem.rms_norm`, ext/cuda/norm.py) instead of the ~7 kernels of the torch
 expression, which at decode batch sizes are launch-bound: four norms a layer (with q/k norms)
 cost a Qwen3-MoE decode step about 3 ms of GPU time on an H100 at batch 1. Under torch.compile
-the torch expression stays, so Inductor can fuse it with its neighbours. TANDEM_CUDA_NORM=0
+the torch expression stays, so Inductor can fuse it with its neighbours. `add_norm` folds the
+residual add before a norm into the same kernel. TANDEM_CUDA_NORM=0
 turns the kernel off.
 """
 
@@ -31,3 +32,19 @@ class RMSNorm(nn.Module):
         if FUSED_CUDA_NORM and x.is_cuda and not torch.compiler.is_compiling():
             return torch.ops.tandem.rms_norm(x, self.weight, self.eps)
         return _cuda_norm.rms_norm_ref(x, self.weight, self.eps)
+
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)); delta None: (x, norm(x)). One kernel on CUDA."""
+        if delta is None:
+            return x, self(x)
+        if (
+            FUSED_CUDA_NORM
+            and x.is_cuda
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or delta.requires_grad))
+        ):
+            return torch.ops.tandem.add_rms_norm(x, delta, self.weight, self.eps)
+        s = x + delta
+        return s, self(s)

@@ -82,3 +82,52 @@ def test_decode_ops_capture_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(y, op(), rtol=0, atol=0)
+
+
+MMA_ROWS = [1, 2, 8, 9, 16, 17, 32, 33, 64]
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", MMA_ROWS)
+@pytest.mark.parametrize(("n", "k", "group", "sdt"), [(48, 384, 128, torch.float16),
+                                                      (100, 512, 512, torch.bfloat16)])  # fmt: skip
+def test_int4_mma_rows_match_dequantize_then_matmul(dt, rows, n, k, group, sdt) -> None:
+    """From 2 rows the tensor-core kernel serves (any N, x rows in passes of 32), within the
+    GEMV's tolerance of the reference."""
+    w = _int4(n, k, group, sdt, rows)
+    assert hf_linear.mma_supported(hf_linear.INT4, (group, 0, 0), k)
+    x = torch.randn(rows, k, device="cuda").to(dt)
+    _close(torch.ops.tandem.int4_linear(x, w.codes, w.scales, w.zeros, group), x, w)
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", MMA_ROWS)
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+def test_fp8_mma_rows_match_dequantize_then_matmul(dt, rows, scheme) -> None:
+    """e4m3 subnormals and zeros included (row 0 of the random weight); 128x128 blocks."""
+    from tandem.models.quant.fp8 import Fp8Tensor
+    from tests.models.hf_quant_cases import fp8_quant
+
+    n, k = 40 + rows % 3, 384
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(rows)) * 0.1
+    w[0, :7] = torch.tensor([0.0, 1e-6, -1e-6, 3e-4, -2e-5, 0.5, -0.5])
+    if scheme == "block":
+        q, s, _, _ = fp8_quant(w, scheme, block=128)
+        wt = Fp8Tensor(q, s, (128, 128)).to("cuda")
+    else:
+        wt = _fp8(n, k, scheme, rows)
+    x = torch.randn(rows, k, device="cuda").to(dt)
+    _close(torch.ops.tandem.fp8_linear(x, wt.data, wt.scale, *wt.block), x, wt)
+
+
+def test_mma_matches_gemv_at_the_same_rows() -> None:
+    """The two decode kernels on one 8B-like shape at 8 rows (the GEMV's last row count)."""
+    w = _int4(1024, 4096, 128, torch.float16, 3)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    bufs = (hf_linear.ptr(w.codes), hf_linear.ptr(w.scales), hf_linear.ptr(w.zeros))
+    a = hf_linear._gemv(hf_linear.INT4, 0, x, bufs, (128, 0, 0), 1024).double()
+    b = hf_linear._mma(hf_linear.INT4, 0, x, bufs, (128, 0, 0), 1024).double()
+    ref = x.double() @ w.dequantize().double().T
+    assert ((a - ref).norm() / ref.norm()).item() < 5e-3
+    assert ((b - ref).norm() / ref.norm()).item() < 5e-3
+    assert ((a - b).norm() / ref.norm()).item() < 5e-3

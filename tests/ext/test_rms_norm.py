@@ -68,6 +68,33 @@ def test_launcher_rejects_bad_operands():
                              torch.zeros(2, 12, **bf), 1e-6)  # fmt: skip
 
 
+def test_cpu_add_norm_equals_add_then_norm():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    d = torch.randn(4, 64, generator=g).bfloat16()
+    m = RMSNorm(64, 1e-6).bfloat16()
+    m.weight.data.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    s, y = m.add_norm(x, d)
+    assert torch.equal(s, x + d) and torch.equal(y, m(x + d))
+    s, y = torch.ops.tandem.add_rms_norm(x, d, m.weight, 1e-6)
+    assert torch.equal(s, x + d) and torch.equal(y, m(x + d))
+    same, y = m.add_norm(x, None)
+    assert same is x and torch.equal(y, m(x))
+
+
+def test_add_launcher_rejects_bad_operands():
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.zeros(2, 16, **bf), torch.zeros(16, **bf)
+    with pytest.raises(ValueError, match="must match"):
+        norm.launch_add_rms_norm(x, torch.zeros(2, 8, **bf), w, torch.zeros_like(x),
+                                 torch.zeros_like(x), 1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="must match"):
+        norm.launch_add_rms_norm(x, x, w, torch.zeros(2, 16), torch.zeros_like(x), 1e-6)
+    with pytest.raises(ValueError, match="shapes"):
+        norm.launch_add_rms_norm(x, x, torch.zeros(8, **bf), torch.zeros_like(x),
+                                 torch.zeros_like(x), 1e-6)  # fmt: skip
+
+
 # ------------------------------------------------------------------------------- GPU
 
 
@@ -137,3 +164,50 @@ def test_kernel_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(y, norm.rms_norm_ref(x, w, 1e-6), rtol=1e-2, atol=1e-2)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols", [(1, 4096), (3, 2048), (7, 128), (300, 1024), (5, 1032)])
+def test_add_kernel_matches_add_then_norm(dtype, rows, cols):
+    """The sum is bit-equal to torch's `x + d`; the norm is the plain kernel's on that sum."""
+    g = torch.Generator(device="cuda").manual_seed(rows * 31 + cols)
+    x = (torch.randn(rows, cols, device="cuda", generator=g) * 3).to(dtype)
+    d = (torch.randn(rows, cols, device="cuda", generator=g) * 2).to(dtype)
+    w = (1 + 0.2 * torch.randn(cols, device="cuda", generator=g)).to(dtype)
+    s, out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    norm.launch_add_rms_norm(x, d, w, s, out, 1e-6)
+    assert torch.equal(s, x + d)
+    plain = torch.full_like(x, float("nan"))
+    norm.launch_rms_norm(x + d, w, plain, 1e-6)
+    diff = (out.float() - plain.float()).abs()  # same steps: equal up to fp32 contraction
+    ulp = plain.float().abs().clamp_min(1e-3) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert bool((diff <= ulp).all()) and (diff > 0).float().mean().item() < 0.01
+    f32 = _f32_ref(x + d, w, 1e-6)
+    assert ((out.float() - f32).norm() / f32.norm()).item() < 1e-2
+
+
+@gpu_test
+def test_add_op_on_views_and_in_a_cuda_graph():
+    g = torch.Generator(device="cuda").manual_seed(9)
+    big = torch.randn(4, 3 * 2048, device="cuda", generator=g).bfloat16()
+    x, d = big[:, :2048], big[:, 2048:4096]  # strided rows
+    w = torch.randn(2048, device="cuda", generator=g).bfloat16()
+    s, y = torch.ops.tandem.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(s, x + d)
+    torch.testing.assert_close(y, norm.rms_norm_ref(x + d, w, 1e-6), rtol=1e-2, atol=1e-2)
+    xs, ds = x.contiguous(), d.contiguous()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        torch.ops.tandem.add_rms_norm(xs, ds, w, 1e-6)
+    torch.cuda.current_stream().wait_stream(st)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s, y = torch.ops.tandem.add_rms_norm(xs, ds, w, 1e-6)
+    for _ in range(2):
+        xs.copy_(torch.randn(4, 2048, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(s, xs + ds)
+        torch.testing.assert_close(y, norm.rms_norm_ref(xs + ds, w, 1e-6), rtol=1e-2, atol=1e-2)

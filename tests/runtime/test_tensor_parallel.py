@@ -282,7 +282,7 @@ def test_a_forward_that_fails_between_collectives_stops_every_rank(tmp_path: Pat
         def broken(*args, **kwargs):
             raise RuntimeError("fault between collectives")
 
-        layer.forward = broken
+        layer.forward = layer.forward_residual = broken  # the model calls forward_residual
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         with pytest.raises(EngineStepError, match="tensor-parallel forward failed"):
             llm.generate(PROMPTS, params)
@@ -346,7 +346,7 @@ def test_overlapped_steps_under_tp_and_a_launch_failure_stops_every_rank(tmp_pat
         def broken(*args, **kwargs):
             raise RuntimeError("fault between collectives")
 
-        layer.forward = broken
+        layer.forward = layer.forward_residual = broken  # the model calls forward_residual
         with pytest.raises(EngineStepError, match="tensor-parallel forward failed"):
             llm.generate(PROMPTS, params)
         for p in procs:

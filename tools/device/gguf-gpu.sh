@@ -7,7 +7,8 @@
 #   bash tools/device_check.sh gguf-gpu
 #   STAGES="8b-q4_0 8b-q4_k" bash tools/device_check.sh gguf-gpu   # a subset, in this order
 # Stages: tests linears 8b-q4_0 8b-q4_k 70b-q4_0 moe-q4_0 (PROFILE=1: a kernel table per model;
-# GGUF_DIR keeps the written files, default /tmp/gguf).
+# GGUF_DIR keeps the written files, default /tmp/gguf; LINEAR_ARGS / ENGINE_ARGS: more flags
+# for tools/bench_gguf_gpu.py, e.g. LINEAR_ARGS=--sweep ENGINE_ARGS=--breakdown).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tandem_gguf}
@@ -24,7 +25,7 @@ engine() {  # engine NAME GEN_ARGS...: write the file once, then bench it
   shift
   [ -f "$file" ] || timeout 300 python3 tools/peers/gen_gguf.py "$@" "$file" | tail -n 1
   echo "== $name" >>"$OUT/engine.log"
-  timeout 400 python3 tools/bench_gguf_gpu.py --gguf "$file" --streams "$STREAMS" \
+  timeout 400 python3 tools/bench_gguf_gpu.py --gguf "$file" --streams "$STREAMS" ${ENGINE_ARGS:-} \
     ${PROFILE:+--profile "$OUT/$name-profile.txt"} >>"$OUT/engine.log" 2>&1 || rc=1
   tail -n 2 "$OUT/engine.log"
   [ -f "$OUT/$name-profile.txt" ] && { echo "== $name"; cat "$OUT/$name-profile.txt"; } \
@@ -38,10 +39,11 @@ for stage in $STAGES; do
     tests)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/ext/test_cuda_gguf_tile.py tests/ext/test_cuda_gguf_linear.py \
-        tests/ext/test_qk_norm_rope.py tests/models/test_quant_cuda.py >"$OUT/tests.log" 2>&1 || rc=1
+        tests/ext/test_qk_norm_rope.py tests/ext/test_rms_norm.py tests/models/test_quant_cuda.py \
+        >"$OUT/tests.log" 2>&1 || rc=1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -n 8 ;;
     linears)
-      timeout 300 python3 tools/bench_gguf_gpu.py --types Q4_0,Q4_K --reps 10 || rc=1 ;;
+      timeout 300 python3 tools/bench_gguf_gpu.py --types Q4_0,Q4_K --reps 10 ${LINEAR_ARGS:-} || rc=1 ;;
     8b-q4_0) engine 8b-q4_0 dense --dense-type q4_0 ;;
     8b-q4_k) engine 8b-q4_k dense --dense-type q4_k ;;
     70b-q4_0) engine 70b-q4_0 dense --dense-type q4_0 --shape 70b ;;

@@ -83,6 +83,7 @@ LINEAR_UNITS = {
         ("linear_avx512.cpp", AVX512_FLAGS),
         ("qlinear_avx512.cpp", AVX512_FLAGS),
     ],
+    "TANDEM_HAVE_VNNI": [("qlinear_vnni.cpp", VNNI_FLAGS)],
     "TANDEM_HAVE_AMX": [("linear_amx.cpp", AMX_FLAGS)],
 }
 HEADERS = [
@@ -97,6 +98,7 @@ HEADERS = [
     "stream.h",
     "linear.h",
     "qlinear.h",
+    "qlinear_int8.h",
     "attention.h",
     "simd_avx512.h",
     "simd_q8.h",

@@ -61,20 +61,33 @@ QLinearKernels qlinear_kernels_scalar();
 #ifdef TANDEM_HAVE_AVX512
 QLinearKernels qlinear_kernels_avx512();
 #endif
+#ifdef TANDEM_HAVE_VNNI
+QLinearKernels qlinear_kernels_vnni();  // Q4_0 / Q4_1 / Q8_0 only (qlinear_int8.h)
+#endif
+
+// Whether `qtype` has an int8-activation kernel (Q4_0, Q4_1, Q8_0).
+inline bool qtype_has_int8_path(int qtype) {
+  return qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q8_0;
+}
 
 class QLinearPool {
  public:
-  // num_threads: threads computing a call, the caller included (>= 1).
-  QLinearPool(int num_threads, const std::string& isa);
+  // num_threads: threads computing a call, the caller included (>= 1). int8: Q4_0 / Q4_1 /
+  // Q8_0 weights take the int8-activation kernel where the CPU has one (VNNI); the other
+  // types, and every type without it, keep the float-activation kernel of `isa`.
+  QLinearPool(int num_threads, const std::string& isa, bool int8 = true);
   ~QLinearPool();
   void run(const QLinearArgs& a, const void* x, bool x_bf16);  // synchronous, serialized
   std::string isa() const { return kernels_.name; }
+  std::string int8_isa() const { return ints_.name ? ints_.name : ""; }  // "" when none
   int num_threads() const { return workers_ ? workers_->size() + 1 : 1; }
 
  private:
-  void work(const QLinearArgs& a, const void* xp, int blocks, int block_rows);
+  void work(const QLinearKernels& k, const QLinearArgs& a, const void* xp, int blocks,
+            int block_rows);
 
   QLinearKernels kernels_;
+  QLinearKernels ints_{nullptr, nullptr, nullptr, nullptr};
   std::unique_ptr<Workers> workers_;
   std::mutex mu_;
   std::vector<uint8_t> xprep_;

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .build import load_extension
-from .pool_env import isa_from_env
+from .pool_env import int_path_enabled, isa_from_env
 from .tensor_checks import output_buffer
 
 # ggml type name -> (id, elements per block, bytes per block)
@@ -24,17 +24,29 @@ QTYPES: dict[str, tuple[int, int, int]] = {
 
 
 class CpuQuantLinearPool:
-    """Runs `linear` on the calling thread plus num_threads - 1 pinned workers."""
+    """Runs `linear` on the calling thread plus num_threads - 1 pinned workers.
 
-    def __init__(self, num_threads: int = 1, isa: str | None = None) -> None:
+    int8: Q4_0 / Q4_1 / Q8_0 weights take the int8-activation kernel (activations quantized
+    per 32 values, integer dot products; `int8_isa` names it, "" where the CPU has none).
+    None: on unless $TANDEM_CPU_INT_PATH is off. The other types keep float activations."""
+
+    def __init__(
+        self, num_threads: int = 1, isa: str | None = None, int8: bool | None = None
+    ) -> None:
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         isa = isa_from_env(isa)
-        self._pool = load_extension().QLinearPool(num_threads, isa or "")
+        if int8 is None:
+            int8 = int_path_enabled()
+        self._pool = load_extension().QLinearPool(num_threads, isa or "", int8)
 
     @property
     def isa(self) -> str:
         return self._pool.isa
+
+    @property
+    def int8_isa(self) -> str:
+        return self._pool.int8_isa
 
     def linear(
         self,

@@ -55,7 +55,9 @@ QLinearPool::QLinearPool(int num_threads, const std::string& isa, bool int8)
     : kernels_(select_qlinear(isa)) {
   if (int8) ints_ = select_int8(kernels_);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
-  if (num_threads > 1) workers_ = std::make_unique<Workers>(num_threads - 1);
+  // Unpinned: the caller (an engine thread) is not pinned either, and a worker pinned to the
+  // core the caller happens to run on would share it instead of taking the idle one.
+  if (num_threads > 1) workers_ = std::make_unique<Workers>(num_threads - 1, 0, false);
 }
 
 QLinearPool::~QLinearPool() {

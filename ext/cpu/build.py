@@ -50,6 +50,7 @@ VNNI_FLAGS = AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnn
 CORE_UNITS = [
     ("isa.cpp", [], None),
     ("workers.cpp", [], None),
+    ("helpers.cpp", [], None),
     ("moe.cpp", [], None),
     ("moe_convert.cpp", [], None),
     ("moe_file.cpp", [], None),
@@ -92,6 +93,7 @@ HEADERS = [
     "kernels.h",
     "isa.h",
     "workers.h",
+    "helpers.h",
     "moe.h",
     "moe_act.h",
     "moe_internal.h",

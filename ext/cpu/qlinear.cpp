@@ -55,24 +55,28 @@ QLinearPool::QLinearPool(int num_threads, const std::string& isa, bool int8)
     : kernels_(select_qlinear(isa)) {
   if (int8) ints_ = select_int8(kernels_);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
-  // Unpinned: the caller (an engine thread) is not pinned either, and a worker pinned to the
-  // core the caller happens to run on would share it instead of taking the idle one.
-  if (num_threads > 1) workers_ = std::make_unique<Workers>(num_threads - 1, 0, false);
+  if (num_threads > 1) helpers_ = std::make_unique<HelperCrew>(num_threads - 1, kHelperSpinUs);
 }
 
-QLinearPool::~QLinearPool() {
-  if (workers_) workers_->wait();
+QLinearPool::~QLinearPool() = default;
+
+namespace {
+
+struct Call {
+  const QLinearKernels* k;
+  const QLinearArgs* a;
+  const void* xp;
+};
+
+constexpr int kBlockRows = 16;
+
+void run_block(void* ctx, int b) {
+  const Call& c = *(const Call*)ctx;
+  const int r0 = b * kBlockRows;
+  c.k->rows(*c.a, c.xp, r0, std::min(c.a->N, r0 + kBlockRows));
 }
 
-void QLinearPool::work(const QLinearKernels& k, const QLinearArgs& a, const void* xp,
-                       int blocks, int block_rows) {
-  for (;;) {
-    const int b = next_.fetch_add(1, std::memory_order_relaxed);
-    if (b >= blocks) return;
-    const int r0 = b * block_rows;
-    k.rows(a, xp, r0, std::min(a.N, r0 + block_rows));
-  }
-}
+}  // namespace
 
 void QLinearPool::run(const QLinearArgs& a, const void* x, bool x_bf16) {
   const int be = qtype_block_elems(a.qtype);
@@ -98,17 +102,13 @@ void QLinearPool::run(const QLinearArgs& a, const void* x, bool x_bf16) {
   // 64-byte aligned: the int8 kernels load the activations with aligned loads.
   uint8_t* xbuf = xprep_.data() + ((64 - ((uintptr_t)xprep_.data() & 63)) & 63);
   k.prep(x, x_bf16, a.M, a.K, xbuf);
-  const int block_rows = 16;
-  const int blocks = (a.N + block_rows - 1) / block_rows;
-  const void* xp = xbuf;
-  next_.store(0, std::memory_order_relaxed);
-  if (!workers_ || blocks < 2) {
-    work(k, a, xp, blocks, block_rows);
+  const int blocks = (a.N + kBlockRows - 1) / kBlockRows;
+  Call call{&k, &a, xbuf};
+  if (!helpers_ || blocks < 2) {
+    for (int b = 0; b < blocks; ++b) run_block(&call, b);
     return;
   }
-  workers_->start([this, &k, &a, xp, blocks](int) { work(k, a, xp, blocks, block_rows); });
-  work(k, a, xp, blocks, block_rows);
-  workers_->wait();
+  helpers_->run(blocks, run_block, &call);
 }
 
 }  // namespace tandem_cpu

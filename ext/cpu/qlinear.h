@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "helpers.h"
 #include "kernels.h"
-#include "workers.h"
 
 namespace tandem_cpu {
 
@@ -72,7 +72,11 @@ inline bool qtype_has_int8_path(int qtype) {
 
 class QLinearPool {
  public:
-  // num_threads: threads computing a call, the caller included (>= 1). int8: Q4_0 / Q4_1 /
+  // How long a helper spins for the next call before it sleeps: a decode step's linears come
+  // tens of microseconds apart, its steps a millisecond or more.
+  static constexpr int kHelperSpinUs = 50;
+  // num_threads: threads computing a call, the caller included (>= 1); the others are
+  // HelperCrew helpers (unpinned), which join a call only when awake for it. int8: Q4_0 / Q4_1 /
   // Q8_0 weights take the int8-activation kernel where the CPU has one (VNNI); the other
   // types, and every type without it, keep the float-activation kernel of `isa`.
   QLinearPool(int num_threads, const std::string& isa, bool int8 = true);
@@ -80,18 +84,14 @@ class QLinearPool {
   void run(const QLinearArgs& a, const void* x, bool x_bf16);  // synchronous, serialized
   std::string isa() const { return kernels_.name; }
   std::string int8_isa() const { return ints_.name ? ints_.name : ""; }  // "" when none
-  int num_threads() const { return workers_ ? workers_->size() + 1 : 1; }
+  int num_threads() const { return helpers_ ? helpers_->size() + 1 : 1; }
 
  private:
-  void work(const QLinearKernels& k, const QLinearArgs& a, const void* xp, int blocks,
-            int block_rows);
-
   QLinearKernels kernels_;
   QLinearKernels ints_{nullptr, nullptr, nullptr, nullptr};
-  std::unique_ptr<Workers> workers_;
+  std::unique_ptr<HelperCrew> helpers_;
   std::mutex mu_;
   std::vector<uint8_t> xprep_;
-  std::atomic<int> next_{0};
 };
 
 }  // namespace tandem_cpu

@@ -24,7 +24,8 @@ QTYPES: dict[str, tuple[int, int, int]] = {
 
 
 class CpuQuantLinearPool:
-    """Runs `linear` on the calling thread plus num_threads - 1 pinned workers.
+    """Runs `linear` on the calling thread plus num_threads - 1 helper threads, which take a
+    share of a call only when awake for it (ext/cpu/helpers.h).
 
     int8: Q4_0 / Q4_1 / Q8_0 weights take the int8-activation kernel (activations quantized
     per 32 values, integer dot products; `int8_isa` names it, "" where the CPU has none).
@@ -43,6 +44,10 @@ class CpuQuantLinearPool:
     @property
     def isa(self) -> str:
         return self._pool.isa
+
+    @property
+    def num_threads(self) -> int:
+        return self._pool.num_threads
 
     @property
     def int8_isa(self) -> str:

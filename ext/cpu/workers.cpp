@@ -110,7 +110,7 @@ void spin_until(const std::atomic<int>& counter, int target) {
   }
 }
 
-Workers::Workers(int num_threads, int split_nodes, bool pin) {
+Workers::Workers(int num_threads, int split_nodes) {
   std::vector<NodeInfo> all = discover_nodes(split_nodes);
   int total_cpus = 0;
   for (const auto& n : all) total_cpus += (int)n.cpus.size();
@@ -150,8 +150,7 @@ Workers::Workers(int num_threads, int split_nodes, bool pin) {
   std::sort(spare_cpus_.begin(), spare_cpus_.end());
   busy_ns_.reset(new std::atomic<uint64_t>[placement.size()]);
   for (size_t i = 0; i < placement.size(); ++i) busy_ns_[i].store(0);
-  for (const auto& p : placement)
-    threads_.emplace_back([this, p, pin] { loop(p.first, pin ? p.second : -1); });
+  for (const auto& p : placement) threads_.emplace_back([this, p] { loop(p.first, p.second); });
 }
 
 Workers::~Workers() {
@@ -210,7 +209,7 @@ bool Workers::busy() {
 }
 
 void Workers::loop(int worker, int cpu) {
-  if (cpu >= 0) pin_to_cpu(cpu);
+  pin_to_cpu(cpu);
   uint64_t seen = 0;
   for (;;) {
     // Spin (a forward submits layer after layer), then sleep. A job seen while spinning is

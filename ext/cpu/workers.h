@@ -28,9 +28,8 @@ struct NodeInfo {
 class Workers {
  public:
   // num_threads <= 0: one fewer than the allowed cpus (at least one), leaving a core to the caller.
-  // split_nodes > 0 (tests): pretend the allowed cpus form that many NUMA nodes. pin: false
-  // leaves the workers to the scheduler (a caller that is not pinned either may share a core).
-  explicit Workers(int num_threads, int split_nodes = 0, bool pin = true);
+  // split_nodes > 0 (tests): pretend the allowed cpus form that many NUMA nodes.
+  explicit Workers(int num_threads, int split_nodes = 0);
   ~Workers();
   Workers(const Workers&) = delete;
   Workers& operator=(const Workers&) = delete;

@@ -102,3 +102,17 @@ def test_bad_arguments_are_refused() -> None:
         pool.linear(torch.randn(1, 64).half(), w.data, "Q4_0")
     with pytest.raises(ValueError, match="num_threads"):
         CpuQuantLinearPool(num_threads=0)
+
+
+def test_helper_threads_compute_every_block_once_over_many_calls() -> None:
+    """Helpers join calls only when awake (ext/cpu/helpers.h); back-to-back calls of several
+    sizes must each see every row block computed exactly once."""
+    one = CpuQuantLinearPool(num_threads=1)
+    three = CpuQuantLinearPool(num_threads=3)
+    assert three.num_threads == 3
+    gen = torch.Generator().manual_seed(7)
+    for i in range(120):
+        n = (17, 64, 300)[i % 3]
+        w = _weight("Q4_1", n, 96, i % 3)
+        x = torch.randn(1 + i % 2, 96, generator=gen)
+        assert torch.equal(three.linear(x, w.data, "Q4_1"), one.linear(x, w.data, "Q4_1"))

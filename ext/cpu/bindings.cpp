@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "attention.h"
+#include "norm.h"
 #include "isa.h"
 #include "linear.h"
 #include "moe.h"
@@ -242,6 +243,14 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def_property_readonly("isa", &LinearPool::isa)
       .def_property_readonly("num_threads", &LinearPool::num_threads);
   bind_qlinear(m);
+  m.def(
+      "rms_norm_bf16",
+      [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, int64_t rows,
+         int64_t dim, float eps) {
+        tandem_cpu::rms_norm_bf16((const uint16_t*)x, (uint16_t*)residual,
+                                  (const uint16_t*)weight, (uint16_t*)out, rows, dim, eps);
+      },
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "paged_attention",
       [](uintptr_t q, uintptr_t out, int64_t num_tokens, uintptr_t k, uintptr_t v, bool kv_bf16,

@@ -63,6 +63,7 @@ CORE_UNITS = [
     ("qlinear_scalar.cpp", [], None),
     ("qlinear_bindings.cpp", [], None),
     ("attention.cpp", [], None),
+    ("norm.cpp", [], None),
     ("bindings.cpp", [], None),
 ]
 X86_UNITS = [
@@ -102,6 +103,7 @@ HEADERS = [
     "qlinear.h",
     "qlinear_int8.h",
     "attention.h",
+    "norm.h",
     "simd_avx512.h",
     "simd_q8.h",
 ]

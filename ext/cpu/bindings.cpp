@@ -5,6 +5,7 @@
 
 #include "attention.h"
 #include "norm.h"
+#include "rope.h"
 #include "isa.h"
 #include "linear.h"
 #include "moe.h"
@@ -243,6 +244,14 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def_property_readonly("isa", &LinearPool::isa)
       .def_property_readonly("num_threads", &LinearPool::num_threads);
   bind_qlinear(m);
+  m.def(
+      "rope_neox_bf16",
+      [](uintptr_t x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
+         int64_t head_stride, uintptr_t cos, uintptr_t sin) {
+        tandem_cpu::rope_neox_bf16((uint16_t*)x, tokens, heads, dim, token_stride, head_stride,
+                                   (const uint16_t*)cos, (const uint16_t*)sin);
+      },
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "rms_norm_bf16",
       [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, int64_t rows,

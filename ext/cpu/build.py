@@ -64,6 +64,7 @@ CORE_UNITS = [
     ("qlinear_bindings.cpp", [], None),
     ("attention.cpp", [], None),
     ("norm.cpp", [], None),
+    ("rope.cpp", [], None),
     ("bindings.cpp", [], None),
 ]
 X86_UNITS = [
@@ -104,6 +105,7 @@ HEADERS = [
     "qlinear_int8.h",
     "attention.h",
     "norm.h",
+    "rope.h",
     "simd_avx512.h",
     "simd_q8.h",
 ]
@@ -306,3 +308,15 @@ def load_extension() -> ModuleType:
     except ImportError as e:
         raise CpuExtensionError(f"cannot load {target}: {e}") from e
     return module
+
+
+@lru_cache(maxsize=1)
+def extension_available() -> bool:
+    """Whether `_tandem_cpu` builds and loads here (the small fused CPU ops fall back to torch
+    where it does not)."""
+    try:
+        load_extension()
+        return True
+    except Exception as exc:  # no compiler, a failed build: torch serves instead
+        log.warning("C++ CPU extension unavailable (%s: %s)", type(exc).__name__, exc)
+        return False

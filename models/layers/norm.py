@@ -12,13 +12,13 @@ sum written into the caller's temporary `delta`).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 from torch import nn
 
 from tandem.ext.cpu import norm as _cpu_norm
+from tandem.ext.cpu.build import extension_available
 from tandem.ext.cuda import norm as _cuda_norm  # registers torch.ops.tandem.rms_norm
 
 FUSED_CUDA_NORM = os.environ.get("TANDEM_CUDA_NORM", "1") != "0"
@@ -67,17 +67,5 @@ class RMSNorm(nn.Module):
             not x.is_cuda
             and not torch.compiler.is_compiling()
             and _cpu_norm.supported(x, self.weight)
-            and _cpu_norm_available()
+            and extension_available()
         )
-
-
-@functools.cache
-def _cpu_norm_available() -> bool:
-    """Whether ext/cpu builds here (else the torch expression serves)."""
-    try:
-        from tandem.ext.cpu.build import load_extension
-
-        load_extension()
-        return True
-    except Exception:
-        return False

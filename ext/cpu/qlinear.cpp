@@ -104,7 +104,7 @@ void QLinearPool::run(const QLinearArgs& a, const void* x, bool x_bf16) {
   k.prep(x, x_bf16, a.M, a.K, xbuf);
   const int blocks = (a.N + kBlockRows - 1) / kBlockRows;
   Call call{&k, &a, xbuf};
-  if (!helpers_ || blocks < 2) {
+  if (!helpers_ || blocks < 2 || (size_t)a.N * a.row_bytes < kHelpMinBytes) {
     for (int b = 0; b < blocks; ++b) run_block(&call, b);
     return;
   }

@@ -72,13 +72,11 @@ inline bool qtype_has_int8_path(int qtype) {
 
 class QLinearPool {
  public:
-  // How long a helper spins for the next call before it sleeps: a decode step's linears come
-  // tens of microseconds apart, its steps a millisecond or more.
-  static constexpr int kHelperSpinUs = 50;
-  // num_threads: threads computing a call, the caller included (>= 1); the others are
-  // HelperCrew helpers (unpinned), which join a call only when awake for it. int8: Q4_0 / Q4_1 /
-  // Q8_0 weights take the int8-activation kernel where the CPU has one (VNNI); the other
-  // types, and every type without it, keep the float-activation kernel of `isa`.
+  // Helpers sleep as soon as a call is done (spinning between a decode step's calls took a
+  // core from everything else on a shared machine), and are woken only for a call of at least
+  // kHelpMinBytes of weights: a smaller one is over before a woken helper would start.
+  static constexpr int kHelperSpinUs = 0;
+  static constexpr size_t kHelpMinBytes = 1 << 20;
   QLinearPool(int num_threads, const std::string& isa, bool int8 = true);
   ~QLinearPool();
   void run(const QLinearArgs& a, const void* x, bool x_bf16);  // synchronous, serialized

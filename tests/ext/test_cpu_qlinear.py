@@ -105,14 +105,14 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_helper_threads_compute_every_block_once_over_many_calls() -> None:
-    """Helpers join calls only when awake (ext/cpu/helpers.h); back-to-back calls of several
-    sizes must each see every row block computed exactly once."""
+    """Helpers join calls only when awake (ext/cpu/helpers.h) and only for weights of 1 MiB or
+    more; back-to-back calls of both kinds must each see every row block computed once."""
     one = CpuQuantLinearPool(num_threads=1)
     three = CpuQuantLinearPool(num_threads=3)
     assert three.num_threads == 3
     gen = torch.Generator().manual_seed(7)
-    for i in range(120):
-        n = (17, 64, 300)[i % 3]
-        w = _weight("Q4_1", n, 96, i % 3)
+    weights = [_weight("Q4_1", n, 96, n) for n in (17, 300, 18000)]  # the last: 1.08 MB
+    for i in range(60):
+        w = weights[i % 3]
         x = torch.randn(1 + i % 2, 96, generator=gen)
         assert torch.equal(three.linear(x, w.data, "Q4_1"), one.linear(x, w.data, "Q4_1"))

@@ -182,6 +182,7 @@ void rows(const QLinearArgs& a, const void* xp, int r0, int r1) {
   }
   for (int r = r0; r < r1; ++r) {
     int t0 = 0;
+    for (; t0 + 8 <= a.M; t0 += 8) tile<1, 8>(a, R, X, r, t0);  // a row decoded once per 8
     for (; t0 + 4 <= a.M; t0 += 4) tile<1, 4>(a, R, X, r, t0);
     const int rest = a.M - t0;
     if (rest == 3) tile<1, 3>(a, R, X, r, t0);

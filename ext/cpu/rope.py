@@ -12,9 +12,9 @@ from .build import load_extension
 MAX_HEAD_DIM = 1024
 
 
-def supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether `rope_neox_cpu_` takes x [T, H, D] with cos [T, 1, D] (bf16 CPU, unit stride
-    along D, an even D up to MAX_HEAD_DIM, contiguous cos)."""
+def supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `rope_neox_cpu_` takes x [T, H, D] with cos, sin [T, 1, D] (bf16 CPU, unit
+    stride along D, an even D up to MAX_HEAD_DIM, contiguous cos and sin)."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.bfloat16
@@ -26,13 +26,17 @@ def supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
         and cos.device.type == "cpu"
         and cos.shape == (x.shape[0], 1, x.shape[-1])
         and cos.is_contiguous()
+        and sin.dtype == torch.bfloat16
+        and sin.device.type == "cpu"
+        and sin.shape == cos.shape
+        and sin.is_contiguous()
     )
 
 
 def rope_neox_cpu_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates x `[T, H, D]` (bf16, a view with unit stride along D is fine) in place by
     cos/sin `[T, 1, D]` bf16; returns x."""
-    if not supported(x, cos) or not supported(x, sin):
+    if not supported(x, cos, sin):
         raise ValueError("rope_neox_cpu_: x must be [T, H, D] bf16 (D even, unit stride), "
                          "cos/sin contiguous [T, 1, D] bf16, all on the CPU")  # fmt: skip
     T, H, D = x.shape

@@ -161,7 +161,7 @@ class RotaryEmbedding:
         full head rotated: the same bits in one call); the caller must not reuse x."""
         if (
             cos.shape[-1] == x.shape[-1]
-            and _cpu_rope.supported(x, cos)
+            and _cpu_rope.supported(x, cos, sin)
             and not torch.compiler.is_compiling()
             and extension_available()
         ):

@@ -34,3 +34,5 @@ def test_bad_arguments_are_refused() -> None:
         rope_neox_cpu_(x, torch.ones(2, 1, 6).bfloat16(), cos)
     with pytest.raises(ValueError, match="rope"):
         rope_neox_cpu_(x[..., :7], cos[..., :7], cos[..., :7])
+    with pytest.raises(ValueError, match="rope"):
+        rope_neox_cpu_(x, cos, torch.ones(2, 1, 8))  # sin in another dtype

@@ -81,7 +81,10 @@ UNIT_NEEDS = {
 }
 # Dense-linear kernels of an ISA: built with its flags, only when its expert unit was built.
 LINEAR_UNITS = {
-    "TANDEM_HAVE_AVX2": [("linear_avx2.cpp", AVX2_FLAGS)],
+    "TANDEM_HAVE_AVX2": [
+        ("linear_avx2.cpp", AVX2_FLAGS),
+        ("qlinear_avx2_int8.cpp", AVX2_FLAGS),
+    ],
     "TANDEM_HAVE_AVX512": [
         ("linear_avx512.cpp", AVX512_FLAGS),
         ("qlinear_avx512.cpp", AVX512_FLAGS),

@@ -41,10 +41,13 @@ QLinearKernels select_qlinear(const std::string& want) {
   return qlinear_kernels_scalar();
 }
 
-QLinearKernels select_int8(const QLinearKernels& floats) {
-  const std::string name = floats.name;
+QLinearKernels select_int8(const std::string& want) {
+  const std::string name = select_kernels(want).name;
 #ifdef TANDEM_HAVE_VNNI
-  if ((name == "avx512") && cpu_caps().vnni) return qlinear_kernels_vnni();
+  if ((name == "avx512" || name == "amx") && cpu_caps().vnni) return qlinear_kernels_vnni();
+#endif
+#ifdef TANDEM_HAVE_AVX2
+  if (name != "scalar" && cpu_caps().avx2) return qlinear_kernels_avx2_int8();
 #endif
   return {nullptr, nullptr, nullptr, nullptr};
 }
@@ -53,7 +56,7 @@ QLinearKernels select_int8(const QLinearKernels& floats) {
 
 QLinearPool::QLinearPool(int num_threads, const std::string& isa, bool int8)
     : kernels_(select_qlinear(isa)) {
-  if (int8) ints_ = select_int8(kernels_);
+  if (int8) ints_ = select_int8(isa);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   if (num_threads > 1) helpers_ = std::make_unique<HelperCrew>(num_threads - 1, kHelperSpinUs);
 }

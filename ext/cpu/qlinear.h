@@ -64,6 +64,9 @@ QLinearKernels qlinear_kernels_avx512();
 #ifdef TANDEM_HAVE_VNNI
 QLinearKernels qlinear_kernels_vnni();  // Q4_0 / Q4_1 / Q8_0 only (qlinear_int8.h)
 #endif
+#ifdef TANDEM_HAVE_AVX2
+QLinearKernels qlinear_kernels_avx2_int8();  // the same, without AVX-512
+#endif
 
 // Whether `qtype` has an int8-activation kernel (Q4_0, Q4_1, Q8_0).
 inline bool qtype_has_int8_path(int qtype) {

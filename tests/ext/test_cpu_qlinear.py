@@ -15,7 +15,7 @@ from tests.models.quant_cases import pack
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-ISAS = [i for i in ("scalar", "avx512") if i in supported_isas()]
+ISAS = [i for i in ("scalar", "avx2", "avx512") if i in supported_isas()]
 # (isa, int8 activations): the float kernels, and the int8 one where this CPU has it
 POOLS = [(i, False) for i in ISAS] + [
     (i, True) for i in ISAS if CpuQuantLinearPool(1, isa=i, int8=True).int8_isa
@@ -26,7 +26,7 @@ def _activations(pool: CpuQuantLinearPool, qtype: str, x: torch.Tensor) -> torch
     """x as the kernel multiplies it: int8 per 32 values, bf16, or as given (portable)."""
     if pool.int8_isa and qtype in INT8_TYPES:
         return quantize_activations(x)
-    return x.bfloat16().float() if pool.isa == "avx512" else x
+    return x.bfloat16().float() if pool.isa == "avx512" else x  # avx2: the portable kernel
 
 
 def _weight(qtype: str, n: int, k: int, seed: int) -> QuantizedTensor:

@@ -116,3 +116,11 @@ def test_helper_threads_compute_every_block_once_over_many_calls() -> None:
         w = weights[i % 3]
         x = torch.randn(1 + i % 2, 96, generator=gen)
         assert torch.equal(three.linear(x, w.data, "Q4_1"), one.linear(x, w.data, "Q4_1"))
+
+
+def test_int_path_off_keeps_float_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CPU_INT_PATH", "off")
+    assert CpuQuantLinearPool(num_threads=1).int8_isa == ""
+    monkeypatch.setenv("TANDEM_CPU_INT_PATH", "auto")
+    has_int8 = any(i in supported_isas() for i in ("avx2", "avx512"))
+    assert bool(CpuQuantLinearPool(num_threads=1).int8_isa) == has_int8

@@ -25,15 +25,21 @@ void prep(const void* x, bool x_bf16, int M, int K, void* dst) {
     std::memset(base, 0, (size_t)groups * kQ8GroupBytes);
     for (int b = 0; b < blocks; ++b) {
       float v[32], amax = 0.f;
+      bool finite = true;
       for (int i = 0; i < 32; ++i) {
         const size_t at = (size_t)t * K + b * 32 + i;
         v[i] = x_bf16 ? bf16_to_f32(((const uint16_t*)x)[at]) : ((const float*)x)[at];
         amax = std::fmax(amax, std::fabs(v[i]));
+        finite = finite && std::isfinite(v[i]);
+      }
+      uint8_t* g = base + (size_t)(b / 4) * kQ8GroupBytes;
+      const int j = b % 4;
+      if (!finite) {  // NaN scale: the outputs it reaches are NaN, as with float activations
+        for (int l = 0; l < 4; ++l) ((float*)(g + 128))[4 * j + l] = ((float*)(g + 192))[4 * j + l] = NAN;
+        continue;
       }
       const float scale = amax / 127.f;
       if (!(scale > 0.f)) continue;
-      uint8_t* g = base + (size_t)(b / 4) * kQ8GroupBytes;
-      const int j = b % 4;
       int sum = 0;
       for (int i = 0; i < 32; ++i) {
         const int q = (int)std::nearbyint(v[i] / scale);  // default rounding: half to even

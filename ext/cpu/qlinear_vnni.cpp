@@ -5,6 +5,7 @@
 // Compiled with the VNNI flags; used only when CPUID says so.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "qlinear.h"
@@ -14,9 +15,14 @@
 namespace tandem_cpu {
 namespace {
 
-// One group = 4 blocks = 128 activations. Per token and group (qlinear_int8.h's layout):
-// 128 int8 (the 4 blocks' first 16 values, then their last 16), 16 floats dx (block j's
-// scale in lanes 4j..4j+3) and 16 floats dx * sum(q) / 4 (the same lanes).
+// A non-finite activation makes its block's scale NaN, so the outputs it reaches are NaN (as
+// with float activations) rather than a silently wrong number.
+inline bool all_finite(const float* v) {
+  const __m512 z = _mm512_setzero_ps();  // x * 0 is NaN exactly for NaN and inf
+  const __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v), z),
+                                 _mm512_mul_ps(_mm512_loadu_ps(v + 16), z));
+  return _mm512_reduce_add_ps(t) == 0.f;
+}
 
 size_t prep_bytes(int K, int M) { return (size_t)M * q8_group_count(K) * kQ8GroupBytes + 64; }
 
@@ -43,11 +49,15 @@ void prep(const void* x, bool x_bf16, int M, int K, void* dst) {
       int8_t q[32];
       float scale;
       int32_t sum;
+      float* dx = (float*)(g + 128);
+      float* dxs = dx + 16;
+      if (!all_finite(src)) {
+        for (int l = 0; l < 4; ++l) dx[4 * j + l] = dxs[4 * j + l] = NAN;
+        continue;
+      }
       if (!q8_block32(src, 32, q, &scale, &sum)) continue;  // all zero: the memset's zeros
       std::memcpy(g + j * 16, q, 16);
       std::memcpy(g + 64 + j * 16, q + 16, 16);
-      float* dx = (float*)(g + 128);
-      float* dxs = dx + 16;
       for (int l = 0; l < 4; ++l) dx[4 * j + l] = scale, dxs[4 * j + l] = scale * (float)sum * 0.25f;
     }
   }

@@ -124,3 +124,18 @@ def test_int_path_off_keeps_float_activations(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("TANDEM_CPU_INT_PATH", "auto")
     has_int8 = any(i in supported_isas() for i in ("avx2", "avx512"))
     assert bool(CpuQuantLinearPool(num_threads=1).int8_isa) == has_int8
+
+
+@pytest.mark.parametrize("pool_kind", POOLS, ids=lambda p: f"{p[0]}{'-int8' if p[1] else ''}")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_activations_reach_the_output(pool_kind: tuple[str, bool], bad: float) -> None:
+    """A NaN or inf activation must not vanish in quantization: its row's outputs are not
+    finite (so the sampler sees a failed row), the other rows are untouched."""
+    w = _weight("Q4_1", 20, 96, 1)
+    pool = CpuQuantLinearPool(num_threads=1, isa=pool_kind[0], int8=pool_kind[1])
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2))
+    clean = pool.linear(x, w.data, "Q4_1")
+    x[1, 40] = bad
+    got = pool.linear(x, w.data, "Q4_1")
+    assert not torch.isfinite(got[1]).any()
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[2], clean[2])

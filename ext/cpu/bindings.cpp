@@ -254,9 +254,9 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "rms_norm_bf16",
-      [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, int64_t rows,
-         int64_t dim, float eps) {
-        tandem_cpu::rms_norm_bf16((const uint16_t*)x, (uint16_t*)residual,
+      [](uintptr_t x, uintptr_t delta, uintptr_t sum, uintptr_t weight, uintptr_t out,
+         int64_t rows, int64_t dim, float eps) {
+        tandem_cpu::rms_norm_bf16((const uint16_t*)x, (const uint16_t*)delta, (uint16_t*)sum,
                                   (const uint16_t*)weight, (uint16_t*)out, rows, dim, eps);
       },
       py::call_guard<py::gil_scoped_release>());

@@ -19,13 +19,13 @@ inline float bf16_f32(uint16_t b) {
 constexpr int kLanes = 16;  // partial sums of the squares: a fixed order, vectorizable
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void norm_row(
-    const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out, int64_t dim,
-    float eps, float* row) {
+    const uint16_t* x, const uint16_t* delta, uint16_t* sum, const uint16_t* weight,
+    uint16_t* out, int64_t dim, float eps, float* row) {
   for (int64_t d = 0; d < dim; ++d) {
     float v = bf16_f32(x[d]);
-    if (residual) {
-      residual[d] = f32_to_bf16(v + bf16_f32(residual[d]));
-      v = bf16_f32(residual[d]);
+    if (delta) {
+      sum[d] = f32_to_bf16(v + bf16_f32(delta[d]));
+      v = bf16_f32(sum[d]);
     }
     row[d] = v;
   }
@@ -43,12 +43,12 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void norm_row(
 
 }  // namespace
 
-void rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
-                   int64_t rows, int64_t dim, float eps) {
+void rms_norm_bf16(const uint16_t* x, const uint16_t* delta, uint16_t* sum,
+                   const uint16_t* weight, uint16_t* out, int64_t rows, int64_t dim, float eps) {
   std::vector<float> row(dim);
   for (int64_t t = 0; t < rows; ++t)
-    norm_row(x + t * dim, residual ? residual + t * dim : nullptr, weight, out + t * dim, dim, eps,
-             row.data());
+    norm_row(x + t * dim, delta ? delta + t * dim : nullptr, delta ? sum + t * dim : nullptr,
+             weight, out + t * dim, dim, eps, row.data());
 }
 
 }  // namespace tandem_cpu

@@ -7,9 +7,9 @@
 
 namespace tandem_cpu {
 
-// rows x [T][D] bf16. residual (or null): [T][D] bf16, replaced by x + residual (rounded to
-// bf16) and that sum normalized. out: [T][D] bf16 (may not alias x or residual).
-void rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
-                   int64_t rows, int64_t dim, float eps);
+// rows x [T][D] bf16. delta (or null): [T][D] bf16; then sum [T][D] receives x + delta
+// (rounded to bf16) and that sum is normalized. out: [T][D] bf16. No output may alias an input.
+void rms_norm_bf16(const uint16_t* x, const uint16_t* delta, uint16_t* sum,
+                   const uint16_t* weight, uint16_t* out, int64_t rows, int64_t dim, float eps);
 
 }  // namespace tandem_cpu

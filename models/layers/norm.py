@@ -6,8 +6,7 @@ expression, which at decode batch sizes are launch-bound: four norms a layer (wi
 cost a Qwen3-MoE decode step about 3 ms of GPU time on an H100 at batch 1. Under torch.compile
 the torch expression stays, so Inductor can fuse it with its neighbours. `add_norm` folds the
 residual add before a norm into the same kernel. TANDEM_CUDA_NORM=0
-turns the kernel off. bf16 on the CPU takes ext/cpu's one-call norm, `add_norm` included (the
-sum written into the caller's temporary `delta`).
+turns the kernel off. bf16 on the CPU takes ext/cpu's one-call norm, `add_norm` included.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ class RMSNorm(nn.Module):
         if FUSED_CUDA_NORM and x.is_cuda and not torch.compiler.is_compiling():
             return torch.ops.tandem.rms_norm(x, self.weight, self.eps)
         if self._cpu_kernel(x):
-            return _cpu_norm.rms_norm_cpu(x, self.weight, self.eps)
+            return _cpu_norm.rms_norm_cpu(x, self.weight, self.eps)[1]
         return _cuda_norm.rms_norm_ref(x, self.weight, self.eps)
 
     def add_norm(
@@ -55,10 +54,10 @@ class RMSNorm(nn.Module):
             self._cpu_kernel(x)
             and delta.shape == x.shape
             and delta.dtype == x.dtype
-            and delta.is_contiguous()
+            and delta.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or delta.requires_grad))
-        ):  # delta (the caller's temporary) takes the sum
-            return delta, _cpu_norm.rms_norm_cpu(x, self.weight, self.eps, residual=delta)
+        ):
+            return _cpu_norm.rms_norm_cpu(x, self.weight, self.eps, delta=delta)
         s = x + delta
         return s, self(s)
 

@@ -51,7 +51,9 @@ def test_matches_dequantize_then_matmul(pool_kind: tuple[str, bool], qtype: str,
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
     got_bf16 = pool.linear(x.bfloat16(), w.data, qtype)
     assert got_bf16.dtype == torch.bfloat16
-    exact_bf16 = _activations(pool, qtype, x.bfloat16().float()).double() @ w.dequantize().double().T
+    exact_bf16 = (
+        _activations(pool, qtype, x.bfloat16().float()).double() @ w.dequantize().double().T
+    )
     torch.testing.assert_close(got_bf16.double(), exact_bf16, rtol=1e-2, atol=2e-2)
 
 

@@ -175,10 +175,9 @@ class CpuAttentionBackend:
             raise ValueError("the cpu attention backend has no sliding window nor sinks")
         k_cache = batch.kv_cache.k[layer_idx]
         v_cache = batch.kv_cache.v[layer_idx]
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         return self._attend(
             q, k_cache, v_cache, batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables,
-            scale, plan=batch.attn_metadata,
+            scale, plan=batch.attn_metadata, new_kv=(k, v, batch.slot_mapping),
         )  # fmt: skip
 
 

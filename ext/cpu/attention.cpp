@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "kernels.h"
+
 namespace tandem_cpu {
 namespace {
 
@@ -42,10 +44,9 @@ inline float dot(const float* __restrict x, const float* __restrict y, int n) {
 // The G query heads of KV head `kvh` at one row (position pos) against keys [0, pos]:
 // scores, max, exp and the weighted sum of V, each in key order.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void attend(
-    const AttentionArgs& a, int64_t row, int pos, int kvh, const int32_t* table, float* scores,
-    float* acc, float* kbuf) {
+    const AttentionArgs& a, const float* q, int pos, int kvh, const int32_t* table,
+    float* scores, float* acc, float* kbuf) {
   const int G = a.num_heads / a.num_kv_heads, D = a.head_dim, n = pos + 1;
-  const float* q = a.q + (row * a.num_heads + (int64_t)kvh * G) * D;
   for (int j = 0; j < n; ++j) {
     const float* k = kv_row(a, a.k, table, j, kvh, kbuf);
     for (int g = 0; g < G; ++g) scores[(int64_t)g * n + j] = dot(q + g * D, k, D) * a.scale;
@@ -70,9 +71,23 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void attend(
       for (int d = 0; d < D; ++d) o[d] += p * v[d];
     }
   }
-  float* out = a.out + (row * a.num_heads + (int64_t)kvh * G) * D;
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] / sums[g];
+    for (int d = 0; d < D; ++d) acc[g * D + d] /= sums[g];
+}
+
+inline uint16_t bf16_bits(float f) { return f32_to_bf16(f); }
+
+// The step's new K and V rows into their cache slots (bf16 or fp32, copied as they are).
+void write_new_kv(const AttentionArgs& a, int64_t num_tokens, int64_t num_blocks) {
+  const int64_t row = (int64_t)a.num_kv_heads * a.head_dim, slots = num_blocks * a.block_size;
+  const size_t el = a.kv_bf16 ? 2 : 4;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (a.slots[t] < 0 || a.slots[t] >= slots) throw std::invalid_argument("slot out of range");
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t at = a.slots[t] * row;
+    std::memcpy((char*)a.k + at * el, (const char*)a.k_new + t * a.k_row_stride * el, row * el);
+    std::memcpy((char*)a.v + at * el, (const char*)a.v_new + t * a.v_row_stride * el, row * el);
+  }
 }
 
 }  // namespace
@@ -95,14 +110,30 @@ void paged_attention_cpu(const AttentionArgs& a, int64_t num_tokens, int64_t num
     }
     longest = sl > longest ? sl : longest;
   }
-  std::vector<float> scores((size_t)G * longest), acc((size_t)G * (a.head_dim + 1)),
-      kbuf(a.head_dim);
+  if (a.k_new) write_new_kv(a, num_tokens, num_blocks);
+  const int D = a.head_dim;
+  const int64_t q_stride = a.q_row_stride ? a.q_row_stride : (int64_t)a.num_heads * D;
+  std::vector<float> scores((size_t)G * longest), acc((size_t)G * (D + 1)), kbuf(D),
+      qbuf((size_t)G * D);
   for (int i = 0; i < a.num_seqs; ++i) {
     const int32_t* table = a.block_tables + (int64_t)i * a.max_blocks;
     const int64_t s0 = a.q_starts[i], ql = a.q_lens[i], sl = a.seq_lens[i];
     for (int64_t r = 0; r < ql; ++r)
-      for (int h = 0; h < a.num_kv_heads; ++h)
-        attend(a, s0 + r, (int)(sl - ql + r), h, table, scores.data(), acc.data(), kbuf.data());
+      for (int h = 0; h < a.num_kv_heads; ++h) {
+        const int64_t first = (s0 + r) * q_stride + (int64_t)h * G * D;  // this group's q
+        const float* q = (const float*)a.q + first;
+        if (a.q_bf16) {
+          const uint16_t* qb = (const uint16_t*)a.q + first;
+          for (int d = 0; d < G * D; ++d) qbuf[d] = bf16_value(qb[d]);
+          q = qbuf.data();
+        }
+        attend(a, q, (int)(sl - ql + r), h, table, scores.data(), acc.data(), kbuf.data());
+        const int64_t o = ((s0 + r) * a.num_heads + (int64_t)h * G) * D;
+        if (a.out_bf16)
+          for (int d = 0; d < G * D; ++d) ((uint16_t*)a.out)[o + d] = bf16_bits(acc[d]);
+        else
+          std::memcpy((float*)a.out + o, acc.data(), sizeof(float) * G * D);
+      }
   }
 }
 

@@ -9,8 +9,17 @@
 namespace tandem_cpu {
 
 struct AttentionArgs {
-  const float* q = nullptr;  // [T][H][D] fp32
-  float* out = nullptr;      // [T][H][D] fp32
+  const void* q = nullptr;   // [T][H][D] fp32 or bf16, rows q_row_stride elements apart
+  bool q_bf16 = false;
+  int64_t q_row_stride = 0;  // 0: H * D (contiguous)
+  void* out = nullptr;       // [T][H][D] fp32 or bf16, contiguous
+  bool out_bf16 = false;
+  // This step's keys and values [T][KVH][D] in the caches' dtype (rows *_row_stride elements
+  // apart), written at slots[T] before any row attends; null: already in the caches.
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  int64_t k_row_stride = 0, v_row_stride = 0;
+  const int64_t* slots = nullptr;
   const void* k = nullptr;   // [num_blocks][block_size][KVH][D], bf16 or fp32
   const void* v = nullptr;
   bool kv_bf16 = true;
@@ -24,7 +33,8 @@ struct AttentionArgs {
   float scale = 1.f;
 };
 
-// Throws std::invalid_argument on inconsistent sizes (a row past T, a KV length past the table).
+// Throws std::invalid_argument on inconsistent sizes (a row past T, a KV length past the table,
+// a slot past the cache).
 void paged_attention_cpu(const AttentionArgs& a, int64_t num_tokens, int64_t num_blocks);
 
 }  // namespace tandem_cpu

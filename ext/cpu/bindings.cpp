@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 
 #include "attention.h"
+#include "norm.h"
+#include "rope.h"
 #include "isa.h"
 #include "linear.h"
 #include "moe.h"
@@ -243,14 +245,40 @@ PYBIND11_MODULE(_tandem_cpu, m) {
       .def_property_readonly("num_threads", &LinearPool::num_threads);
   bind_qlinear(m);
   m.def(
+      "rope_neox_bf16",
+      [](uintptr_t x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
+         int64_t head_stride, uintptr_t cos, uintptr_t sin) {
+        tandem_cpu::rope_neox_bf16((uint16_t*)x, tokens, heads, dim, token_stride, head_stride,
+                                   (const uint16_t*)cos, (const uint16_t*)sin);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "rms_norm_bf16",
+      [](uintptr_t x, uintptr_t delta, uintptr_t sum, uintptr_t weight, uintptr_t out,
+         int64_t rows, int64_t dim, float eps) {
+        tandem_cpu::rms_norm_bf16((const uint16_t*)x, (const uint16_t*)delta, (uint16_t*)sum,
+                                  (const uint16_t*)weight, (uint16_t*)out, rows, dim, eps);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
       "paged_attention",
       [](uintptr_t q, uintptr_t out, int64_t num_tokens, uintptr_t k, uintptr_t v, bool kv_bf16,
          int64_t num_blocks, int block_size, int num_heads, int num_kv_heads, int head_dim,
          int num_seqs, uintptr_t q_starts, uintptr_t q_lens, uintptr_t seq_lens,
-         uintptr_t block_tables, int max_blocks, float scale) {
+         uintptr_t block_tables, int max_blocks, float scale, bool q_bf16, int64_t q_row_stride,
+         bool out_bf16, uintptr_t k_new, uintptr_t v_new, int64_t k_row_stride,
+         int64_t v_row_stride, uintptr_t slots) {
         tandem_cpu::AttentionArgs a;
-        a.q = (const float*)q;
-        a.out = (float*)out;
+        a.q = (const void*)q;
+        a.q_bf16 = q_bf16;
+        a.q_row_stride = q_row_stride;
+        a.out = (void*)out;
+        a.out_bf16 = out_bf16;
+        a.k_new = (const void*)k_new;
+        a.v_new = (const void*)v_new;
+        a.k_row_stride = k_row_stride;
+        a.v_row_stride = v_row_stride;
+        a.slots = (const int64_t*)slots;
         a.k = (const void*)k;
         a.v = (const void*)v;
         a.kv_bf16 = kv_bf16;

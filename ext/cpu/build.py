@@ -50,6 +50,7 @@ VNNI_FLAGS = AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnn
 CORE_UNITS = [
     ("isa.cpp", [], None),
     ("workers.cpp", [], None),
+    ("helpers.cpp", [], None),
     ("moe.cpp", [], None),
     ("moe_convert.cpp", [], None),
     ("moe_file.cpp", [], None),
@@ -62,6 +63,8 @@ CORE_UNITS = [
     ("qlinear_scalar.cpp", [], None),
     ("qlinear_bindings.cpp", [], None),
     ("attention.cpp", [], None),
+    ("norm.cpp", [], None),
+    ("rope.cpp", [], None),
     ("bindings.cpp", [], None),
 ]
 X86_UNITS = [
@@ -78,11 +81,15 @@ UNIT_NEEDS = {
 }
 # Dense-linear kernels of an ISA: built with its flags, only when its expert unit was built.
 LINEAR_UNITS = {
-    "TANDEM_HAVE_AVX2": [("linear_avx2.cpp", AVX2_FLAGS)],
+    "TANDEM_HAVE_AVX2": [
+        ("linear_avx2.cpp", AVX2_FLAGS),
+        ("qlinear_avx2_int8.cpp", AVX2_FLAGS),
+    ],
     "TANDEM_HAVE_AVX512": [
         ("linear_avx512.cpp", AVX512_FLAGS),
         ("qlinear_avx512.cpp", AVX512_FLAGS),
     ],
+    "TANDEM_HAVE_VNNI": [("qlinear_vnni.cpp", VNNI_FLAGS)],
     "TANDEM_HAVE_AMX": [("linear_amx.cpp", AMX_FLAGS)],
 }
 HEADERS = [
@@ -91,13 +98,17 @@ HEADERS = [
     "kernels.h",
     "isa.h",
     "workers.h",
+    "helpers.h",
     "moe.h",
     "moe_act.h",
     "moe_internal.h",
     "stream.h",
     "linear.h",
     "qlinear.h",
+    "qlinear_int8.h",
     "attention.h",
+    "norm.h",
+    "rope.h",
     "simd_avx512.h",
     "simd_q8.h",
 ]
@@ -300,3 +311,15 @@ def load_extension() -> ModuleType:
     except ImportError as e:
         raise CpuExtensionError(f"cannot load {target}: {e}") from e
     return module
+
+
+@lru_cache(maxsize=1)
+def extension_available() -> bool:
+    """Whether `_tandem_cpu` builds and loads here (the small fused CPU ops fall back to torch
+    where it does not)."""
+    try:
+        load_extension()
+        return True
+    except Exception as exc:  # no compiler, a failed build: torch serves instead
+        log.warning("C++ CPU extension unavailable (%s: %s)", type(exc).__name__, exc)
+        return False

@@ -42,6 +42,11 @@ def _int_min_tokens_from_env() -> int | None:
     return value
 
 
+def int_path_enabled() -> bool:
+    """Whether the integer path may be used at all ($TANDEM_CPU_INT_PATH not "off")."""
+    return _int_min_tokens_from_env() != 0
+
+
 PACK_ROWS_ENV = "TANDEM_CPU_PACK_ROWS"
 # Tokens of one expert from which AMX int8 tiles replace VNNI (ext/cpu/kernels.h:
 # kAmxTileMinTokens); read by the extension when its first pool starts, checked here.

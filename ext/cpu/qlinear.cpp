@@ -41,26 +41,45 @@ QLinearKernels select_qlinear(const std::string& want) {
   return qlinear_kernels_scalar();
 }
 
+QLinearKernels select_int8(const std::string& want) {
+  const std::string name = select_kernels(want).name;
+#ifdef TANDEM_HAVE_VNNI
+  if ((name == "avx512" || name == "amx") && cpu_caps().vnni) return qlinear_kernels_vnni();
+#endif
+#ifdef TANDEM_HAVE_AVX2
+  if (name != "scalar" && cpu_caps().avx2) return qlinear_kernels_avx2_int8();
+#endif
+  return {nullptr, nullptr, nullptr, nullptr};
+}
+
 }  // namespace
 
-QLinearPool::QLinearPool(int num_threads, const std::string& isa)
+QLinearPool::QLinearPool(int num_threads, const std::string& isa, bool int8)
     : kernels_(select_qlinear(isa)) {
+  if (int8) ints_ = select_int8(isa);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
-  if (num_threads > 1) workers_ = std::make_unique<Workers>(num_threads - 1);
+  if (num_threads > 1) helpers_ = std::make_unique<HelperCrew>(num_threads - 1, kHelperSpinUs);
 }
 
-QLinearPool::~QLinearPool() {
-  if (workers_) workers_->wait();
+QLinearPool::~QLinearPool() = default;
+
+namespace {
+
+struct Call {
+  const QLinearKernels* k;
+  const QLinearArgs* a;
+  const void* xp;
+};
+
+constexpr int kBlockRows = 16;
+
+void run_block(void* ctx, int b) {
+  const Call& c = *(const Call*)ctx;
+  const int r0 = b * kBlockRows;
+  c.k->rows(*c.a, c.xp, r0, std::min(c.a->N, r0 + kBlockRows));
 }
 
-void QLinearPool::work(const QLinearArgs& a, const void* xp, int blocks, int block_rows) {
-  for (;;) {
-    const int b = next_.fetch_add(1, std::memory_order_relaxed);
-    if (b >= blocks) return;
-    const int r0 = b * block_rows;
-    kernels_.rows(a, xp, r0, std::min(a.N, r0 + block_rows));
-  }
-}
+}  // namespace
 
 void QLinearPool::run(const QLinearArgs& a, const void* x, bool x_bf16) {
   const int be = qtype_block_elems(a.qtype);
@@ -79,21 +98,20 @@ void QLinearPool::run(const QLinearArgs& a, const void* x, bool x_bf16) {
                               a.scale_cols != (a.K + a.block_cols - 1) / a.block_cols))
       throw std::invalid_argument("fp8: bad scale block");
   }
+  const QLinearKernels& k = ints_.name && qtype_has_int8_path(a.qtype) ? ints_ : kernels_;
   std::lock_guard<std::mutex> lk(mu_);
-  const size_t need = kernels_.prep_bytes(a.K, a.M);
+  const size_t need = k.prep_bytes(a.K, a.M) + 64;
   if (xprep_.size() < need) xprep_.resize(need);
-  kernels_.prep(x, x_bf16, a.M, a.K, xprep_.data());
-  const int block_rows = 16;
-  const int blocks = (a.N + block_rows - 1) / block_rows;
-  const void* xp = xprep_.data();
-  next_.store(0, std::memory_order_relaxed);
-  if (!workers_ || blocks < 2) {
-    work(a, xp, blocks, block_rows);
+  // 64-byte aligned: the int8 kernels load the activations with aligned loads.
+  uint8_t* xbuf = xprep_.data() + ((64 - ((uintptr_t)xprep_.data() & 63)) & 63);
+  k.prep(x, x_bf16, a.M, a.K, xbuf);
+  const int blocks = (a.N + kBlockRows - 1) / kBlockRows;
+  Call call{&k, &a, xbuf};
+  if (!helpers_ || blocks < 2 || (size_t)a.N * a.row_bytes < kHelpMinBytes) {
+    for (int b = 0; b < blocks; ++b) run_block(&call, b);
     return;
   }
-  workers_->start([this, &a, xp, blocks](int) { work(a, xp, blocks, block_rows); });
-  work(a, xp, blocks, block_rows);
-  workers_->wait();
+  helpers_->run(blocks, run_block, &call);
 }
 
 }  // namespace tandem_cpu

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "helpers.h"
 #include "kernels.h"
-#include "workers.h"
 
 namespace tandem_cpu {
 
@@ -61,24 +61,38 @@ QLinearKernels qlinear_kernels_scalar();
 #ifdef TANDEM_HAVE_AVX512
 QLinearKernels qlinear_kernels_avx512();
 #endif
+#ifdef TANDEM_HAVE_VNNI
+QLinearKernels qlinear_kernels_vnni();  // Q4_0 / Q4_1 / Q8_0 only (qlinear_int8.h)
+#endif
+#ifdef TANDEM_HAVE_AVX2
+QLinearKernels qlinear_kernels_avx2_int8();  // the same, without AVX-512
+#endif
+
+// Whether `qtype` has an int8-activation kernel (Q4_0, Q4_1, Q8_0).
+inline bool qtype_has_int8_path(int qtype) {
+  return qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q8_0;
+}
 
 class QLinearPool {
  public:
-  // num_threads: threads computing a call, the caller included (>= 1).
-  QLinearPool(int num_threads, const std::string& isa);
+  // Helpers sleep as soon as a call is done (spinning between a decode step's calls took a
+  // core from everything else on a shared machine), and are woken only for a call of at least
+  // kHelpMinBytes of weights: a smaller one is over before a woken helper would start.
+  static constexpr int kHelperSpinUs = 0;
+  static constexpr size_t kHelpMinBytes = 1 << 20;
+  QLinearPool(int num_threads, const std::string& isa, bool int8 = true);
   ~QLinearPool();
   void run(const QLinearArgs& a, const void* x, bool x_bf16);  // synchronous, serialized
   std::string isa() const { return kernels_.name; }
-  int num_threads() const { return workers_ ? workers_->size() + 1 : 1; }
+  std::string int8_isa() const { return ints_.name ? ints_.name : ""; }  // "" when none
+  int num_threads() const { return helpers_ ? helpers_->size() + 1 : 1; }
 
  private:
-  void work(const QLinearArgs& a, const void* xp, int blocks, int block_rows);
-
   QLinearKernels kernels_;
-  std::unique_ptr<Workers> workers_;
+  QLinearKernels ints_{nullptr, nullptr, nullptr, nullptr};
+  std::unique_ptr<HelperCrew> helpers_;
   std::mutex mu_;
   std::vector<uint8_t> xprep_;
-  std::atomic<int> next_{0};
 };
 
 }  // namespace tandem_cpu

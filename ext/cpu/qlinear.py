@@ -6,10 +6,12 @@ released. Validates every tensor before its address reaches C++. Knows nothing a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .build import load_extension
-from .pool_env import isa_from_env
+from .pool_env import int_path_enabled, isa_from_env
 from .tensor_checks import output_buffer
 
 # ggml type name -> (id, elements per block, bytes per block)
@@ -23,18 +25,86 @@ QTYPES: dict[str, tuple[int, int, int]] = {
 }
 
 
-class CpuQuantLinearPool:
-    """Runs `linear` on the calling thread plus num_threads - 1 pinned workers."""
+@dataclass(frozen=True)
+class PackedRows:
+    """A GGUF-packed weight [rows, cols] that `CpuQuantLinearPool.packed` has checked."""
 
-    def __init__(self, num_threads: int = 1, isa: str | None = None) -> None:
+    data: torch.Tensor  # [rows, cols / block * type_size] uint8, CPU, contiguous
+    type_id: int
+    rows: int
+    cols: int
+
+
+class CpuQuantLinearPool:
+    """Runs `linear` on the calling thread plus num_threads - 1 helper threads, which take a
+    share of a call only when awake for it (ext/cpu/helpers.h).
+
+    int8: Q4_0 / Q4_1 / Q8_0 weights take the int8-activation kernel (activations quantized
+    per 32 values, integer dot products; `int8_isa` names it, "" where the CPU has none).
+    None: on unless $TANDEM_CPU_INT_PATH is off. The other types keep float activations."""
+
+    def __init__(
+        self, num_threads: int = 1, isa: str | None = None, int8: bool | None = None
+    ) -> None:
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         isa = isa_from_env(isa)
-        self._pool = load_extension().QLinearPool(num_threads, isa or "")
+        if int8 is None:
+            int8 = int_path_enabled()
+        self._pool = load_extension().QLinearPool(num_threads, isa or "", int8)
 
     @property
     def isa(self) -> str:
         return self._pool.isa
+
+    @property
+    def num_threads(self) -> int:
+        return self._pool.num_threads
+
+    @property
+    def int8_isa(self) -> str:
+        return self._pool.int8_isa
+
+    def packed(self, data: torch.Tensor, qtype: str, cols: int) -> PackedRows:
+        """data [N, cols / block * type_size] uint8 checked once for `run_packed`."""
+        if qtype not in QTYPES:
+            raise ValueError(f"qtype must be one of {tuple(QTYPES)}, got {qtype!r}")
+        type_id, block, size = QTYPES[qtype]
+        if cols <= 0 or cols % block:
+            raise ValueError(f"K must be a positive multiple of {block}, got {cols}")
+        if (
+            not isinstance(data, torch.Tensor)
+            or data.dtype != torch.uint8
+            or data.device.type != "cpu"
+            or data.dim() != 2
+            or not data.is_contiguous()
+            or data.shape[1] != cols // block * size
+        ):
+            raise ValueError(
+                f"data must be a contiguous [N, {cols // block * size}] uint8 CPU tensor"
+            )
+        return PackedRows(data, type_id, data.shape[0], cols)
+
+    def run_packed(
+        self,
+        x: torch.Tensor,  # [M, K] float32 or bfloat16, CPU
+        w: PackedRows,
+        out: torch.Tensor | None = None,  # [M, N] float32 or bfloat16; default x's dtype
+    ) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:
+            raise ValueError("x must be a 2-D CPU tensor")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+        M, K = x.shape
+        if M == 0 or K != w.cols:
+            raise ValueError(f"x must be [M >= 1, {w.cols}], got {tuple(x.shape)}")
+        x = x.contiguous()
+        out = output_buffer(out, M, w.rows, x.dtype)
+        self._pool.run(
+            w.type_id, w.data.data_ptr(), w.data.shape[1], w.rows, K, x.data_ptr(),
+            x.dtype == torch.bfloat16, M, out.data_ptr(), out.dtype == torch.bfloat16,
+        )  # fmt: skip
+        return out
 
     def linear(
         self,
@@ -45,33 +115,16 @@ class CpuQuantLinearPool:
     ) -> torch.Tensor:
         if qtype not in QTYPES:
             raise ValueError(f"qtype must be one of {tuple(QTYPES)}, got {qtype!r}")
-        type_id, block, size = QTYPES[qtype]
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:
             raise ValueError("x must be a 2-D CPU tensor")
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
-        M, K = x.shape
-        if M == 0 or K % block:
+        block = QTYPES[qtype][1]
+        if x.shape[0] == 0 or x.shape[1] % block:
             raise ValueError(
                 f"x must be [M >= 1, K] with K a multiple of {block}, got {tuple(x.shape)}"
             )
-        if (
-            not isinstance(data, torch.Tensor)
-            or data.dtype != torch.uint8
-            or data.device.type != "cpu"
-            or data.dim() != 2
-            or not data.is_contiguous()
-            or data.shape[1] != K // block * size
-        ):
-            raise ValueError(f"data must be a contiguous [N, {K // block * size}] uint8 CPU tensor")
-        N = data.shape[0]
-        x = x.contiguous()
-        out = output_buffer(out, M, N, x.dtype)
-        self._pool.run(
-            type_id, data.data_ptr(), data.shape[1], N, K, x.data_ptr(),
-            x.dtype == torch.bfloat16, M, out.data_ptr(), out.dtype == torch.bfloat16,
-        )  # fmt: skip
-        return out
+        return self.run_packed(x, self.packed(data, qtype, x.shape[1]), out)
 
     def _check_x(self, x: torch.Tensor, K: int) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:

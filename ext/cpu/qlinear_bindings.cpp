@@ -10,8 +10,8 @@ using tandem_cpu::QLinearPool;
 
 void bind_qlinear(py::module_& m) {
   py::class_<QLinearPool>(m, "QLinearPool")
-      .def(py::init<int, const std::string&>(), py::arg("num_threads"), py::arg("isa"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(py::init<int, const std::string&, bool>(), py::arg("num_threads"), py::arg("isa"),
+           py::arg("int8") = true, py::call_guard<py::gil_scoped_release>())
       .def(
           "run",
           [](QLinearPool& p, int qtype, uintptr_t w, size_t row_bytes, int N, int K, uintptr_t x,
@@ -52,5 +52,6 @@ void bind_qlinear(py::module_& m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("isa", &QLinearPool::isa)
+      .def_property_readonly("int8_isa", &QLinearPool::int8_isa)
       .def_property_readonly("num_threads", &QLinearPool::num_threads);
 }

@@ -85,8 +85,8 @@ class Attention(nn.Module):
         if not self.qk_norm_full and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)  # per head
             k = self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        q = RotaryEmbedding.apply_(q, cos, sin)  # q, k: this forward's own temporaries
+        k = RotaryEmbedding.apply_(k, cos, sin)
         if self.window is None and self.sinks is None:
             out = self.backend.forward(self.layer_idx, q, k, v, batch, self.scale)  # [T, H, D]
         else:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from tandem.ext.attention_ref import rotate_neox
+from tandem.ext.cpu import rope as _cpu_rope
+from tandem.ext.cpu.build import extension_available
 from tandem.models.config import UnsupportedModelError
 
 
@@ -152,6 +154,19 @@ class RotaryEmbedding:
                 (emb.sin() * self.attention_factor).to(dtype),
             )
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply`, rotating x in place where ext/cpu's op takes it (bf16 heads on the CPU, the
+        full head rotated: the same bits in one call); the caller must not reuse x."""
+        if (
+            cos.shape[-1] == x.shape[-1]
+            and _cpu_rope.supported(x, cos, sin)
+            and not torch.compiler.is_compiling()
+            and extension_available()
+        ):
+            return _cpu_rope.rope_neox_cpu_(x, cos, sin)
+        return RotaryEmbedding.apply(x, cos, sin)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.ext.cpu.qlinear import QTYPES, CpuQuantLinearPool
+from tandem.ext.cpu.qlinear import QTYPES, CpuQuantLinearPool, PackedRows
 from tandem.models.quant.fp8 import Fp8Tensor
 from tandem.models.quant.int4 import Int4Tensor
 from tandem.models.quant.linear import PackedWeight, QuantLinear, quant_modules
@@ -24,6 +24,7 @@ class CpuQuantKernel:
     def __init__(self, pool: CpuQuantLinearPool) -> None:
         self.pool = pool
         self.vector = pool.isa in ("avx512", "amx")
+        self._packed: dict[int, PackedRows] = {}  # id(segment data) -> its checked form
 
     def __call__(self, x: torch.Tensor, seg: PackedWeight) -> torch.Tensor:
         if x.dtype in (torch.bfloat16, torch.float32):
@@ -33,7 +34,10 @@ class CpuQuantKernel:
             if isinstance(seg, Fp8Tensor) and self.vector and _fp8_served(seg):
                 return self.pool.linear_fp8(x, seg.data, seg.scale, seg.block)
             if isinstance(seg, QuantizedTensor) and seg.qtype in QTYPES:
-                return self.pool.linear(x, seg.data, seg.qtype)
+                w = self._packed.get(id(seg.data))
+                if w is None or w.data is not seg.data:
+                    w = self._packed[id(seg.data)] = self.pool.packed(seg.data, seg.qtype, seg.cols)
+                return self.pool.run_packed(x, w)
         return torch.nn.functional.linear(x, seg.dequantize(x.dtype))
 
 

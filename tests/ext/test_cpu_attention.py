@@ -80,3 +80,34 @@ def test_a_plan_made_once_serves_every_layer_alike() -> None:
         assert torch.equal(own, shared)
     with pytest.raises(ValueError, match="sum"):
         paged_attention_cpu(q[:45], k, v, query_lens, seq_lens, tables, 0.125, plan=plan)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_new_kv_written_in_the_call_and_bf16_q_views_read_in_place(kv_dtype: torch.dtype) -> None:
+    """new_kv: the same caches and output as write_kv then the call; a bf16 q that is a view of
+    fused qkv rows gives the bits of its contiguous copy."""
+    from tandem.ext.attention_ref import write_kv
+
+    gen = torch.Generator().manual_seed(11)
+    H, KVH, D, T = 6, 2, 16, 9
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=gen).bfloat16()
+    q = qkv[:, : H * D].view(T, H, D)
+    k = qkv[:, H * D : (H + KVH) * D].view(T, KVH, D)
+    v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+    tables = torch.tensor([[3, 1, 0], [2, 4, 5]], dtype=torch.int32)
+    query_lens, seq_lens = [4, 5], [20, 5]
+    slots = torch.tensor([3 * 16 + 0, 1 * 16 + 0, 1 * 16 + 2, 1 * 16 + 3, 32, 33, 34, 35, 36])
+    caches = [torch.randn(6, 16, KVH, D, generator=gen).to(kv_dtype) for _ in range(2)]
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    write_kv(ref_k, ref_v, k, v, slots)
+    expected = paged_attention_cpu(q.contiguous(), ref_k, ref_v, query_lens, seq_lens, tables, 0.25)
+    got = paged_attention_cpu(
+        q, caches[0], caches[1], query_lens, seq_lens, tables, 0.25, new_kv=(k, v, slots)
+    )
+    assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    with pytest.raises(ValueError, match="slot"):
+        paged_attention_cpu(
+            q, caches[0], caches[1], query_lens, seq_lens, tables, 0.25,
+            new_kv=(k, v, slots + 1000),
+        )  # fmt: skip

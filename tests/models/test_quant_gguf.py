@@ -90,7 +90,8 @@ def test_cpu_kernel_model_close_to_torch_reference(
 ):
     """bf16 model, packed weights through ext/cpu's kernel vs the same weights dequantized by
     torch: logits within 3% of their range at 1, 2, 7, 16, 64 and 300 rows (one prefill each;
-    the difference is bf16 rounding of activations and outputs in another summation order).
+    the difference is the rounding of activations (bf16, or int8 per 32 values for Q4_0 / Q4_1 /
+    Q8_0 where the CPU has VNNI) and outputs in another summation order).
     MoE: a near-tie in the router may pick another expert for a token under that rounding, so
     there up to a tenth of the tokens (at least one) may fall outside it."""
     from tandem.models.quant.cpu import use_cpu_quant_kernels
@@ -101,6 +102,7 @@ def test_cpu_kernel_model_close_to_torch_reference(
     ref, _ = load_model(path, dtype=torch.bfloat16, device="cpu", quantization="none")
     assert use_cpu_quant_kernels(ref) == 0
     gen = torch.Generator().manual_seed(1)
+    agree = []
     for rows in (1, 2, 7, 16, 64, 300):
         ids = [int(i) for i in torch.randint(0, 96, (rows,), generator=gen)]
         a = paged_runner(fast, cfg, block_size=16, num_blocks=32, dtype=torch.bfloat16).step(
@@ -112,5 +114,6 @@ def test_cpu_kernel_model_close_to_torch_reference(
         row_ok = (a - b).abs().amax(-1) <= 0.03 * b.abs().max()
         allowed = max(1, rows // 10) if moe else 0  # tokens whose routing may flip
         assert int((~row_ok).sum()) <= allowed, rows
-        if not moe:
-            assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+        agree.append(a.argmax(-1) == b.argmax(-1))
+    if not moe:  # over all 390 rows: a single row's near-tie may go either way
+        assert torch.cat(agree).float().mean() >= 0.9

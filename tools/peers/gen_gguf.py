@@ -238,6 +238,30 @@ def _experts(w: gguf.GGUFWriter, P: Pools, name: str, shape: tuple[int, ...], ki
         w.add_tensor(name, P.q_tensor(shape, kind), raw_dtype=QTYPES[kind])
 
 
+def _vocab_and_embedding(
+    w: gguf.GGUFWriter, V: int, H: int, specials: dict[int, str], bos: int, eos: int, scale: int
+) -> Pools:
+    """The vocabulary, its special ids and the token embedding; the weight pools (larger at
+    full scale) the rest of the file draws from."""
+    add_vocab(w, V, specials)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+    P = Pools(64 << 20 if scale == 1 else 1 << 20, 16 << 20 if scale == 1 else 1 << 20)
+    w.add_tensor("token_embd.weight", P.bf16_tensor((V, H)), raw_dtype=Q.BF16)
+    return P
+
+
+def _biased_attention(w: gguf.GGUFWriter, P: Pools, b: str, H: int, q: int, kv: int) -> None:
+    """A layer's two norms and its q/k/v projections with biases, o without."""
+    w.add_tensor(b + "attn_norm.weight", f32_ones(H))
+    w.add_tensor(b + "post_attention_norm.weight", f32_ones(H))
+    for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+        w.add_tensor(b + name + ".weight", P.bf16_tensor((rows, H)), raw_dtype=Q.BF16)
+        w.add_tensor(b + name + ".bias", _small(rows))
+    w.add_tensor(b + "attn_output.weight", P.bf16_tensor((H, q)), raw_dtype=Q.BF16)
+
+
 def write_gpt_oss(path: str, layers: int | None, experts_type: str, scale: int) -> None:
     c = _shape("gpt-oss-120b")
     H, I = _dim(c["hidden_size"], scale), _dim(c["intermediate_size"], scale)  # noqa: E741
@@ -269,22 +293,12 @@ def write_gpt_oss(path: str, layers: int | None, experts_type: str, scale: int) 
         if scale == 1
         else {V - 3: "<|endoftext|>", V - 2: "<|return|>", V - 1: "<|end|>"}
     )  # fmt: skip
-    add_vocab(w, V, specials)
-    eos = 200002 if scale == 1 else V - 2
-    w.add_bos_token_id(199998 if scale == 1 else V - 3)
-    w.add_eos_token_id(eos)
-    w.add_add_bos_token(False)
-    P = Pools(64 << 20 if scale == 1 else 1 << 20, 16 << 20 if scale == 1 else 1 << 20)
+    P = _vocab_and_embedding(w, V, H, specials, 199998 if scale == 1 else V - 3,
+                             200002 if scale == 1 else V - 2, scale)  # fmt: skip
     BF = Q.BF16
-    w.add_tensor("token_embd.weight", P.bf16_tensor((V, H)), raw_dtype=BF)
     for i in range(L):
         b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", f32_ones(H))
-        w.add_tensor(b + "post_attention_norm.weight", f32_ones(H))
-        for name, rows in (("attn_q", NH * HD), ("attn_k", NKV * HD), ("attn_v", NKV * HD)):
-            w.add_tensor(b + name + ".weight", P.bf16_tensor((rows, H)), raw_dtype=BF)
-            w.add_tensor(b + name + ".bias", _small(rows))
-        w.add_tensor(b + "attn_output.weight", P.bf16_tensor((H, NH * HD)), raw_dtype=BF)
+        _biased_attention(w, P, b, H, NH * HD, NKV * HD)
         w.add_tensor(b + "attn_output.bias", _small(H))
         w.add_tensor(b + "attn_sinks.weight", _small(NH))
         w.add_tensor(b + "ffn_gate_inp.weight", P.bf16_tensor((E, H)), raw_dtype=BF)
@@ -333,22 +347,12 @@ def write_glm4moe(path: str, layers: int | None, experts_type: str, scale: int) 
         if scale == 1
         else {V - 3: "<|endoftext|>", V - 2: "<|user|>", V - 1: "<|assistant|>"}
     )  # fmt: skip
-    add_vocab(w, V, specials)
     eos = 151329 if scale == 1 else V - 3
-    w.add_bos_token_id(eos)
-    w.add_eos_token_id(eos)
-    w.add_add_bos_token(False)
-    P = Pools(64 << 20 if scale == 1 else 1 << 20, 16 << 20 if scale == 1 else 1 << 20)
+    P = _vocab_and_embedding(w, V, H, specials, eos, eos, scale)
     BF = Q.BF16
-    w.add_tensor("token_embd.weight", P.bf16_tensor((V, H)), raw_dtype=BF)
     for i in range(L):
         b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", f32_ones(H))
-        w.add_tensor(b + "post_attention_norm.weight", f32_ones(H))
-        for name, rows in (("attn_q", NH * HD), ("attn_k", NKV * HD), ("attn_v", NKV * HD)):
-            w.add_tensor(b + name + ".weight", P.bf16_tensor((rows, H)), raw_dtype=BF)
-            w.add_tensor(b + name + ".bias", _small(rows))
-        w.add_tensor(b + "attn_output.weight", P.bf16_tensor((H, NH * HD)), raw_dtype=BF)
+        _biased_attention(w, P, b, H, NH * HD, NKV * HD)
         if i < dense:
             w.add_tensor(b + "ffn_gate.weight", P.bf16_tensor((FF, H)), raw_dtype=BF)
             w.add_tensor(b + "ffn_up.weight", P.bf16_tensor((FF, H)), raw_dtype=BF)

@@ -91,20 +91,28 @@ def _run(path: Path, tp: int) -> tuple[list[list[int]], list[torch.Tensor]]:
         tensor_parallel_size=tp,
     )
     try:
-        model = llm.engine.runner.model
-        seen: list[torch.Tensor] = []
-        compute = model.compute_logits
-
-        def spy(hidden: torch.Tensor) -> torch.Tensor:
-            logits = compute(hidden)
-            seen.append(logits.clone())
-            return logits
-
-        model.compute_logits = spy
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-        return [list(o.token_ids) for o in outs], seen
+        return greedy_with_logits(llm, PROMPTS, 6)
     finally:
         llm.engine.close()
+
+
+def greedy_with_logits(
+    llm: LLM, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The prompts' greedy ids, and every logits tensor rank 0 computed on the way."""
+    model = llm.engine.runner.model
+    seen: list[torch.Tensor] = []
+    compute = model.compute_logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)
+        seen.append(logits.clone())
+        return logits
+
+    model.compute_logits = spy
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    return [list(o.token_ids) for o in outs], seen
 
 
 def _check(name: str, make, tmp_path: Path) -> None:

@@ -19,9 +19,9 @@ from tandem.models.quant.linear import QuantEmbedding, QuantLinear
 from tandem.models.quant.shard import split_error, take_packed
 from tandem.models.quant.tensor import QuantizedTensor
 from tandem.runtime.llm import LLM
-from tandem.runtime.sampling_params import SamplingParams
 from tests.models.hf_quant_cases import random_fp8, random_int4, write_quantized
 from tests.models.quant_cases import HIDDEN, INTER, write_tiny_gguf
+from tests.runtime.test_tensor_parallel import greedy_with_logits
 
 PROMPTS = [[5, 9, 11, 3, 70, 2, 8], [60, 4, 4, 6], [7] * 19]
 
@@ -34,18 +34,8 @@ def _run(path: Path, tp: int, **kw) -> tuple[list[list[int]], list[torch.Tensor]
         for proc in llm.engine.tp_group.procs if tp > 1 else ():  # spawned ranks inherit these
             env = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
             assert b"NCCL_NVLS_ENABLE=0" in env and b"TORCH_SYMM_MEM_DISABLE_MULTICAST=1" in env
-        model = llm.engine.runner.model
-        seen: list[torch.Tensor] = []
-        compute = model.compute_logits
-
-        def spy(hidden: torch.Tensor) -> torch.Tensor:
-            logits = compute(hidden)
-            seen.append(logits.clone())
-            return logits
-
-        model.compute_logits = spy
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-        return [list(o.token_ids) for o in outs], seen, model
+        ids, seen = greedy_with_logits(llm, PROMPTS, 5)
+        return ids, seen, llm.engine.runner.model
     finally:
         llm.engine.close()
 

@@ -23,7 +23,7 @@ from tandem.models.layers.parallel import Shard
 from tandem.models.loader import gguf_deepseek2, gguf_glm4moe
 from tandem.models.quant.experts import EXPERT_KEPT_TYPES
 from tandem.models.quant.shard import take_packed
-from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor
+from tandem.models.quant.tensor import GGUF_KEPT_TYPES, QuantizedTensor, ggml_block
 
 logger = logging.getLogger(__name__)
 
@@ -322,12 +322,18 @@ def load_gguf_weights(
     yield from _gguf_weights(reader, config, dtype, select, names, packed, shards or {})
 
 
-def _row_shard(shard: Shard | None, info: GGUFTensorInfo) -> bool:
-    """Whether `shard` is whole rows of 2-D tensor `info` (cut from the mapping undecoded)."""
-    return (
-        shard is not None and shard.dim == 0 and len(info.torch_shape) == 2
-        and tuple(info.torch_shape) == shard.full
-    )  # fmt: skip
+def _undecoded_shard(shard: Shard | None, info: GGUFTensorInfo) -> slice | None:
+    """The bytes of each row of 2-D tensor `info` that `shard` needs, where they can be cut
+    from the mapping before decoding: every row's for a row shard, whole blocks' for a column
+    shard on block boundaries; None otherwise (the tensor is decoded whole, then sliced)."""
+    if shard is None or len(info.torch_shape) != 2 or tuple(info.torch_shape) != shard.full:
+        return None
+    if shard.dim == 0:
+        return slice(None)
+    elements, size = ggml_block(ggml_type_name(info.ggml_type))
+    if shard.start % elements or shard.length % elements:
+        return None
+    return slice(shard.start // elements * size, (shard.start + shard.length) // elements * size)
 
 
 def _unread_layer(gguf_name: str, config: ModelConfig) -> bool:
@@ -387,10 +393,14 @@ def _gguf_weights(
             keep32 = hf_name.endswith(".e_score_correction_bias")  # stays float32 (routing)
             rows = info.torch_shape[0]
             shard = None if stacked is not None else (shards or {}).get(hf_name)
-            if _row_shard(shard, info):  # this rank's rows alone, decoded from the mapping
+            cut = _undecoded_shard(shard, info)
+            if cut is not None:  # this rank's rows or columns alone, decoded from the mapping
                 raw = torch.from_numpy(reader.tensor_data(info.name)).view(rows, -1)
-                shape = (shard.length, info.torch_shape[1])
-                part = raw[shard.start : shard.start + shard.length]
+                if shard.dim == 0:
+                    part = raw[shard.start : shard.start + shard.length]
+                    shape = (shard.length, info.torch_shape[1])
+                else:
+                    part, shape = raw[:, cut].contiguous(), (rows, shard.length)
                 tensor = dequantize(
                     part, info.ggml_type, shape, torch.float32 if keep32 else dtype, info.name
                 )

@@ -176,16 +176,20 @@ def test_safetensors_shards_are_read_alone(method: str, tmp_path: Path, monkeypa
         assert bulk not in read_whole, name  # only the slice's bytes were read
 
 
-def test_gguf_dense_row_shards_decode_only_their_rows(tmp_path: Path, monkeypatch) -> None:
+def test_gguf_dense_shards_decode_only_their_rows_or_blocks(tmp_path: Path, monkeypatch) -> None:
     from tandem.models.loader import gguf as gguf_loader
 
     reader = GGUFReader(write_tiny_gguf(tmp_path / "m.gguf", "Q4_K"))
-    names = ["model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight"]
+    names = ["model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight",
+             "model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"]  # fmt: skip
     full = dict(load_gguf_weights(reader))
+    down, o = tuple(full[names[2]].shape), tuple(full[names[3]].shape)
     shards = {
         names[0]: Shard(0, 48, 48, tuple(full[names[0]].shape)),
         names[1]: Shard(0, 128, 128, tuple(full[names[1]].shape)),  # heads 2-3, un-permuted
+        names[2]: Shard(1, down[1] // 2, down[1] // 2, down),  # columns on whole blocks
     }
+    cutting = Shard(1, 16, 64, o)  # cuts a block: yielded whole (the model's load slices it)
     whole = gguf_loader.dequantize_tensor
     decoded_whole: list[str] = []
 
@@ -194,8 +198,11 @@ def test_gguf_dense_row_shards_decode_only_their_rows(tmp_path: Path, monkeypatc
         return whole(reader, info, dtype)
 
     monkeypatch.setattr(gguf_loader, "dequantize_tensor", spy)
-    parts = dict(load_gguf_weights(reader, shards=shards))
+    parts = dict(load_gguf_weights(reader, shards={**shards, names[3]: cutting}))
     for name, s in shards.items():
         assert torch.equal(parts[name], s.take(full[name])), name
+    assert torch.equal(parts[names[3]], full[names[3]])
     assert "token_embd.weight" not in decoded_whole and "blk.1.attn_q.weight" not in decoded_whole
+    assert "blk.0.ffn_down.weight" not in decoded_whole
+    assert "blk.1.attn_output.weight" in decoded_whole
     assert "blk.1.attn_k.weight" in decoded_whole  # no shard given: decoded whole

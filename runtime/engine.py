@@ -191,6 +191,7 @@ class Engine:
         if self.tp_group is not None:  # one scheduler over N caches: the smallest count
             blocks = self.tp_group.agree(True, self.layout.num_blocks)
             self.layout = replace(self.layout, num_blocks=blocks)
+            self.tp_group.watch(self._on_worker_death)  # from here a worker's exit is a failure
         served = served_model_len(
             sched_cfg.max_model_len, self.max_model_len, self.layout.num_blocks,
             self.layout.block_size,
@@ -243,8 +244,6 @@ class Engine:
             self.runner = ModelRunner(model, model_config, self.kv_cache, self.device, attn_backend)
             if self.tp_group is not None:
                 self.runner.before_forward = self.tp_group.broadcast_step
-        if self.tp_group is not None:
-            self.tp_group.watch(self._on_worker_death)
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(
                 (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -266,7 +265,12 @@ class Engine:
     def _on_worker_death(self, reason: str) -> None:
         """A tensor-parallel worker died: this engine cannot step any more. A serving loop
         (`on_fatal`, set by runtime/loop.py) dies as on a failed step: /health 503, streams
-        fail, the server exits non-zero; without one the process gets SIGTERM."""
+        fail, the server exits non-zero; without one the process gets SIGTERM. During start-up
+        this rank may wait in a collective with the dead one: every rank stops, exit code 1."""
+        if not hasattr(self, "runner"):
+            log.error("tensor-parallel start-up failed: %s; stopping every rank", reason)
+            self.tp_group.close(broken=True)
+            os._exit(1)
         log.error("%s; stopping", reason)
         self.fatal_error = reason
         if self.on_fatal is not None:

@@ -4,6 +4,7 @@ on tiny random HF checkpoints of dense and MoE families; refusals are clear."""
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -273,6 +274,38 @@ def test_a_start_up_failure_is_one_error_and_leaves_no_worker(tmp_path: Path) ->
     with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(3\).*size 2"):
         LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
     assert multiprocessing.active_children() == []
+
+
+_DIES_AT_START = """
+import multiprocessing, os, signal, sys, time
+from tandem.models.batch import KVCache
+from tandem.runtime.llm import LLM
+
+def for_model(*args, **kwargs):  # rank 0 only (the worker is a fresh process)
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, signal.SIGKILL)
+    time.sleep(120)  # as if waiting in a collective with the dead rank
+
+KVCache.for_model = for_model
+LLM(sys.argv[1], device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+"""
+
+
+def test_a_worker_dying_during_start_up_stops_rank_0(tmp_path: Path) -> None:
+    # After the ranks agreed on the KV size, rank 0 could wait forever in a collective with a
+    # worker that died; the watch ends it with one error and exit code 1.
+    import subprocess
+    import sys
+
+    path = _save(CASES["llama_bias"](), tmp_path / "llama")
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIES_AT_START, str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "tensor-parallel start-up failed: tensor-parallel rank 1 exited" in proc.stderr
+    assert time.monotonic() - t0 < 60
 
 
 def test_a_forward_that_fails_between_collectives_stops_every_rank(tmp_path: Path) -> None:

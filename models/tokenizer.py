@@ -3,9 +3,9 @@
 `Tokenizer` is built from an HF model directory (`tokenizer.json` + `tokenizer_config.json`), from
 a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE), or made up for a vocabulary size
 (`synthetic`, for random "dummy" weights of a shape that ships no tokenizer). It renders chat
-templates with a sandboxed jinja2 environment. It knows nothing of requests or of incremental
-streaming state: the runtime's detokenizer builds on `convert_ids_to_tokens` /
-`convert_tokens_to_string`.
+templates with a sandboxed jinja2 environment, imported when the first template is compiled. It
+knows nothing of requests or of incremental streaming state: the runtime's detokenizer builds on
+`convert_ids_to_tokens` / `convert_tokens_to_string`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 from tandem.models.config import UnsupportedModelError
 from tandem.models.gguf_reader import GGUFReader
+
+if TYPE_CHECKING:
+    import jinja2
 
 # End-of-turn markers a chat template may close a turn with; added to the eos ids when special.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
@@ -98,7 +99,9 @@ def _token_content(value: Any) -> str | None:
 
 
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:
@@ -111,6 +114,8 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )

@@ -162,6 +162,11 @@ class _Cursor:
             elem_type, count = self.unpack("<IQ")
             if elem_type in _SCALAR_DTYPES:
                 self.pos += _SCALAR_DTYPES[elem_type].itemsize * count
+            elif elem_type == STRING:  # a tokenizer's ~100k: one tight loop over the lengths
+                pos, buf, length = self.pos, self.buf, struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    pos += 8 + length(buf, pos)[0]
+                self.pos = pos
             else:
                 for _ in range(count):
                     self.skip(elem_type)

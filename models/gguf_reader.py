@@ -3,11 +3,13 @@
 It owns the file format only. It does not dequantize (`models.gguf_dequant`) and does not know
 HF names or configs (`models.loader.gguf`). Tensor data is never copied into RAM here: each
 tensor is handed out as a uint8 numpy view onto one copy-on-write `np.memmap` of the file.
+Long metadata arrays (a tokenizer's ~100k strings) are decoded only when asked for.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,9 @@ _SCALAR_DTYPES: dict[int, np.dtype] = {
     INT64: np.dtype("<i8"),
     FLOAT64: np.dtype("<f8"),
 }
+
+# metadata arrays longer than this are decoded on first access (`GGUFMetadata`)
+LAZY_ARRAY_LEN = 256
 
 # ggml tensor types: id -> (name, elements per block, bytes per block).
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -149,6 +154,73 @@ class _Cursor:
             return [self.string() for _ in range(count)]
         return [self.value(elem_type) for _ in range(count)]  # arrays of arrays
 
+    def skip(self, vtype: int) -> None:
+        """Past one value without decoding it."""
+        if vtype == STRING:
+            self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+        elif vtype == ARRAY:
+            elem_type, count = self.unpack("<IQ")
+            if elem_type in _SCALAR_DTYPES:
+                self.pos += _SCALAR_DTYPES[elem_type].itemsize * count
+            elif elem_type == STRING:  # a tokenizer's ~100k: one tight loop over the lengths
+                pos, buf, length = self.pos, self.buf, struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    pos += 8 + length(buf, pos)[0]
+                self.pos = pos
+            else:
+                for _ in range(count):
+                    self.skip(elem_type)
+        elif vtype in _SCALAR_DTYPES:
+            self.pos += _SCALAR_DTYPES[vtype].itemsize
+        else:
+            raise GGUFFormatError(f"unknown metadata value type {vtype} at byte {self.pos}")
+
+
+@dataclass(frozen=True)
+class _LazyArray:
+    pos: int  # of the array's element type
+    count: int
+
+
+class GGUFMetadata(Mapping[str, Any]):
+    """key -> python value of a file's metadata. An array longer than `LAZY_ARRAY_LEN` is
+    decoded from the mapping each time it is read (a GGUF's tokenizer arrays are ~100k Python
+    objects that only the tokenizer needs: decoding them for every config read fragments the
+    heap); `array_len` gives its length without decoding it."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf = buf
+        self._values: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if isinstance(value, _LazyArray):
+            cur = _Cursor(self._buf, value.pos)
+            return cur.value(ARRAY)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def array_len(self, key: str) -> int | None:
+        """The length of array `key` (None: no such key, or not an array)."""
+        value = self._values.get(key)
+        if isinstance(value, _LazyArray):
+            return value.count
+        return len(value) if isinstance(value, list) else None
+
+    def _read(self, key: str, vtype: int, cur: _Cursor) -> None:
+        if vtype == ARRAY:
+            count = struct.unpack_from("<Q", self._buf, cur.pos + 4)[0]
+            if count > LAZY_ARRAY_LEN:
+                self._values[key] = _LazyArray(cur.pos, count)
+                cur.skip(ARRAY)
+                return
+        self._values[key] = cur.value(vtype)
+
 
 class GGUFReader:
     """Parse a GGUF file's header; tensor data stays on disk behind a memmap.
@@ -173,7 +245,7 @@ class GGUFReader:
                 " a huge number means a big-endian file)"
             )
         n_tensors, n_kv = cur.unpack("<QQ")
-        self.metadata: dict[str, Any] = {}
+        self.metadata = GGUFMetadata(buf)
         self.metadata_types: dict[str, tuple[int, ...]] = {}
         for _ in range(n_kv):
             key = cur.string()
@@ -183,7 +255,7 @@ class GGUFReader:
                 self.metadata_types[key] = (ARRAY, elem_type)
             else:
                 self.metadata_types[key] = (vtype,)
-            self.metadata[key] = cur.value(vtype)
+            self.metadata._read(key, vtype, cur)
 
         self.alignment: int = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         if self.alignment <= 0 or self.alignment % 8:

@@ -1,45 +1,37 @@
-"""Architecture name (HF `architectures[0]`) -> model class."""
+"""Architecture name (HF `architectures[0]`) -> model class, each family's module imported only
+when its architecture is asked for."""
 
 from __future__ import annotations
 
-from tandem.models.config import UnsupportedModelError
-from tandem.models.decoder import DecoderForCausalLM
-from tandem.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from tandem.models.glm import Glm4MoeForCausalLM
-from tandem.models.gpt_oss import GptOssForCausalLM
-from tandem.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
-from tandem.models.moe_models import (
-    MixtralForCausalLM,
-    OlmoeForCausalLM,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeForCausalLM,
-)
+from importlib import import_module
+from typing import TYPE_CHECKING
 
-MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "OlmoeForCausalLM": OlmoeForCausalLM,
-    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
-    "GptOssForCausalLM": GptOssForCausalLM,
+from tandem.models.config import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from tandem.models.decoder import DecoderForCausalLM
+
+# architecture -> the tandem.models module defining its class (of the same name)
+MODEL_MODULES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "moe_models",
+    "Qwen2MoeForCausalLM": "moe_models",
+    "MixtralForCausalLM": "moe_models",
+    "OlmoeForCausalLM": "moe_models",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
+    "Glm4MoeForCausalLM": "glm",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
 def get_model_class(architecture: str) -> type[DecoderForCausalLM]:
-    cls = MODEL_REGISTRY.get(architecture)
-    if cls is None:
+    module = MODEL_MODULES.get(architecture)
+    if module is None:
         raise UnsupportedModelError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
+            f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_MODULES)}"
         )
-    return cls
+    return getattr(import_module(f"tandem.models.{module}"), architecture)

@@ -3,9 +3,9 @@
 `Tokenizer` is built from an HF model directory (`tokenizer.json` + `tokenizer_config.json`), from
 a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE), or made up for a vocabulary size
 (`synthetic`, for random "dummy" weights of a shape that ships no tokenizer). It renders chat
-templates with a sandboxed jinja2 environment. It knows nothing of requests or of incremental
-streaming state: the runtime's detokenizer builds on `convert_ids_to_tokens` /
-`convert_tokens_to_string`.
+templates with a sandboxed jinja2 environment, imported when the first template is compiled. It
+knows nothing of requests or of incremental streaming state: the runtime's detokenizer builds on
+`convert_ids_to_tokens` / `convert_tokens_to_string`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 from tandem.models.config import UnsupportedModelError
 from tandem.models.gguf_reader import GGUFReader
+
+if TYPE_CHECKING:
+    import jinja2
 
 # End-of-turn markers a chat template may close a turn with; added to the eos ids when special.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
@@ -98,7 +99,9 @@ def _token_content(value: Any) -> str | None:
 
 
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:
@@ -111,6 +114,8 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
@@ -118,6 +123,33 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+_GGUF_SPECIAL_TOKENS = ("bos", "eos", "unknown", "padding")
+
+
+def _gguf_bpe(
+    meta: Any, spelled: dict[int, str], ids: dict[str, int | None]
+) -> tuple[models.BPE, list[str], list[str], dict[str, str]]:
+    """The BPE model of a GGUF's `tokenizer.ggml.*` arrays, its control (special) and
+    user-defined (added, matched whole) tokens, and the text of the `ids` that name a token."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    alphabet = set(spelled.values())
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        # a token outside the byte alphabet is stored as raw text: respell it byte by byte
+        key = tok if set(tok) <= alphabet else "".join(spelled[b] for b in tok.encode())
+        vocab.setdefault(key, i)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, dropout=None)
+    # token_type 3 = control (special), 4 = user-defined (added, matched whole, not special)
+    control = [t for t, ty in zip(tokens, types, strict=True) if ty == 3 and set(t) <= alphabet]
+    user = [t for t, ty in zip(tokens, types, strict=True) if ty == 4 and t in vocab]
+    special = {
+        k: tokens[tid] for k, tid in ids.items() if tid is not None and 0 <= tid < len(tokens)
+    }
+    return bpe, control, user, special
 
 
 class Tokenizer:
@@ -195,38 +227,25 @@ class Tokenizer:
             raise UnsupportedModelError(
                 f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
             )
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = set(byte_to_unicode().values())
         spelled = byte_to_unicode()
-        vocab: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
-            # a token outside the byte alphabet is stored as raw text: respell it byte by byte
-            key = tok if set(tok) <= alphabet else "".join(spelled[b] for b in tok.encode())
-            vocab.setdefault(key, i)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, dropout=None)
+        ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in _GGUF_SPECIAL_TOKENS}
+        bpe, control, user, special = _gguf_bpe(meta, spelled, ids)
+        # the ~100k vocabulary strings are gone: what the tokenizer keeps is allocated from here
+        # on, so their memory can go back to the OS (one survivor among them pins its arena)
+        special = {k: v.encode().decode() for k, v in special.items()}
         backend = RustTokenizer(bpe)
         backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
-        # token_type 3 = control (special), 4 = user-defined (added, matched whole, not special)
-        control = [t for t, ty in zip(tokens, types, strict=True) if ty == 3 and set(t) <= alphabet]
-        user = [t for t, ty in zip(tokens, types, strict=True) if ty == 4 and t in vocab]
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-
-        def token(key: str) -> str | None:
-            tid = meta.get(f"tokenizer.ggml.{key}")
-            return tokens[tid] if tid is not None and 0 <= tid < len(tokens) else None
-
         eot = meta.get("tokenizer.ggml.eot_token_id")
         return cls(
             backend,
             chat_template=meta.get("tokenizer.chat_template"),
-            bos_token=token("bos_token_id"),
-            eos_token=token("eos_token_id"),
-            unk_token=token("unknown_token_id"),
-            pad_token=token("padding_token_id"),
+            bos_token=special.get("bos"),
+            eos_token=special.get("eos"),
+            unk_token=special.get("unknown"),
+            pad_token=special.get("padding"),
             # GLM's chat template writes its own [gMASK]<sop>: never a BOS (as llama.cpp)
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False))
             and meta.get("tokenizer.ggml.pre") not in _NO_BOS,

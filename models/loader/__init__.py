@@ -1,8 +1,9 @@
 """Builds a model from a checkpoint: picks the format, reads the config, constructs the model
 on the meta device, materializes it on the target device and fills its weights once.
 
-Formats: "safetensors" (HF directory or file), "gguf" (models/loader/gguf.py, imported lazily),
-"dummy" (random weights of the config's shapes); "auto" picks by path.
+Formats: "safetensors" (HF directory or file; models/loader/safetensors.py), "gguf"
+(models/loader/gguf.py), each imported only when used; "dummy" (random weights of the config's
+shapes); "auto" picks by path.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from tandem.models.layers.parallel import (
     tensor_parallel_shards,
 )
 from tandem.models.loader.dummy import init_dummy_weights
-from tandem.models.loader.safetensors import iter_safetensors_weights
 from tandem.models.quant.hf_config import HF_QUANT_FORMATS, HfQuantConfig, read_quant_config
 from tandem.models.registry import get_model_class
 from tandem.models.weights import expert_layer, is_mtp
@@ -479,6 +479,8 @@ def _checkpoint_weights(
         from tandem.models.loader.gguf import load_gguf_weights
 
         return load_gguf_weights(path, dtype, select, frozenset(packed), shards)
+    from tandem.models.loader.safetensors import iter_safetensors_weights
+
     return iter_safetensors_weights(path, dtype, select, frozenset(packed), quant, shards)
 
 

@@ -138,7 +138,7 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
     heads = _single(key("attention.head_count"), f"{arch}.attention.head_count")
     kv_heads = _single(key("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv")
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
-    tokens = reader.get("tokenizer.ggml.tokens") or []
+    num_tokens = reader.metadata.array_len("tokenizer.ggml.tokens") or 0
     num_experts = int(key("expert_count", 0) or 0)
     eos_ids = tuple(
         dict.fromkeys(
@@ -151,7 +151,7 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
     if arch in (gguf_deepseek2.ARCH, gguf_glm4moe.ARCH):
         glm = arch == gguf_glm4moe.ARCH
         common = dict(
-            vocab_size=int(key("vocab_size") or len(tokens)),
+            vocab_size=int(key("vocab_size") or num_tokens),
             hidden_size=hidden,
             intermediate_size=_single(key("feed_forward_length", 0), f"{arch}.feed_forward_length"),
             num_hidden_layers=(
@@ -181,7 +181,7 @@ def gguf_model_config(path: str | Path | GGUFReader) -> ModelConfig:
     clip_qkv = key("attention.clamp_kqv") if olmoe else None
     return ModelConfig(
         architecture=hf_arch,
-        vocab_size=int(key("vocab_size") or len(tokens)),
+        vocab_size=int(key("vocab_size") or num_tokens),
         hidden_size=hidden,
         intermediate_size=_single(key("feed_forward_length", 0), f"{arch}.feed_forward_length"),
         num_hidden_layers=layers,

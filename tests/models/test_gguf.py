@@ -133,6 +133,39 @@ def _write_gguf(
     w.close()
 
 
+def test_reader_long_arrays_decode_on_access(tmp_path: Path) -> None:
+    """Arrays past LAZY_ARRAY_LEN are skipped at parse and decoded when read; every key after
+    them (and the tensor table) still parses, and each read gives a fresh, equal list."""
+    from tandem.models.gguf_reader import LAZY_ARRAY_LEN
+
+    n = LAZY_ARRAY_LEN + 37
+    words = [f"w{i}" + "é" * (i % 3) for i in range(n)]
+    path = tmp_path / "lazy.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.words", words)
+    w.add_array("t.ints", list(range(-n, n)))
+    w.add_array("t.nested", [[i, i + 1] for i in range(n)])
+    w.add_array("t.short", ["x"] * LAZY_ARRAY_LEN)
+    w.add_uint32("t.after", 7)
+    w.add_tensor("a", np.arange(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    r = GGUFReader(path)
+    assert list(r.metadata)[-5:] == ["t.words", "t.ints", "t.nested", "t.short", "t.after"]
+    assert r.metadata.array_len("t.words") == n and r.metadata.array_len("t.ints") == 2 * n
+    assert r.metadata.array_len("t.short") == LAZY_ARRAY_LEN
+    assert r.metadata.array_len("t.after") is None and r.metadata.array_len("nope") is None
+    assert r.get("t.words") == words and r.metadata["t.words"] is not r.metadata["t.words"]
+    assert r.get("t.ints") == list(range(-n, n))
+    assert r.get("t.nested") == [[i, i + 1] for i in range(n)]
+    assert r.get("t.after") == 7 and r.get("t.missing", 3) == 3
+    assert dict(r.metadata.items())["t.words"] == words
+    assert np.array_equal(r.tensor_data("a").view(np.float32), np.arange(32, dtype=np.float32))
+
+
 def test_reader_all_value_types_and_custom_alignment(tmp_path: Path) -> None:
     path = tmp_path / "types.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

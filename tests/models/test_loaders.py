@@ -18,7 +18,7 @@ from tandem.models.layers.expert_registry import get_expert_backend, register_ex
 from tandem.models.layers.experts import TorchExpertBackend
 from tandem.models.loader import build_model, load_model
 from tandem.models.loader.safetensors import iter_safetensors_weights
-from tandem.models.registry import get_model_class
+from tandem.models.registry import MODEL_MODULES, get_model_class
 
 TINY = dict(
     vocab_size=128,
@@ -171,6 +171,14 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
         load_model(tmp_path, dtype=torch.float32, device="cpu")
     with pytest.raises(UnsupportedModelError, match="FancyForCausalLM"):
         get_model_class("FancyForCausalLM")
+
+
+def test_every_registered_architecture_imports_its_class() -> None:
+    from tandem.models.decoder import DecoderForCausalLM
+
+    for arch in MODEL_MODULES:
+        cls = get_model_class(arch)
+        assert cls.__name__ == arch and issubclass(cls, DecoderForCausalLM)
 
 
 def _moe_config() -> ModelConfig:

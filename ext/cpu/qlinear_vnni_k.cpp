@@ -18,16 +18,17 @@ inline float f16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Q4_K / Q5_K: the 12 scale bytes as sc[0..8) then m[0..8), 6 bits each.
+// Q4_K / Q5_K: the 12 scale bytes as sc[0..8) then m[0..8), 6 bits each (in registers: byte
+// stores read back as a vector stalled store forwarding once per row and group).
 inline __m128i scales_mins(const uint8_t* s) {
-  alignas(16) uint8_t o[16];
-  for (int j = 0; j < 4; ++j) {
-    o[j] = s[j] & 63;
-    o[8 + j] = s[j + 4] & 63;
-    o[4 + j] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
-    o[12 + j] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-  }
-  return _mm_load_si128((const __m128i*)o);
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+  const uint32_t sc_hi = (c & lo4) | (((a >> 6) & lo2) << 4);
+  const uint32_t m_hi = ((c >> 4) & lo4) | (((b >> 6) & lo2) << 4);
+  return _mm_set_epi32((int)m_hi, (int)(b & lo6), (int)sc_hi, (int)(a & lo6));
 }
 
 // Byte shuffles that spread 16 per-sub-block bytes over the 16 dword lanes of a group

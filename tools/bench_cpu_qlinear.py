@@ -68,7 +68,7 @@ def main() -> None:
         for m in a.rows:
             xs = [torch.randn(m, k).to(torch.bfloat16) for _, k in ws]
 
-            def run(pool: CpuQuantLinearPool, xs=xs) -> None:
+            def run(pool: CpuQuantLinearPool, xs=xs, ws=ws, qtype=qtype) -> None:
                 for (w, _), x in zip(ws, xs, strict=True):
                     pool.linear(x, w, qtype)
 

@@ -58,10 +58,11 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K", "Q5_K", "Q6_K"])
     ap.add_argument("--shape", choices=list(SHAPES), default="layer")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--isa", default=None, help="as CpuQuantLinearPool takes it (avx2: AVX2 int8)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    ints = CpuQuantLinearPool(num_threads=a.threads, int8=True)
-    floats = CpuQuantLinearPool(num_threads=a.threads, int8=False)
+    ints = CpuQuantLinearPool(num_threads=a.threads, isa=a.isa, int8=True)
+    floats = CpuQuantLinearPool(num_threads=a.threads, isa=a.isa, int8=False)
     print(f"threads {a.threads}, float isa {floats.isa}, int8 isa {ints.int8_isa or 'none'}")
     print("type, M, int8_path, float_us, int8_us, speedup, int8_GB/s")
     for qtype in a.types:

@@ -67,7 +67,7 @@ QLinearKernels qlinear_kernels_vnni();  // Q4_0 / Q4_1 / Q8_0 and the k-quants
 #endif
 void qlinear_vnni_k_rows(const QLinearArgs& a, const void* xp, int r0, int r1);  // vnni's k-quants
 #ifdef TANDEM_HAVE_AVX2
-QLinearKernels qlinear_kernels_avx2_int8();  // Q4_0 / Q4_1 / Q8_0, without AVX-512
+QLinearKernels qlinear_kernels_avx2_int8();  // the same, without AVX-512
 #endif
 
 // Whether int8-activation kernels `k` serve `qtype`.

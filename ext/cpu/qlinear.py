@@ -39,10 +39,10 @@ class CpuQuantLinearPool:
     """Runs `linear` on the calling thread plus num_threads - 1 helper threads, which take a
     share of a call only when awake for it (ext/cpu/helpers.h).
 
-    int8: Q4_0 / Q4_1 / Q8_0 weights, and with AVX-512 VNNI the k-quants too, take the
-    int8-activation kernel (activations quantized per 32 values, integer dot products;
-    `int8_isa` names it, "" where the CPU has none; `int8_serves` says which types). None: on
-    unless $TANDEM_CPU_INT_PATH is off. The other types keep float activations."""
+    int8: GGUF weights (Q4_0 / Q4_1 / Q8_0 and the k-quants) take the int8-activation kernel
+    (activations quantized per 32 values, integer dot products; `int8_isa` names it, "" where
+    the CPU has none; `int8_serves` says per type). None: on unless $TANDEM_CPU_INT_PATH is
+    off. The HF formats keep float activations."""
 
     def __init__(
         self, num_threads: int = 1, isa: str | None = None, int8: bool | None = None

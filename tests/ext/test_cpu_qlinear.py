@@ -1,6 +1,5 @@
 """ext/cpu/qlinear: GGUF-packed weights against dequantize-then-matmul, per ISA and shape; the
-int8-activation kernels (Q4_0 / Q4_1 / Q8_0, and the k-quants on VNNI) against the same with
-their quantized activations."""
+int8-activation kernels (VNNI, AVX2) against the same with their quantized activations."""
 
 from __future__ import annotations
 
@@ -136,7 +135,7 @@ def test_int_path_off_keeps_float_activations(monkeypatch: pytest.MonkeyPatch) -
     has_int8 = any(i in supported_isas() for i in ("avx2", "avx512"))
     auto = CpuQuantLinearPool(num_threads=1)
     assert bool(auto.int8_isa) == has_int8
-    if auto.int8_serves("Q4_K"):  # AVX-512 VNNI: the k-quants' activations are quantized
+    if auto.int8_serves("Q4_K"):  # VNNI or AVX2: the k-quants' activations are quantized
         assert not torch.equal(auto.linear(x, w.data, "Q4_K"), floats)
 
 

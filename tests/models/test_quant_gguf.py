@@ -148,8 +148,8 @@ def test_cpu_kernel_model_close_to_torch_reference(
     """bf16 model, packed weights through ext/cpu's kernel vs the same weights dequantized by
     torch: logits within 3% of their range at 1, 2, 7, 16, 64 and 300 rows (one prefill each;
     the difference is the rounding of activations to bf16 and outputs in another summation
-    order; where the kernel takes the int8-activation path (VNNI; AVX2 for Q4_0 / Q4_1 / Q8_0)
-    the reference's linear rounds its input the same way, per 32 values).
+    order; where the kernel takes the int8-activation path (VNNI or AVX2) the reference's
+    linear rounds its input the same way, per 32 values).
     MoE: a near-tie in the router may pick another expert for a token under that rounding, and
     attention carries that token's changed state to every later one: there the rows before the
     first token routed differently are compared, and that token's reference router must be

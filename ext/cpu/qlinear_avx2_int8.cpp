@@ -127,7 +127,8 @@ float dot_row_k(int qt, const uint8_t* row, const uint8_t* X, int blocks) {
       const int h = j / 4, k = j % 4;
       const __m256i ql = _mm256_loadu_si256((const __m256i*)(sb + 64 * h + (k & 1) * 32));
       const __m256i qh = _mm256_loadu_si256((const __m256i*)(sb + 128 + 32 * h));
-      const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (k >> 1))), m4);
+      const __m128i nib_shift = _mm_cvtsi32_si128(4 * (k >> 1));
+      const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(ql, nib_shift), m4);
       const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), m3);
       const __m256i w = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi, 4)),
                                         _mm256_set1_epi8(32));
@@ -147,7 +148,8 @@ float dot_row_k(int qt, const uint8_t* row, const uint8_t* X, int blocks) {
       sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
       mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
-    const __m256i q = _mm256_loadu_si256((const __m256i*)(sb + (qt == QT_Q4_K ? 16 : 48) + (j / 2) * 32));
+    const uint8_t* qs = sb + (qt == QT_Q4_K ? 16 : 48) + (j / 2) * 32;
+    const __m256i q = _mm256_loadu_si256((const __m256i*)qs);
     __m256i w = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(4 * (j & 1))), m4);
     if (qt == QT_Q5_K) {
       const __m256i qh = _mm256_loadu_si256((const __m256i*)(sb + 16));

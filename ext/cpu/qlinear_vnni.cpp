@@ -1,7 +1,8 @@
 // AVX-512 VNNI kernel for Q4_0 / Q4_1 / Q8_0 weights (the k-quants: qlinear_vnni_k.cpp) with
-// int8 activations: each token's row is quantized per 32 values to int8 (simd_q8.h: scale absmax / 127), and a weight block's dot
-// product is one pair of vpdpbusd, scaled once per block. Four blocks are decoded together
-// with two word permutes straight from the file's block layout (no repacking).
+// int8 activations: each token's row is quantized per 32 values to int8 (simd_q8.h: scale
+// absmax / 127), and a weight block's dot product is one pair of vpdpbusd, scaled once per
+// block. Four blocks are decoded together with two word permutes straight from the file's
+// block layout (no repacking).
 // Compiled with the VNNI flags; used only when CPUID says so.
 #include <immintrin.h>
 

@@ -160,7 +160,8 @@ inline void tile(const QLinearArgs& a, const KConsts& kc, const uint8_t* X, int 
                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i].q_hi, x_hi), o_hi);
             const __m512i p = _mm512_add_epi32(_mm512_mullo_epi32(p_lo, w[i].s_lo),
                                                _mm512_mullo_epi32(p_hi, w[i].s_hi));
-            acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w[i].d, dx), acc[i][t]);
+            acc[i][t] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w[i].d, dx), acc[i][t]);
           }
           continue;
         }

@@ -122,6 +122,18 @@ def test_helper_threads_compute_every_block_once_over_many_calls() -> None:
         assert torch.equal(three.linear(x, w.data, "Q4_1"), one.linear(x, w.data, "Q4_1"))
 
 
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_k_quants_split_over_helpers_as_on_one_thread(qtype: str) -> None:
+    """A k-quant matrix over 1 MiB is split among helper threads by rows; every row as on one."""
+    w = _weight(qtype, 64, 512, 9)
+    data = w.data.repeat(130, 1).contiguous()  # 8320 rows, 2.4 MB (Q4_K) to 3.5 MB (Q6_K)
+    data[64:128] = _weight(qtype, 64, 512, 10).data  # not all row blocks alike
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
+    one, three = CpuQuantLinearPool(num_threads=1), CpuQuantLinearPool(num_threads=3)
+    for m in (1, 3):
+        assert torch.equal(three.linear(x[:m], data, qtype), one.linear(x[:m], data, qtype))
+
+
 def test_int_path_off_keeps_float_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_INT_PATH", "off")
     off = CpuQuantLinearPool(num_threads=1)

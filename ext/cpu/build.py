@@ -89,7 +89,7 @@ LINEAR_UNITS = {
         ("linear_avx512.cpp", AVX512_FLAGS),
         ("qlinear_avx512.cpp", AVX512_FLAGS),
     ],
-    "TANDEM_HAVE_VNNI": [("qlinear_vnni.cpp", VNNI_FLAGS)],
+    "TANDEM_HAVE_VNNI": [("qlinear_vnni.cpp", VNNI_FLAGS), ("qlinear_vnni_k.cpp", VNNI_FLAGS)],
     "TANDEM_HAVE_AMX": [("linear_amx.cpp", AMX_FLAGS)],
 }
 HEADERS = [

@@ -98,7 +98,7 @@ void QLinearPool::run(const QLinearArgs& a, const void* x, bool x_bf16) {
                               a.scale_cols != (a.K + a.block_cols - 1) / a.block_cols))
       throw std::invalid_argument("fp8: bad scale block");
   }
-  const QLinearKernels& k = ints_.name && qtype_has_int8_path(a.qtype) ? ints_ : kernels_;
+  const QLinearKernels& k = int8_serves(a.qtype) ? ints_ : kernels_;
   std::lock_guard<std::mutex> lk(mu_);
   const size_t need = k.prep_bytes(a.K, a.M) + 64;
   if (xprep_.size() < need) xprep_.resize(need);

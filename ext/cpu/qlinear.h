@@ -50,6 +50,7 @@ struct QLinearKernels {
   size_t (*prep_bytes)(int K, int M);
   void (*prep)(const void* x, bool x_bf16, int M, int K, void* dst);
   void (*rows)(const QLinearArgs& a, const void* xp, int r0, int r1);
+  bool kquants = false;  // an int8 kernel that also serves Q4_K / Q5_K / Q6_K
 };
 
 static inline void qlinear_store(const QLinearArgs& a, int t, int r, float v) {
@@ -62,15 +63,18 @@ QLinearKernels qlinear_kernels_scalar();
 QLinearKernels qlinear_kernels_avx512();
 #endif
 #ifdef TANDEM_HAVE_VNNI
-QLinearKernels qlinear_kernels_vnni();  // Q4_0 / Q4_1 / Q8_0 only (qlinear_int8.h)
+QLinearKernels qlinear_kernels_vnni();  // Q4_0 / Q4_1 / Q8_0 and the k-quants
 #endif
+void qlinear_vnni_k_rows(const QLinearArgs& a, const void* xp, int r0, int r1);  // vnni's k-quants
 #ifdef TANDEM_HAVE_AVX2
 QLinearKernels qlinear_kernels_avx2_int8();  // the same, without AVX-512
 #endif
 
-// Whether `qtype` has an int8-activation kernel (Q4_0, Q4_1, Q8_0).
-inline bool qtype_has_int8_path(int qtype) {
-  return qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q8_0;
+// Whether int8-activation kernels `k` serve `qtype`.
+inline bool int8_serves(const QLinearKernels& k, int qtype) {
+  if (!k.name) return false;
+  if (qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q8_0) return true;
+  return k.kquants && (qtype == QT_Q4_K || qtype == QT_Q5_K || qtype == QT_Q6_K);
 }
 
 class QLinearPool {
@@ -85,6 +89,7 @@ class QLinearPool {
   void run(const QLinearArgs& a, const void* x, bool x_bf16);  // synchronous, serialized
   std::string isa() const { return kernels_.name; }
   std::string int8_isa() const { return ints_.name ? ints_.name : ""; }  // "" when none
+  bool int8_serves(int qtype) const { return tandem_cpu::int8_serves(ints_, qtype); }
   int num_threads() const { return helpers_ ? helpers_->size() + 1 : 1; }
 
  private:

@@ -39,9 +39,10 @@ class CpuQuantLinearPool:
     """Runs `linear` on the calling thread plus num_threads - 1 helper threads, which take a
     share of a call only when awake for it (ext/cpu/helpers.h).
 
-    int8: Q4_0 / Q4_1 / Q8_0 weights take the int8-activation kernel (activations quantized
-    per 32 values, integer dot products; `int8_isa` names it, "" where the CPU has none).
-    None: on unless $TANDEM_CPU_INT_PATH is off. The other types keep float activations."""
+    int8: GGUF weights (Q4_0 / Q4_1 / Q8_0 and the k-quants) take the int8-activation kernel
+    (activations quantized per 32 values, integer dot products; `int8_isa` names it, "" where
+    the CPU has none; `int8_serves` says per type). None: on unless $TANDEM_CPU_INT_PATH is
+    off. The HF formats keep float activations."""
 
     def __init__(
         self, num_threads: int = 1, isa: str | None = None, int8: bool | None = None
@@ -64,6 +65,12 @@ class CpuQuantLinearPool:
     @property
     def int8_isa(self) -> str:
         return self._pool.int8_isa
+
+    def int8_serves(self, qtype: str) -> bool:
+        """Whether `qtype` weights take the int8-activation kernel in this pool."""
+        if qtype not in QTYPES:
+            raise ValueError(f"qtype must be one of {tuple(QTYPES)}, got {qtype!r}")
+        return bool(self._pool.int8_serves(QTYPES[qtype][0]))
 
     def packed(self, data: torch.Tensor, qtype: str, cols: int) -> PackedRows:
         """data [N, cols / block * type_size] uint8 checked once for `run_packed`."""

@@ -53,5 +53,6 @@ void bind_qlinear(py::module_& m) {
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("isa", &QLinearPool::isa)
       .def_property_readonly("int8_isa", &QLinearPool::int8_isa)
+      .def("int8_serves", &QLinearPool::int8_serves)
       .def_property_readonly("num_threads", &QLinearPool::num_threads);
 }

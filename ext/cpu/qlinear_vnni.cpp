@@ -1,7 +1,8 @@
-// AVX-512 VNNI kernel for Q4_0 / Q4_1 / Q8_0 weights with int8 activations: each token's row
-// is quantized per 32 values to int8 (simd_q8.h: scale absmax / 127), and a weight block's dot
-// product is one pair of vpdpbusd, scaled once per block. Four blocks are decoded together
-// with two word permutes straight from the file's block layout (no repacking).
+// AVX-512 VNNI kernel for Q4_0 / Q4_1 / Q8_0 weights (the k-quants: qlinear_vnni_k.cpp) with
+// int8 activations: each token's row is quantized per 32 values to int8 (simd_q8.h: scale
+// absmax / 127), and a weight block's dot product is one pair of vpdpbusd, scaled once per
+// block. Four blocks are decoded together with two word permutes straight from the file's
+// block layout (no repacking).
 // Compiled with the VNNI flags; used only when CPUID says so.
 #include <immintrin.h>
 
@@ -182,6 +183,7 @@ inline void tile(const QLinearArgs& a, const GroupReader& R, const uint8_t* X, i
 }
 
 void rows(const QLinearArgs& a, const void* xp, int r0, int r1) {
+  if (qtype_block_elems(a.qtype) == 256) return qlinear_vnni_k_rows(a, xp, r0, r1);
   const GroupReader R(a.qtype, a.K);
   const uint8_t* X = (const uint8_t*)xp;
   if (a.M == 1) {  // decode: four rows share each activation load
@@ -203,6 +205,6 @@ void rows(const QLinearArgs& a, const void* xp, int r0, int r1) {
 
 }  // namespace
 
-QLinearKernels qlinear_kernels_vnni() { return {"vnni", prep_bytes, prep, rows}; }
+QLinearKernels qlinear_kernels_vnni() { return {"vnni", prep_bytes, prep, rows, true}; }
 
 }  // namespace tandem_cpu

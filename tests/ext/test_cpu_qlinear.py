@@ -1,5 +1,5 @@
 """ext/cpu/qlinear: GGUF-packed weights against dequantize-then-matmul, per ISA and shape; the
-int8-activation kernel (Q4_0 / Q4_1 / Q8_0) against the same with its quantized activations."""
+int8-activation kernels (VNNI, AVX2) against the same with their quantized activations."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tests.models.quant_cases import pack
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 ISAS = [i for i in ("scalar", "avx2", "avx512") if i in supported_isas()]
 # (isa, int8 activations): the float kernels, and the int8 one where this CPU has it
 POOLS = [(i, False) for i in ISAS] + [
@@ -24,7 +25,7 @@ POOLS = [(i, False) for i in ISAS] + [
 
 def _activations(pool: CpuQuantLinearPool, qtype: str, x: torch.Tensor) -> torch.Tensor:
     """x as the kernel multiplies it: int8 per 32 values, bf16, or as given (portable)."""
-    if pool.int8_isa and qtype in INT8_TYPES:
+    if pool.int8_serves(qtype):
         return quantize_activations(x)
     return x.bfloat16().float() if pool.isa == "avx512" else x  # avx2: the portable kernel
 
@@ -39,8 +40,9 @@ def _weight(qtype: str, n: int, k: int, seed: int) -> QuantizedTensor:
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 64, 300])
 def test_matches_dequantize_then_matmul(pool_kind: tuple[str, bool], qtype: str, rows: int) -> None:
     isa, int8 = pool_kind
-    # odd block counts: 3 (K = 96) and 19 (608) 32-blocks, a partial group of 4 for int8
-    k = 512 if qtype.endswith("_K") else (96 if rows % 2 else 608)
+    # odd block counts: 3 (K = 96) and 19 (608) 32-blocks, a partial group of 4 for int8;
+    # 1 to 5 super-blocks of 256 for the k-quants
+    k = 256 * (1 + rows % 5) if qtype.endswith("_K") else (96 if rows % 2 else 608)
     n = 37 + rows % 5
     w = _weight(qtype, n, k, rows)
     pool = CpuQuantLinearPool(num_threads=2, isa=isa, int8=int8)
@@ -57,9 +59,9 @@ def test_matches_dequantize_then_matmul(pool_kind: tuple[str, bool], qtype: str,
     torch.testing.assert_close(got_bf16.double(), exact_bf16, rtol=1e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("qtype", INT8_TYPES + K_TYPES)
 def test_int8_path_is_taken_and_close_to_float_activations(qtype: str) -> None:
-    """Where the CPU has the int8 kernel it is the default for these types; its error against
+    """Where the CPU has the int8 kernel for a type it is the default; its error against
     unquantized activations stays within the int8 rounding (absmax / 254 per value)."""
     pool = CpuQuantLinearPool(num_threads=1)
     w = _weight(qtype, 64, 1536, 5)
@@ -68,7 +70,7 @@ def test_int8_path_is_taken_and_close_to_float_activations(qtype: str) -> None:
     x[1] = 0
     got = pool.linear(x, w.data, qtype).double()
     floats = CpuQuantLinearPool(num_threads=1, int8=False).linear(x, w.data, qtype).double()
-    if not pool.int8_isa:  # no int8 kernel on this CPU: the float one, unchanged
+    if not pool.int8_serves(qtype):  # no int8 kernel for it on this CPU: the float one
         assert torch.equal(got, floats)
         return
     assert torch.equal(got[1], torch.zeros(64, dtype=torch.float64))
@@ -80,7 +82,7 @@ def test_int8_path_is_taken_and_close_to_float_activations(qtype: str) -> None:
 
 
 @pytest.mark.parametrize("pool_kind", POOLS, ids=lambda p: f"{p[0]}{'-int8' if p[1] else ''}")
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_rows_do_not_depend_on_the_batch(pool_kind: tuple[str, bool], qtype: str) -> None:
     w = _weight(qtype, 50, 768 if qtype.endswith("_K") else 608, 3)
     pool = CpuQuantLinearPool(num_threads=2, isa=pool_kind[0], int8=pool_kind[1])
@@ -120,24 +122,49 @@ def test_helper_threads_compute_every_block_once_over_many_calls() -> None:
         assert torch.equal(three.linear(x, w.data, "Q4_1"), one.linear(x, w.data, "Q4_1"))
 
 
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_k_quants_split_over_helpers_as_on_one_thread(qtype: str) -> None:
+    """A k-quant matrix over 1 MiB is split among helper threads by rows; every row as on one."""
+    w = _weight(qtype, 64, 512, 9)
+    data = w.data.repeat(130, 1).contiguous()  # 8320 rows, 2.4 MB (Q4_K) to 3.5 MB (Q6_K)
+    data[64:128] = _weight(qtype, 64, 512, 10).data  # not all row blocks alike
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
+    one, three = CpuQuantLinearPool(num_threads=1), CpuQuantLinearPool(num_threads=3)
+    for m in (1, 3):
+        assert torch.equal(three.linear(x[:m], data, qtype), one.linear(x[:m], data, qtype))
+
+
 def test_int_path_off_keeps_float_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_INT_PATH", "off")
-    assert CpuQuantLinearPool(num_threads=1).int8_isa == ""
+    off = CpuQuantLinearPool(num_threads=1)
+    assert off.int8_isa == ""
+    assert not any(off.int8_serves(q) for q in TYPES)
+    w = _weight("Q4_K", 24, 512, 4)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4))
+    floats = CpuQuantLinearPool(num_threads=1, int8=False).linear(x, w.data, "Q4_K")
+    assert torch.equal(off.linear(x, w.data, "Q4_K"), floats)
     monkeypatch.setenv("TANDEM_CPU_INT_PATH", "auto")
     has_int8 = any(i in supported_isas() for i in ("avx2", "avx512"))
-    assert bool(CpuQuantLinearPool(num_threads=1).int8_isa) == has_int8
+    auto = CpuQuantLinearPool(num_threads=1)
+    assert bool(auto.int8_isa) == has_int8
+    if auto.int8_serves("Q4_K"):  # VNNI or AVX2: the k-quants' activations are quantized
+        assert not torch.equal(auto.linear(x, w.data, "Q4_K"), floats)
 
 
 @pytest.mark.parametrize("pool_kind", POOLS, ids=lambda p: f"{p[0]}{'-int8' if p[1] else ''}")
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_activations_reach_the_output(pool_kind: tuple[str, bool], bad: float) -> None:
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_non_finite_activations_reach_the_output(
+    pool_kind: tuple[str, bool], bad: float, qtype: str
+) -> None:
     """A NaN or inf activation must not vanish in quantization: its row's outputs are not
     finite (so the sampler sees a failed row), the other rows are untouched."""
-    w = _weight("Q4_1", 20, 96, 1)
+    k = 512 if qtype.endswith("_K") else 96
+    w = _weight(qtype, 20, k, 1)
     pool = CpuQuantLinearPool(num_threads=1, isa=pool_kind[0], int8=pool_kind[1])
-    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2))
-    clean = pool.linear(x, w.data, "Q4_1")
-    x[1, 40] = bad
-    got = pool.linear(x, w.data, "Q4_1")
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    clean = pool.linear(x, w.data, qtype)
+    x[1, 40 + k // 2] = bad  # in the second super-block of a k-quant
+    got = pool.linear(x, w.data, qtype)
     assert not torch.isfinite(got[1]).any()
     assert torch.equal(got[0], clean[0]) and torch.equal(got[2], clean[2])

@@ -192,10 +192,12 @@ class EngineProcess:
 
     def step(self) -> list[RequestDelta]:
         """The deltas of the child's next step (blocks until it has sent one)."""
-        msg = self._pending.popleft() if self._pending else self._recv()
+        fresh = not self._pending
+        msg = self._recv() if fresh else self._pending.popleft()
         if msg[0] != "step":
             raise EngineProcessError(f"unexpected message from the engine process: {msg[0]}")
-        self._stats, self._unfinished = msg[2], msg[3]
+        if fresh:  # a step read while adding is older than the "added" answer: its state stood
+            self._stats, self._unfinished = msg[2], msg[3]
         return [RequestDelta(*t) for t in msg[1]]
 
     def stats(self) -> EngineStats:

@@ -85,6 +85,21 @@ def test_child_engine_gives_what_the_local_engine_gives(remote, model_dir: Path)
     assert remote.stats().num_running == 0 and not remote.has_unfinished_requests()
 
 
+def test_steps_read_while_adding_do_not_end_the_newer_work(remote) -> None:
+    # "a" finishes in the child before "b" is added; its steps, read while waiting for b's
+    # "added" answer, said "nothing unfinished" then: b's own steps must still come.
+    import time
+
+    remote.add_request("early", [1, 2, 3], GREEDY)
+    time.sleep(1.0)
+    remote.add_request("late", [4, 5, 6], GREEDY)
+    ids: dict[str, list[int]] = {"early": [], "late": []}
+    while remote.has_unfinished_requests():
+        for d in remote.step():
+            ids[d.request_id] += d.new_token_ids
+    assert len(ids["early"]) == 7 and len(ids["late"]) == 7
+
+
 def test_bad_requests_fail_at_add_with_their_error(remote) -> None:
     with pytest.raises(SamplingParamsError) as err:
         remote.add_request("bad-vocab", [1, 9999], GREEDY)

@@ -119,13 +119,13 @@ def test_fp8_checkpoint_matches_hf(experts: str, tmp_path: Path, paged_runner) -
 def test_fp8_experts_reach_the_pool_one_layer_at_a_time(tmp_path: Path, monkeypatch) -> None:
     """--cpu-experts all on an FP8 safetensors checkpoint: a layer's experts are read (and
     decoded) right before that layer is converted into the pool, never all layers first."""
-    import tandem.models.loader as loader
     from tandem.ext.cpu import CpuExpertPool
+    from tandem.models.loader import safetensors as st_loader
     from tandem.models.weights import expert_layer
 
     _fp8_checkpoint(tmp_path)
     events: list[tuple[str, int]] = []
-    read = loader.iter_safetensors_weights
+    read = st_loader.iter_safetensors_weights
 
     def spy_read(*args, **kwargs):
         for name, t in read(*args, **kwargs):
@@ -139,7 +139,7 @@ def test_fp8_experts_reach_the_pool_one_layer_at_a_time(tmp_path: Path, monkeypa
         events.append(("convert", layer))
         return add(self, layer, *args, **kwargs)
 
-    monkeypatch.setattr(loader, "iter_safetensors_weights", spy_read)
+    monkeypatch.setattr(st_loader, "iter_safetensors_weights", spy_read)
     monkeypatch.setattr(CpuExpertPool, "add_layer", spy_add)
     model, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cpu", expert_backend="cpu_pool",
                           expert_options={"isa": "scalar", "num_threads": 1,

@@ -215,15 +215,15 @@ def test_quantization_flag_names_the_format_when_config_json_does_not(tmp_path: 
 def test_int4_experts_reach_the_pool_one_layer_at_a_time(tmp_path: Path, monkeypatch) -> None:
     """--cpu-experts all on a GPTQ checkpoint: a layer's experts are read (and dequantized)
     right before that layer is converted into the pool, never all layers first."""
-    import tandem.models.loader as loader
     from tandem.ext.cpu import CpuExpertPool
+    from tandem.models.loader import safetensors as st_loader
     from tandem.models.weights import expert_layer
     from tests.models import hf_quant_cases
 
     monkeypatch.setitem(hf_quant_cases.DENSE, "num_hidden_layers", 3)
     write_quantized(tmp_path, "gptq", moe=True, group=32)
     events: list[tuple[str, int]] = []
-    read = loader.iter_safetensors_weights
+    read = st_loader.iter_safetensors_weights
 
     def spy_read(*args, **kwargs):
         for name, t in read(*args, **kwargs):
@@ -238,7 +238,7 @@ def test_int4_experts_reach_the_pool_one_layer_at_a_time(tmp_path: Path, monkeyp
         events.append(("convert", layer))
         return add(self, layer, *args, **kwargs)
 
-    monkeypatch.setattr(loader, "iter_safetensors_weights", spy_read)
+    monkeypatch.setattr(st_loader, "iter_safetensors_weights", spy_read)
     monkeypatch.setattr(CpuExpertPool, "add_layer", spy_add)
     options = {"num_threads": 1, "expert_cache": False, "fmt": "int4"}
     model, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cpu", expert_backend="cpu_pool",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.ext.cpu.qlinear import CpuQuantLinearPool  # noqa: E402
 from tests.models.quant_cases import pack  # noqa: E402
+from tools.bench_cpu_linear import best_us  # noqa: E402
 
 SHAPES = {
     "down": [(576, 1536)],
@@ -39,16 +39,6 @@ def packed(qtype: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor
     w = rng.standard_normal((seed_rows, k)).astype(np.float32) * 0.05
     p = np.ascontiguousarray(pack(w, qtype))
     return torch.from_numpy(np.ascontiguousarray(np.tile(p, (-(-n // seed_rows), 1))[:n]))
-
-
-def best_us(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e6
 
 
 def main() -> None:

@@ -28,26 +28,12 @@ from tandem.models.quant.experts import (  # noqa: E402
     expert_names,
 )
 from tandem.models.quant.tensor import ggml_block  # noqa: E402
+from tools.bench_gguf_gpu import copy_bandwidth, graph_of, timed  # noqa: E402
 
 SHAPES = {  # hidden, expert intermediate, experts, top-k, biases
     "qwen3-30b-a3b": (2048, 768, 128, 8, False),
     "gpt-oss-120b": (2880, 2880, 128, 4, True),
 }
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / best
 
 
 def random_experts(qtype: str, hidden: int, inter: int, num: int) -> PackedExperts:
@@ -70,30 +56,6 @@ def random_experts(qtype: str, hidden: int, inter: int, num: int) -> PackedExper
             n = 4 if qtype.endswith("_K") or qtype == "Q4_1" else 2
             blocks[:, :n] = d[:n]
     return experts
-
-
-def timed(fn, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.synchronize()
-    return g.replay
 
 
 def main() -> None:
